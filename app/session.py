@@ -1,0 +1,267 @@
+"""One open book: its prefilled engine session, the chat about it, and what fits in the context.
+
+`prepare` tokenises a Document and says whether it fits ("117,342 tokens of 131,072 — fits");
+`keep_first` / `pick_chapters` make the shorter Document a user chose (never silently). `open_book`
+restores the book's prefill snapshot or prefills it. `BookSession` asks, regenerates, edits and
+clears, tracking each turn's token boundaries so `Session.truncate` can roll back, and autosaves
+the chat after every answer. Layout and event wiring live in app/ui.py, files in app/library.py.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+
+from app.documents import Document, Limits, Section, load_document
+from app.library import Library
+from engine.chat import DOC_END, ChatFormat
+from engine.config import Cancelled, EmptyPrompt, SamplingConfig
+from engine.engine import Engine, Session, Stats
+
+CHAT_ROOM_TOKENS = 1024  # context kept free for questions and answers after the book
+Report = Callable[[str, str], None]  # report(stage, detail): "Prefill", "chunk 3 of 9 · 410 tokens/s · ETA 12 s"
+
+
+class TokenMap:
+    """Document token position -> character offset in `Document.text` (for page labels)."""
+
+    def __init__(self, tokenizer, text: str, n_doc_tokens: int):
+        body = text.strip()  # what ChatFormat.document_ids tokenises, after the template prefix
+        self.lead, self.n_chars = len(text) - len(text.lstrip()), len(text)
+        enc = tokenizer(body, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
+        self.offsets = [a for a, _ in enc["offset_mapping"]] or [0]  # start char of each body token
+        n_end = len(tokenizer(DOC_END, add_special_tokens=False)["input_ids"])
+        # document ids = template prefix + body + DOC_END; joins may differ by a token: harmless here.
+        self.shift = max(0, n_doc_tokens - n_end - len(self.offsets))
+
+    def char(self, pos: int) -> int:
+        idx = pos - self.shift
+        return self.n_chars if idx >= len(self.offsets) else self.lead + self.offsets[max(idx, 0)]
+
+    def n_tokens_between(self, start_char: int, end_char: int) -> int:
+        return (bisect.bisect_left(self.offsets, end_char - self.lead)
+                - bisect.bisect_left(self.offsets, start_char - self.lead))
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A tokenised document and whether it fits the context budget."""
+
+    document: Document
+    doc_ids: list[int]
+    tokens: TokenMap
+    budget_tokens: int
+
+    @property
+    def fits(self) -> bool:
+        return len(self.doc_ids) <= self.budget_tokens
+
+    def fit_message(self) -> str:
+        n, budget = len(self.doc_ids), self.budget_tokens
+        return f"{n:,} tokens of {budget:,} — " + ("fits" if self.fits else f"too long by {n - budget:,}")
+
+
+def prepare(engine: Engine, chat: ChatFormat, document: Document, max_tokens: int | None = None) -> Prepared:
+    budget = engine.max_context - CHAT_ROOM_TOKENS
+    doc_ids = chat.document_ids(document.text)
+    return Prepared(document, doc_ids, TokenMap(engine.tokenizer, document.text, len(doc_ids)),
+                    min(budget, max_tokens or budget))
+
+
+def keep_first(prepared: Prepared, n_tokens: int) -> Document:
+    """The document cut after about `n_tokens` tokens (at a token boundary)."""
+    doc = prepared.document
+    cut = prepared.tokens.char(prepared.tokens.shift + max(1, n_tokens))
+    return Document(f"{doc.title} (first {n_tokens:,} tokens)", doc.text[:cut], doc.source_format,
+                    [s for s in doc.sections if s.start_char < cut])
+
+
+def pick_chapters(document: Document, picked: list[Section]) -> Document:
+    """The chosen chapters, in book order, joined by blank lines, with their sections kept."""
+    parts, sections, offset = [], [], 0
+    for chapter in sorted(picked, key=lambda s: s.start_char):
+        a, b = document.span(chapter)
+        sections += [Section(s.title, s.start_char - a + offset, s.kind)
+                     for s in document.sections if a <= s.start_char < b]
+        parts.append(document.text[a:b].strip("\n"))
+        offset += len(parts[-1]) + 2
+    names = ", ".join(s.title for s in picked[:3]) + (" …" if len(picked) > 3 else "")
+    return Document(f"{document.title} ({names})", "\n\n".join(parts), document.source_format, sections)
+
+
+@dataclass
+class Turn:
+    question: str
+    answer: str = ""
+    start: int = 0  # session length before the question
+    answer_start: int = 0  # after the question and the generation prompt
+    end: int = 0  # after the answer
+    finish_reason: str | None = None  # "stop", "length", "cancelled"
+    ids: list[int] = field(default_factory=list)  # tokens [start, end): restores the chat exactly
+
+
+@dataclass(frozen=True)
+class Passage:
+    label: str  # "pp. 12–13", "Chapter 3"
+    snippet: str
+    share: float  # of the retrieval cache's chunks
+
+
+@dataclass
+class Update:
+    answer: str
+    stats: Stats
+    reading: list[Passage] | None  # None: unchanged since the last update
+    finish_reason: str | None
+
+
+class BookSession:
+    """An open book and one chat about it; the engine session holds document + chat tokens."""
+
+    def __init__(self, engine: Engine, chat: ChatFormat, prepared: Prepared, session: Session,
+                 book_id: str, library: Library | None = None):
+        self.engine, self.chat, self.session, self.book_id, self.library = engine, chat, session, book_id, library
+        self.document, self.doc_ids, self.tokens = prepared.document, prepared.doc_ids, prepared.tokens
+        self.doc_len = len(prepared.doc_ids)
+        self.turns: list[Turn] = []
+        self.chat_id, self.created = uuid.uuid4().hex[:12], time.time()
+        self.plain_ms: float | None = None  # plain decoding ms/token at this context (the speedup's base)
+        self.save_error: str | None = None
+
+    def measure_plain(self) -> float:
+        if self.plain_ms is None:
+            self.plain_ms = self.session.probe_plain_tbt(8)
+        return self.plain_ms
+
+    def ask(self, question: str, sampling: SamplingConfig, cancel=None) -> Iterator[Update]:
+        question = question.strip()
+        if not question:
+            raise EmptyPrompt("question")
+        s, last = self.session, self.turns[-1] if self.turns else None
+        ended = last is not None and last.ids[-1:] == [self.chat.end_of_turn_id]
+        q_ids = self.chat.question_ids(question, is_first=last is None, previous_answer_ended=ended)
+        turn, answer_ids = Turn(question, start=s.length, answer_start=s.length + len(q_ids)), []
+        try:
+            for event in s.ask(q_ids, sampling, cancel=cancel, stop_ids=self.chat.stop_ids):
+                answer_ids += event.tokens
+                turn.answer, turn.finish_reason = self._decode(answer_ids).rstrip("\ufffd"), event.finish_reason
+                yield Update(turn.answer, event.stats, self.passages(event.reading), event.finish_reason)
+        finally:
+            if s.length >= turn.answer_start:  # the question is in: keep the (maybe partial) turn
+                turn.end, turn.ids = s.length, s.tokens[turn.start:s.length]
+                turn.answer, turn.finish_reason = self._decode(answer_ids), turn.finish_reason or "cancelled"
+                self.turns.append(turn)
+                self.autosave()
+            else:  # failed or cancelled before the question got in: undo any partial prefill
+                s.truncate(turn.start)
+
+    def regenerate(self, sampling: SamplingConfig, cancel=None) -> Iterator[Update]:
+        return self.edit_last(None, sampling, cancel)
+
+    def edit_last(self, question: str | None, sampling: SamplingConfig, cancel=None) -> Iterator[Update]:
+        """Replace the last turn: the same question (regenerate) or an edited one."""
+        if not self.turns:
+            raise EmptyPrompt("chat (ask a question first)")
+        last = self.turns.pop()
+        self.session.truncate(last.start)
+        return self.ask(last.question if question is None else question, sampling, cancel)
+
+    def clear(self) -> None:
+        """Start a new, empty chat; the old one stays in the library."""
+        self.session.truncate(self.doc_len)
+        self.turns, self.chat_id, self.created = [], uuid.uuid4().hex[:12], time.time()
+
+    def load_chat(self, data: dict) -> None:
+        """Continue a saved chat: its tokens follow the document and are prefilled at the next question."""
+        turns = [Turn(**t) for t in data["turns"]]
+        expected = self.doc_len
+        for t in turns:
+            if t.start != expected or t.end != t.start + len(t.ids):
+                raise ValueError("the chat's token boundaries do not match this book")
+            expected = t.end
+        self.session.truncate(self.doc_len)
+        self.session.start(self.doc_ids + [i for t in turns for i in t.ids])
+        self.turns, self.chat_id, self.created = turns, data["id"], data.get("created", time.time())
+
+    def messages(self) -> list[dict]:
+        out = []
+        for t in self.turns:
+            note = " *(stopped)*" if t.finish_reason == "cancelled" else ""
+            out += [{"role": "user", "content": t.question}, {"role": "assistant", "content": t.answer + note}]
+        return out
+
+    def to_json(self) -> dict:
+        title = self.turns[0].question[:60] if self.turns else "New chat"
+        return {"id": self.chat_id, "title": title, "book": self.document.title, "book_id": self.book_id,
+                "created": self.created, "updated": time.time(), "doc_tokens": self.doc_len,
+                "messages": self.messages(), "turns": [asdict(t) for t in self.turns]}
+
+    def autosave(self) -> None:
+        if self.library is None:
+            return
+        try:
+            self.library.save_chat(self.book_id, self.to_json())
+            self.save_error = None
+        except OSError as error:
+            self.save_error = f"The chat could not be saved ({error.strerror or error}); it is still open here."
+
+    def passages(self, ranges: list[tuple[int, int, float]] | None, top: int = 5) -> list[Passage] | None:
+        """Page/section labels and snippets of the document ranges the retrieval cache reads."""
+        if ranges is None:
+            return None
+        found = []
+        for start, end, share in ranges:
+            if start >= self.doc_len:  # the recent window: the question and the answer so far
+                continue
+            a, b = self.tokens.char(start), self.tokens.char(min(end, self.doc_len))
+            snippet = " ".join(self.document.text[a:b].split())
+            found.append(Passage(self.document.label_range(a, max(a + 1, b)),
+                                 snippet[:160] + ("…" if len(snippet) > 160 else ""), share))
+        return found[:top]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.engine.tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+def read_document(path: str, password: str | None, limits: Limits, engine: Engine, chat: ChatFormat,
+                  max_tokens: int | None, report: Report, cancel: threading.Event) -> Prepared:
+    """File -> tokenised document; report(stage, detail) between pages; cancel raises Cancelled."""
+    def progress(stage: str, done: int, total: int):
+        if cancel.is_set():
+            raise Cancelled("reading of the file")
+        report(stage.capitalize(), f"{done} of {total}" if total > 1 else "")
+
+    document = load_document(path, password or None, limits, progress)
+    report("Tokenize", "counting tokens …")
+    return prepare(engine, chat, document, max_tokens)
+
+
+def load_book(engine: Engine, chat: ChatFormat, prepared: Prepared, library: Library | None, report: Report,
+              cancel: threading.Event) -> tuple[BookSession, bool]:
+    """Prefill (reporting chunk i of N, tokens/s, ETA) or restore a book, then time plain decoding."""
+    chunk, started = engine.config.prefill_chunk_tokens, time.perf_counter()
+
+    def progress(done: int, total: int):
+        rate = done / max(time.perf_counter() - started, 1e-6)
+        report("Prefill", f"chunk {math.ceil(done / chunk)} of {math.ceil(total / chunk)} · {rate:,.0f} tokens/s · "
+                          f"ETA {(total - done) / rate:.0f} s")
+
+    book, restored = open_book(engine, chat, prepared, library, progress, cancel)
+    report("Prefill", "measuring plain decoding for the speedup …")
+    book.measure_plain()
+    return book, restored
+
+
+def open_book(engine: Engine, chat: ChatFormat, prepared: Prepared, library: Library | None,
+              on_progress=None, cancel=None) -> tuple[BookSession, bool]:
+    """Restore the book's snapshot or prefill it; returns the book and whether it was restored."""
+    if library is None:
+        session = engine.open(prepared.doc_ids, on_progress=on_progress, cancel=cancel)
+        return BookSession(engine, chat, prepared, session, "0", None), False
+    book_id, session, restored = library.open_session(engine, prepared.document, prepared.doc_ids, on_progress, cancel)
+    return BookSession(engine, chat, prepared, session, book_id, library), restored

@@ -1,0 +1,455 @@
+"""The Gradio app: layout and event wiring (DESIGN.md "What a user sees").
+
+Left: upload with staged progress, then the library; centre: the chat; right: live metrics and
+"where the model is reading". Each browser session (`request.session_hash`) has its own `User`:
+open book, pending document, stop flag. Stop sets that flag (UI-TESTING.md: never `cancels=`).
+Handlers catch every typed error and show it, so no Gradio error pill appears, and the open book
+and chat stay until a new book is fully ready. Book logic lives in app/session.py.
+"""
+
+from __future__ import annotations
+
+import html
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import gradio as gr
+
+from app.documents import DocumentError, Limits, PasswordRequired, WrongPassword, chapters
+from app.library import Library, chat_export_json, chat_markdown, write_export
+from app.session import BookSession, Prepared, keep_first, load_book, pick_chapters, prepare, read_document
+from engine.chat import ChatFormat
+from engine.config import LEVEL_STACKS, Cancelled, EngineError, SamplingConfig
+from engine.engine import Engine, Stats
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+FILE_TYPES = [".pdf", ".epub", ".txt", ".md", ".markdown", ".html", ".htm", ".docx"]
+QUICK = {"Summarize the book": "Summarize the book in a few paragraphs.",
+         "Who are the main characters?": "Who are the main characters? Describe each in one sentence."}
+STAGES = ("Extract", "Clean", "Tokenize", "Prefill")
+FONTS = ["ui-sans-serif", "system-ui", "Segoe UI", "Roboto", "Helvetica Neue", "Arial", "sans-serif"]  # no web fonts
+MONO = ["ui-monospace", "Menlo", "Consolas", "monospace"]
+
+
+@dataclass
+class User:
+    cancel: threading.Event = field(default_factory=threading.Event)  # Stop / Cancel of this session
+    book: BookSession | None = None
+    pending: Prepared | None = None  # a document too long for the context, waiting for a choice
+    editing: bool = False  # the next Send replaces the last question
+    file: str | None = None  # the last uploaded file, kept for a password retry
+
+
+@dataclass
+class Stages:
+    """The upload's checklist (extract → clean → tokenize → prefill) as Markdown."""
+
+    name: str
+    rows: dict[str, tuple[bool, str]] = field(default_factory=dict)  # stage -> (is done, detail)
+
+    def set(self, stage: str, detail: str = "", is_done: bool = False) -> str:
+        """Mark `stage` current (or done) with `detail`, and every stage before it done."""
+        stage = stage if stage in STAGES else "Extract"
+        self.rows = {s: (True, self.rows.get(s, (True, ""))[1]) for s in STAGES[:STAGES.index(stage)]}
+        self.rows[stage] = (is_done, detail)
+        return self.render()
+
+    def render(self) -> str:
+        rows = [f"- {'✓' if done else '◌'} {stage}" + (f" — {detail}" if detail else "")
+                for stage in STAGES if stage in self.rows for done, detail in [self.rows[stage]]]
+        return "\n".join([f"**{self.name}**", "", *rows])
+
+
+def render_metrics(state: str, stats: Stats | None, book: BookSession | None, engine: Engine) -> str:
+    """State pill, speed, TBT, speedup vs plain decoding, a row per checking level, engine counters."""
+    head, blocks = [f"<span class='state'>{state}</span>"], []
+    if stats is not None and stats.n_tokens:
+        speedup = ""
+        if book is not None and book.plain_ms and stats.tbt_ms_mean:
+            speedup = f" · **{book.plain_ms / stats.tbt_ms_mean:.2f}×** vs plain ({book.plain_ms:.0f} ms/token)"
+        head += [f"**{stats.tokens_per_s:.1f}** tokens/s · {stats.n_tokens:,} tokens{speedup}",
+                 f"TBT now **{stats.tbt_ms_last:.0f}** ms · mean **{stats.tbt_ms_mean:.0f}** ms · "
+                 f"first token {stats.ttft_s:.2f} s"]
+        rows = [f"| {s.name} | {100 * s.acceptance:.0f}% | {s.tokens_per_check:.2f} | {s.n_checks} |"
+                for s in stats.levels]
+        blocks.append("\n".join(["| level | accepted | tokens/check | checks |", "|:--|--:|--:|--:|", *rows]))
+    if book is not None and book.save_error:
+        blocks.append(f"⚠ {book.save_error}")
+    blocks.append(f"<small>prefills: {engine.n_prefills} · prefilled tokens: {engine.n_prefill_tokens:,}</small>")
+    return "\n\n".join(["  \n".join(head), *blocks])
+
+
+def render_plot(points: list[tuple[float, float]]) -> str:
+    """Inline SVG: time between tokens (ms) and the top level's acceptance, one point per step."""
+    if len(points) < 2:
+        return "<div class='plot-empty'>The live plot appears while an answer streams.</div>"
+    top = max(p[0] for p in points) or 1.0
+
+    def line(values: list[float], cls: str) -> str:  # x and y in [0, 1], stretched by the viewBox
+        xy = " ".join(f"{i / (len(values) - 1):.4f},{1 - min(v, 1.0):.4f}" for i, v in enumerate(values))
+        return f"<polyline class='{cls}' points='{xy}'/>"
+
+    return (f"<svg viewBox='-0.02 -0.06 1.04 1.12' preserveAspectRatio='none' class='plot' role='img'>"
+            f"{line([p[0] / top for p in points], 'tbt')}{line([p[1] for p in points], 'acc')}</svg>"
+            f"<div class='legend'><span class='tbt'>━ TBT (max {top:.0f} ms)</span>"
+            f"<span class='acc'>━ acceptance (0–100%)</span></div>")
+
+
+def render_reading(book: BookSession | None, passages) -> str:
+    if book is None:
+        return "Load a book to see which passages the model reads."
+    if "retrieval" not in book.session.levels:
+        return f"The level stack `{book.session.levels}` has no retrieval level: every check reads the whole book."
+    if not passages:
+        return "The retrieval level picks its passages when the answer starts."
+    return "\n\n".join(f"<div class='passage'><b>{p.label}</b> <span class='share'>{100 * p.share:.0f}%</span>"
+                       f"<div class='snippet'>{html.escape(p.snippet)}</div></div>" for p in passages)
+
+
+class App:
+    def __init__(self, engine: Engine, library: Library | None, limits: Limits | None = None,
+                 max_tokens: int | None = None, max_new_tokens: int = 256):
+        self.engine, self.chat, self.library = engine, ChatFormat(engine.tokenizer), library
+        self.limits, self.max_tokens, self.max_new_tokens = limits or Limits(), max_tokens, max_new_tokens
+        self.users: dict[str, User] = {}
+
+    def user(self, request: gr.Request) -> User:
+        return self.users.setdefault(request.session_hash or "none", User())
+
+    def forget(self, request: gr.Request) -> None:
+        self.users.pop(request.session_hash or "none", None)
+
+    def request_stop(self, request: gr.Request) -> None:
+        self.user(request).cancel.set()
+
+    def _progress(self, user: User, stages: Stages, job, *args):
+        """Run `job(*args, report, cancel)` in a thread (it blocks: reading, prefill), show each report
+        in the status, and return its result or raise its error. If the browser goes away, cancel it."""
+        reports: queue.Queue = queue.Queue()
+
+        def run():
+            try:
+                reports.put([job(*args, lambda stage, detail: reports.put(stages.set(stage, detail)), user.cancel)])
+            except BaseException as error:  # handed over to this generator's thread
+                reports.put(error)
+
+        threading.Thread(target=run, daemon=True).start()
+        is_over = False
+        try:
+            while isinstance(item := reports.get(), str):
+                yield {self.c.status: item}
+            is_over = True
+        finally:
+            if not is_over:
+                user.cancel.set()
+        if isinstance(item, BaseException):
+            raise item
+        return item[0]
+
+    def _kept(self, user: User, message: str) -> dict:
+        """A failure: say why; the open book, if any, is untouched (nothing is replaced on failure)."""
+        note = f"\n\n*{user.book.document.title}* is still open." if user.book else ""
+        return {self.c.status: message + note, self.c.cancel: gr.update(visible=False)}
+
+    # ---- loading a book: file -> Document -> tokens -> fits? -> prefill or snapshot ----------
+    def load_book(self, path: str | None, password: str, request: gr.Request):
+        self.user(request).file = path
+        yield from self.unlock(password, request)
+
+    def unlock(self, password: str, request: gr.Request):
+        """Read the uploaded file (again, with a password); the drop zone is emptied for the next one."""
+        user, c = self.user(request), self.c
+        user.cancel.clear()
+        if not user.file:
+            yield {c.status: "Choose a book file first."}
+            return
+        stages = Stages(Path(user.file).name)
+        yield {c.status: stages.set("Extract", "reading …"), c.cancel: gr.update(visible=True), c.upload: None}
+        try:
+            prepared = yield from self._progress(user, stages, read_document, user.file, password, self.limits,
+                                                 self.engine, self.chat, self.max_tokens)
+        except (PasswordRequired, WrongPassword) as error:
+            yield {**self._kept(user, f"🔒 {error}"), c.password_row: gr.update(visible=True)}
+            return
+        except (DocumentError, EngineError) as error:
+            yield self._kept(user, f"⚠ {error}")
+            return
+        yield from self._fit_then_open(user, prepared, stages)
+
+    def load_selection(self, n_tokens: float, picked: list[str], request: gr.Request):
+        """A too-long book: load the ticked chapters, or else its first `n_tokens` tokens."""
+        user = self.user(request)
+        user.cancel.clear()
+        if user.pending is None:
+            yield {self.c.status: "Upload a book first."}
+            return
+        found, pending = chapters(user.pending.document), user.pending
+        document = (pick_chapters(pending.document, [found[int(i)] for i in picked]) if picked
+                    else keep_first(pending, int(n_tokens)))
+        yield from self._fit_then_open(user, prepare(self.engine, self.chat, document, self.max_tokens))
+
+    def open_saved(self, book_id: str | None, request: gr.Request):
+        document = self.library.document(book_id) if (self.library and book_id) else None
+        if document is None:
+            yield {self.c.status: "Pick a book from the library first."}
+            return
+        user = self.user(request)
+        user.cancel.clear()
+        yield from self._fit_then_open(user, prepare(self.engine, self.chat, document, self.max_tokens))
+
+    def _fit_then_open(self, user: User, prepared: Prepared, stages: Stages | None = None):
+        c, stages = self.c, stages or Stages(prepared.document.title)
+        stages.set("Tokenize", prepared.fit_message(), is_done=prepared.fits)
+        if prepared.fits:
+            yield from self._open(user, prepared, stages)
+            return
+        user.pending, found = prepared, chapters(prepared.document)
+        choices = [(f"{s.title} ({prepared.tokens.n_tokens_between(*prepared.document.span(s)):,} tokens)", str(i))
+                   for i, s in enumerate(found)]
+        most = max(256, prepared.budget_tokens - 64)
+        note = "The book is longer than the model's context. Choose what to read below; nothing is cut silently."
+        yield {**self._kept(user, f"{stages.render()}\n\n{note}"), c.fit_row: gr.update(visible=True),
+               c.first_n: gr.update(maximum=most, value=most), c.pick: gr.update(choices=choices, value=[],
+                                                                                 visible=bool(choices))}
+
+    def _open(self, user: User, prepared: Prepared, stages: Stages):
+        c, started = self.c, time.perf_counter()
+        yield {c.status: stages.set("Prefill", "starting …"), c.cancel: gr.update(visible=True),
+               c.fit_row: gr.update(visible=False)}
+        try:
+            book, restored = yield from self._progress(user, stages, load_book, self.engine, self.chat, prepared,
+                                                       self.library)
+        except Cancelled:
+            yield self._kept(user, "Loading cancelled.")
+            return
+        except EngineError as error:
+            yield self._kept(user, f"⚠ {error}")
+            return
+        seconds, n = time.perf_counter() - started, len(prepared.doc_ids)
+        how = "restored from the saved snapshot" if restored else f"{n:,} tokens"
+        speed = "" if restored else f" ({n / seconds:,.0f} tokens/s)"
+        user.book, user.pending, user.editing = book, None, False
+        titles = [s.title for s in chapters(book.document)]
+        yield {c.status: stages.set("Prefill", f"{how} in {seconds:.1f} s{speed}", True) + "\n\nReady: ask a question.",
+               c.cancel: gr.update(visible=False), c.password_row: gr.update(visible=False), c.chatbot: [],
+               c.metrics: render_metrics("ready", None, book, self.engine), c.plot: render_plot([]),
+               c.reading: render_reading(book, None), c.title: f"### {book.document.title}",
+               c.chapter: gr.update(choices=titles, value=titles[0] if titles else None, visible=bool(titles)),
+               c.summarize_chapter: gr.update(visible=bool(titles)), **self._library_view(user)}
+
+    # ---- chatting ------------------------------------------------------------------------
+    def ask(self, message: str, history: list, temperature: float, top_p: float, max_new_tokens: float,
+            seed: float, levels: str, request: gr.Request):
+        """Answer `message` (or, after Edit, replace the last question with it); `history` is shown only."""
+        user = self.user(request)
+        replace, user.editing = user.editing, False
+        yield from self._answer(user, message, replace, (temperature, top_p, max_new_tokens, seed, levels))
+
+    def regenerate(self, temperature: float, top_p: float, max_new_tokens: float, seed: float, levels: str,
+                   request: gr.Request):
+        book = self.user(request).book
+        self.user(request).editing = True  # replace the last turn with a new answer to its question
+        question = book.turns[-1].question if book and book.turns else ""
+        yield from self.ask(question, [], temperature, top_p, max_new_tokens, seed, levels, request)
+
+    def _answer(self, user: User, question: str, replace: bool, settings: tuple):
+        c, book = self.c, user.book
+        if book is None or not question.strip():
+            text = "**No book yet** — upload one on the left first." if book is None else "Type a question first."
+            yield {c.metrics: render_metrics(text, None, book, self.engine)}
+            return
+        user.cancel.clear()
+        shown = (book.messages()[:-2] if replace else book.messages()) + [{"role": "user", "content": question}]
+        yield {c.msg: gr.update(value="", show_label=False), c.chatbot: shown + [{"role": "assistant", "content": "…"}],
+               c.metrics: render_metrics("thinking", None, book, self.engine), c.plot: render_plot([])}
+        state, stats, points = "done", None, []
+        try:
+            temperature, top_p, max_new_tokens, seed, levels = settings
+            sampling = SamplingConfig(float(temperature), float(top_p), 0, int(max_new_tokens), int(seed))
+            book.session.set_levels(levels if levels in LEVEL_STACKS else book.session.levels)
+            run = book.edit_last if replace else book.ask
+            for update in run(question, sampling, user.cancel):
+                stats = update.stats
+                points.append((stats.tbt_ms_last, stats.levels[-1].acceptance if stats.levels else 0.0))
+                state = {"cancelled": "stopped", "length": "done (length limit)"}.get(update.finish_reason, "done")
+                shown_state = "streaming" if update.finish_reason is None else state
+                out = {c.chatbot: shown + [{"role": "assistant", "content": update.answer or "…"}],
+                       c.metrics: render_metrics(shown_state, stats, book, self.engine), c.plot: render_plot(points)}
+                yield out if update.reading is None else {**out, c.reading: render_reading(book, update.reading)}
+        except Cancelled:
+            state = "stopped"
+        except (EngineError, ValueError) as error:
+            state = f"error — {error}"
+        yield {c.chatbot: book.messages(), c.metrics: render_metrics(state, stats, book, self.engine),
+               c.plot: render_plot(points), **self._library_view(user)}
+
+    def edit_last(self, request: gr.Request):
+        user = self.user(request)
+        user.editing = bool(user.book and user.book.turns)
+        return {self.c.msg: gr.update(value=user.book.turns[-1].question, show_label=True,
+                                      label="Editing your last question: Send replaces it and its answer")
+                if user.editing else gr.update()}
+
+    def clear(self, request: gr.Request):
+        user = self.user(request)
+        user.editing = False
+        if user.book:
+            user.book.clear()
+        return {self.c.chatbot: [], self.c.metrics: render_metrics("ready", None, user.book, self.engine),
+                self.c.plot: render_plot([]), **self._library_view(user)}
+
+    def export(self, fmt: str, request: gr.Request) -> str:
+        """The open chat as Markdown or JSON text ("" when no book is open)."""
+        book = self.user(request).book
+        return "" if book is None else (chat_export_json if fmt == "json" else chat_markdown)(book.to_json())
+
+    def export_file(self, fmt: str, request: gr.Request):
+        book = self.user(request).book
+        return gr.update(visible=False) if book is None else gr.update(value=str(write_export(book.to_json(), fmt)),
+                                                                       visible=True)
+
+    # ---- library ---------------------------------------------------------------------------
+    def _library_view(self, user: User) -> dict:
+        book = user.book
+        books, chats = self.library.choices(book.book_id if book else None) if self.library else ([], [])
+        return {self.c.books: gr.update(choices=books, value=book.book_id if book else None),
+                self.c.chats: gr.update(choices=chats, value=book.chat_id if book and book.turns else None)}
+
+    def show_library(self, request: gr.Request):
+        return self._library_view(self.user(request))
+
+    def open_chat(self, chat_id: str | None, request: gr.Request):
+        user, c = self.user(request), self.c
+        if user.book is None or not chat_id or self.library is None:
+            return {c.chatbot: gr.update()}
+        try:
+            user.book.load_chat(self.library.load_chat(user.book.book_id, chat_id))
+        except (TypeError, KeyError, ValueError) as error:
+            return {c.metrics: render_metrics(f"That chat could not be opened ({error}).", None, user.book,
+                                              self.engine)}
+        return {c.chatbot: user.book.messages(), c.metrics: render_metrics("ready", None, user.book, self.engine)}
+
+    def engine_counters(self) -> dict:
+        return {"n_prefills": self.engine.n_prefills, "n_prefill_tokens": self.engine.n_prefill_tokens}
+
+    # ---- layout ----------------------------------------------------------------------------
+    def build(self) -> gr.Blocks:
+        c = self.c = SimpleNamespace()  # the components handlers update, by name
+        e = self.engine
+        info = (f"{e.config.target} · context {e.max_context:,} tokens · {e.device.type} "
+                f"{str(e.dtype).split('.')[-1]} · levels {e.config.levels}")
+        with gr.Blocks(title="BookChat") as demo:
+            with gr.Row(elem_id="header", equal_height=True):
+                gr.HTML(f"<div class='brand'>{(ASSETS / 'icon.svg').read_text()}<span>BookChat</span></div>",
+                        elem_id="brand")
+                gr.Markdown(info, elem_id="model-info")
+            with gr.Row(equal_height=False):
+                with gr.Column(scale=1, min_width=240, elem_id="left"):
+                    c.upload = gr.File(label="Add a book", file_types=FILE_TYPES, elem_id="upload", height=110)
+                    c.status = gr.Markdown("PDF, EPUB, TXT, Markdown, HTML or DOCX.", elem_id="doc-status")
+                    c.cancel = gr.Button("Cancel loading", elem_id="cancel-prefill", size="sm", visible=False)
+                    with gr.Group(visible=False) as c.password_row:
+                        c.password = gr.Textbox(label="Password", type="password", elem_id="password")
+                        c.unlock = gr.Button("Unlock", size="sm", elem_id="unlock")
+                    with gr.Group(visible=False, elem_id="fit") as c.fit_row:
+                        c.first_n = gr.Slider(256, 4096, step=256, label="Keep the first N tokens", elem_id="first-n")
+                        c.pick = gr.CheckboxGroup(label="…or pick chapters", elem_id="pick-chapters")
+                        c.load_selection = gr.Button("Load this part", size="sm", elem_id="load-selection")
+                    gr.Markdown("#### Library", elem_classes="section-title")
+                    c.books = gr.Dropdown(label="Books read", elem_id="books", allow_custom_value=True)
+                    c.open_book = gr.Button("Open book", size="sm", elem_id="open-book")
+                    c.chats = gr.Dropdown(label="Chats about this book", elem_id="chats", allow_custom_value=True)
+                with gr.Column(scale=3, min_width=480, elem_id="centre"):
+                    self._centre(c)
+                with gr.Column(scale=1, min_width=330, elem_id="right"):
+                    gr.Markdown("#### Live metrics", elem_classes="section-title")
+                    c.metrics = gr.Markdown(render_metrics("idle", None, None, e), elem_id="metrics")
+                    c.plot = gr.HTML(render_plot([]), elem_id="plot")
+                    gr.Markdown("#### Where the model is reading", elem_classes="section-title")
+                    c.reading = gr.Markdown(render_reading(None, None), elem_id="reading")
+            self._wire(demo, c)
+        return demo
+
+    def _centre(self, c: SimpleNamespace) -> None:
+        c.title = gr.Markdown("### No book open", elem_id="book-title")
+        c.chatbot = gr.Chatbot(elem_id="chatbot", height=430, show_label=False, buttons=["copy", "copy_all"],
+                               feedback_options=None, placeholder="Upload a book, then ask about it.")
+        with gr.Row(elem_id="ask-row"):
+            c.msg = gr.Textbox(placeholder="Ask about the book…", show_label=False, elem_id="msg", scale=6,
+                               max_lines=6)
+            c.send = gr.Button("Send", variant="primary", elem_id="send", scale=1, min_width=70)
+            c.stop = gr.Button("Stop", variant="stop", elem_id="stop", scale=1, min_width=70)
+        with gr.Row(elem_id="quick-row"):
+            c.quick = [gr.Button(label, size="sm", elem_classes="quick") for label in QUICK]
+            c.chapter = gr.Dropdown(show_label=False, container=False, elem_id="chapter", scale=2, min_width=140,
+                                    visible=False)
+            c.summarize_chapter = gr.Button("Summarize chapter", size="sm", elem_id="summarize-chapter",
+                                            visible=False)
+        with gr.Row(elem_id="tools-row"):
+            c.regenerate = gr.Button("↻ Regenerate", size="sm", elem_id="regenerate")
+            c.edit = gr.Button("✎ Edit last", size="sm", elem_id="edit")
+            c.clear = gr.Button("New chat", size="sm", elem_id="clear")
+            c.export_md = gr.Button("Export .md", size="sm", elem_id="export-md")
+            c.export_json = gr.Button("Export .json", size="sm", elem_id="export-json")
+        c.export_file = gr.File(label="Exported chat", visible=False, elem_id="export-file", height=60,
+                                interactive=False)
+        levels = [s for s in LEVEL_STACKS if "draft" not in s or self.engine.draft is not None]
+        with gr.Accordion("Settings", open=False, elem_id="settings"):
+            with gr.Row():
+                temperature = gr.Slider(0, 1.5, value=0.0, step=0.05, label="Temperature")
+                top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p")
+            with gr.Row():
+                max_new = gr.Slider(1, 2048, value=self.max_new_tokens, step=1, label="Max new tokens",
+                                    elem_id="max-new")
+                seed = gr.Number(value=0, precision=0, label="Seed")
+                level = gr.Dropdown(levels, value=self.engine.config.levels, label="Level stack")
+        c.settings = [temperature, top_p, max_new, seed, level]
+
+    def _wire(self, demo: gr.Blocks, c: SimpleNamespace) -> None:
+        loading = [c.status, c.upload, c.cancel, c.password_row, c.fit_row, c.first_n, c.pick, c.chatbot, c.metrics,
+                   c.plot, c.reading, c.chapter, c.summarize_chapter, c.title, c.books, c.chats]
+        answering = [c.msg, c.chatbot, c.metrics, c.plot, c.reading, c.books, c.chats]
+        job = dict(concurrency_id="engine", concurrency_limit=1, show_progress="hidden")  # one engine, one queue
+        c.upload.upload(self.load_book, [c.upload, c.password], loading, api_name="load_book", **job)
+        c.unlock.click(self.unlock, [c.password], loading, api_name="unlock", **job)
+        c.password.submit(self.unlock, [c.password], loading, api_name=False, **job)
+        c.load_selection.click(self.load_selection, [c.first_n, c.pick], loading, api_name="load_selection", **job)
+        c.open_book.click(self.open_saved, [c.books], loading, api_name="open_book", **job)
+        c.cancel.click(self.request_stop, None, None, api_name="cancel_prefill", concurrency_limit=None)
+        c.send.click(self.ask, [c.msg, c.chatbot, *c.settings], answering, api_name="ask", **job)
+        c.msg.submit(self.ask, [c.msg, c.chatbot, *c.settings], answering, api_name=False, **job)
+        c.stop.click(self.request_stop, None, None, api_name="stop", concurrency_limit=None)
+        c.regenerate.click(self.regenerate, c.settings, answering, api_name="regenerate", **job)
+        quick = [(b, lambda q=q: q, None) for b, q in zip(c.quick, QUICK.values(), strict=True)]
+        quick.append((c.summarize_chapter, lambda chapter: f"Summarize {chapter}." if chapter else "", c.chapter))
+        for button, question, source in quick:  # fill the box, then ask as if typed
+            button.click(question, source, c.msg, api_name=False).then(
+                self.ask, [c.msg, c.chatbot, *c.settings], answering, api_name=False, **job)
+        c.edit.click(self.edit_last, None, [c.msg], api_name="edit_last")
+        c.clear.click(self.clear, None, [c.chatbot, c.metrics, c.plot, c.books, c.chats], api_name="clear", **job)
+        for button, fmt in ((c.export_md, "md"), (c.export_json, "json")):
+            button.click(self.export_file, gr.State(fmt), c.export_file, api_name=False)
+        c.chats.input(self.open_chat, [c.chats], [c.chatbot, c.metrics], api_name="open_chat", **job)
+        gr.api(self.export, api_name="export")
+        gr.api(self.engine_counters, api_name="engine_counters")
+        demo.load(self.show_library, None, [c.books, c.chats], api_name=False)
+        demo.unload(self.forget)
+
+
+def launch(demo: gr.Blocks, port: int, share: bool, auth: tuple[str, str] | None, max_file_mb: int) -> None:
+    """Serve on 127.0.0.1; when a share link cannot be made, say so and keep serving locally."""
+    demo.queue(default_concurrency_limit=4)
+    _, local_url, share_url = demo.launch(
+        server_name="127.0.0.1", server_port=port, share=share, auth=auth, prevent_thread_lock=True, quiet=True,
+        max_file_size=f"{max_file_mb}mb", footer_links=["api"], css_paths=[ASSETS / "style.css"],
+        theme=gr.themes.Soft(primary_hue="indigo", font=FONTS, font_mono=MONO), favicon_path=ASSETS / "icon.svg")
+    print(f"BookChat is running at {local_url}", flush=True)
+    if share and share_url is None:
+        print("Could not create a public share link (offline?); serving locally only.", flush=True)
+    elif share_url:
+        print(f"Public link: {share_url}", flush=True)
+    demo.block_thread()

@@ -1,0 +1,86 @@
+"""Command line: `python -m engine generate --file book.txt --question "..." [--levels ...]`.
+
+Reads a text file as the document, prefills it once, answers each --question in turn (a chat),
+streams the answer to the terminal and prints per-level statistics after each answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from engine.chat import ChatFormat
+from engine.config import LEVEL_STACKS, EngineConfig, EngineError, SamplingConfig
+from engine.engine import Engine, Stats
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="answer questions about a text file")
+    g.add_argument("--model", default=EngineConfig.target, help="folder, .gguf, hub id or packaged name")
+    g.add_argument("--draft", default=None, help="small draft model for the `draft` level")
+    g.add_argument("--levels", default=EngineConfig.levels, choices=LEVEL_STACKS)
+    g.add_argument("--device", default="auto")
+    g.add_argument("--dtype", default="auto", help="auto, bfloat16, float32, float16")
+    g.add_argument("--file", required=True, help="the document (UTF-8 text)")
+    g.add_argument("--max-doc-tokens", type=int, default=None, help="keep only the first N tokens")
+    g.add_argument("--question", action="append", required=True, help="repeat for a multi-turn chat")
+    g.add_argument("--max-new-tokens", type=int, default=SamplingConfig.max_new_tokens)
+    g.add_argument("--temperature", type=float, default=SamplingConfig.temperature)
+    g.add_argument("--top-p", type=float, default=SamplingConfig.top_p)
+    g.add_argument("--top-k", type=int, default=SamplingConfig.top_k)
+    g.add_argument("--seed", type=int, default=SamplingConfig.seed)
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    return p.parse_args(argv)
+
+
+def format_stats(stats: Stats) -> str:
+    lines = [f"{stats.n_tokens} tokens, TTFT {stats.ttft_s:.2f} s, TBT {stats.tbt_ms_mean:.1f} ms "
+             f"({stats.tokens_per_s:.1f} tokens/s)"]
+    for s in stats.levels:
+        lines.append(f"  {s.name:>9}: {s.n_checks} checks, acceptance {s.acceptance:.2f} "
+                     f"({s.n_accepted}/{s.n_tested}), {s.tokens_per_check:.2f} tokens/check, {s.time_s:.2f} s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        config = EngineConfig(target=args.model, draft=args.draft, levels=args.levels,
+                              device=args.device, dtype=args.dtype)
+        sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                  max_new_tokens=args.max_new_tokens, seed=args.seed)
+        engine = Engine.load(config)
+        chat = ChatFormat(engine.tokenizer)
+        with open(args.file, encoding="utf-8-sig") as f:
+            doc_ids = chat.document_ids(f.read())[: args.max_doc_tokens]
+        t0 = time.perf_counter()
+        session = engine.open(doc_ids, on_progress=lambda done, total: print(
+            f"\rprefill {done:,}/{total:,} tokens", end="", file=sys.stderr, flush=True))
+        print(f"\nprefilled {len(doc_ids):,} tokens in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        ended = False
+        for i, question in enumerate(args.question):
+            q_ids = chat.question_ids(question, is_first=i == 0, previous_answer_ended=ended)
+            answer: list[int] = []
+            printed = ""
+            for event in session.ask(q_ids, sampling, stop_ids=chat.stop_ids):
+                answer += event.tokens
+                text = engine.tokenizer.decode(answer, skip_special_tokens=True)
+                print(text[len(printed):], end="", flush=True)
+                printed = text
+            ended = event.finish_reason == "stop"
+            print("\n" + format_stats(event.stats), file=sys.stderr)
+    except (EngineError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

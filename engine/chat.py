@@ -1,0 +1,107 @@
+"""Chat prompts from the model's own chat template, cut so a book is prefilled once.
+
+The first user message is `book + SEPARATOR + question`; later turns append only the new
+question. The template pieces around the user text come from rendering the tokenizer's template
+with marker strings and splitting on them, so no model's template is written down here.
+User text (book, questions) is tokenized with special tokens split: a book quoting
+`<|im_start|>` gets plain-text ids, never control tokens. Template pieces are tokenized normally.
+Nothing here runs a model or knows about speculation.
+"""
+
+from __future__ import annotations
+
+from engine.config import EngineError
+
+# Between the book and the first question, inside one user message. The document's ids end
+# before the space: tokenizers attach a space to the word after it, so the joint tokenization
+# cuts there too (after "\n\n" it would not: GPT-2's regex splits "\n\nWho" as "\n", "\n", "Who").
+DOC_END, QUESTION_START = "\n\nQuestion:", " "
+SEPARATOR = DOC_END + QUESTION_START
+# Markers: printable, so templates that `trim` the content keep them.
+_DOC, _ANSWER, _QUESTION = "[[BOOKCHAT-DOC]]", "[[BOOKCHAT-ANSWER]]", "[[BOOKCHAT-QUESTION]]"
+
+
+class ChatFormat:
+    """Token ids of a chat about one document, in the order they enter the KV cache.
+
+    document_ids(book) + question_ids(q1, is_first=True) + answer 1 + question_ids(q2, ...) ...
+    equals tokenizing the whole rendered conversation (tests check it token for token), for
+    templates that render earlier turns verbatim (ours do; some strip reasoning from old answers).
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._added = [t.content for t in tokenizer.added_tokens_decoder.values()]
+        first = self._render([_user(_DOC + SEPARATOR + _QUESTION)])
+        doc_prefix, rest = _split_once(first, _DOC)
+        after_question = _split_once(rest, _QUESTION)[1]
+        later = self._render([_user(_DOC + _QUESTION), _assistant(_ANSWER), _user(_QUESTION)])
+        between_turns, after_q2 = _split_once(_split_once(later, _ANSWER)[1], _QUESTION)
+        if after_q2 != after_question:
+            raise EngineError("The chat template ends later user turns unlike the first one.")
+        # Template text touching user text with no added token between them is one pre-tokenizer
+        # segment in the rendered prompt, so it is tokenized together with the user text.
+        self._prefix, self._prefix_tail = self._cut_after_last_added(doc_prefix)
+        self._between, self._between_tail = self._cut_after_last_added(between_turns)
+        self._after_head, self._after = self._cut_before_first_added(after_question)
+        between_ids = self._template(self._between)
+        is_special = bool(between_ids) and between_ids[0] in tokenizer.all_special_ids
+        self.end_of_turn_id: int | None = between_ids[0] if is_special else None
+        self.stop_ids: set[int] = {tokenizer.eos_token_id, self.end_of_turn_id} - {None}
+
+    def document_ids(self, text: str) -> list[int]:
+        """Template prefix (system prompt, user-turn start) + book + DOC_END: all before a question."""
+        return self._template(self._prefix) + self._user_text(self._prefix_tail + text.strip() + DOC_END)
+
+    def question_ids(self, question: str, is_first: bool, previous_answer_ended: bool) -> list[int]:
+        """The question and the assistant generation prompt, after the turn change if not first.
+
+        `previous_answer_ended`: the last answer's ids already end with the end-of-turn token
+        (the model stopped on it), so it is not appended again.
+        """
+        question = question.strip() + self._after_head
+        if is_first:
+            return self._user_text(QUESTION_START + question) + self._template(self._after)
+        between = self._template(self._between)
+        if previous_answer_ended and between[:1] == [self.end_of_turn_id]:
+            between = between[1:]
+        return between + self._user_text(self._between_tail + question) + self._template(self._after)
+
+    def answer_ids(self, answer: str, has_ended: bool) -> list[int]:
+        """The ids a model that wrote `answer` left in the cache (tests, chats restored from text)."""
+        stop = [self.end_of_turn_id] if has_ended and self.end_of_turn_id is not None else []
+        return self._user_text(answer) + stop
+
+    def _cut_after_last_added(self, text: str) -> tuple[str, str]:
+        ends = [text.rfind(token) + len(token) for token in self._added if token in text]
+        cut = max(ends, default=0)
+        return text[:cut], text[cut:]
+
+    def _cut_before_first_added(self, text: str) -> tuple[str, str]:
+        cut = min((text.find(token) for token in self._added if token in text), default=len(text))
+        return text[:cut], text[cut:]
+
+    def _render(self, messages: list[dict[str, str]]) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def _template(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _user_text(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def _user(content: str) -> dict[str, str]:
+    return {"role": "user", "content": content}
+
+
+def _assistant(content: str) -> dict[str, str]:
+    return {"role": "assistant", "content": content}
+
+
+def _split_once(text: str, marker: str) -> tuple[str, str]:
+    """Text before and after the one occurrence of `marker` in a rendered template."""
+    if text.count(marker) != 1:
+        raise EngineError(f"The chat template does not render user text verbatim ({marker!r}).")
+    before, after = text.split(marker)
+    return before, after

@@ -1,0 +1,170 @@
+"""Configuration dataclasses: model shapes, engine settings, sampling settings, typed errors.
+
+Everything here is plain data. Model shapes come from the Hugging Face config in one place
+(`ModelConfig.from_hf`); engine and sampling defaults work offline on a 2-core CPU.
+The level stacks are described in ALGORITHM.md section 2; `LEVEL_STACKS` lists the ones we run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LEVEL_STACKS = (
+    "plain",
+    "ngram>full",
+    "draft>full",
+    "retrieval>full",
+    "ngram>retrieval>full",
+    "draft>retrieval>full",
+    "selfspec>full",
+)
+BOTTOM_DRAFTERS = ("ngram", "draft", "selfspec")
+
+
+class EngineError(Exception):
+    """Base of every error a user or a file can cause; the message says what to do."""
+
+
+class DocumentTooLong(EngineError):
+    def __init__(self, n_tokens: int, max_tokens: int):
+        self.n_tokens, self.max_tokens = n_tokens, max_tokens
+        super().__init__(
+            f"The prompt has {n_tokens:,} tokens but the model's context holds {max_tokens:,}; "
+            f"shorten it by {n_tokens - max_tokens:,} tokens (keep the first part, or pick chapters)."
+        )
+
+
+class EmptyPrompt(EngineError):
+    def __init__(self, what: str = "prompt"):
+        super().__init__(f"The {what} is empty: give at least one token of text.")
+
+
+class TokenizerMismatch(EngineError):
+    pass
+
+
+class ModelNotFound(EngineError):
+    pass
+
+
+class OutOfMemoryPlan(EngineError):
+    pass
+
+
+class Cancelled(EngineError):
+    def __init__(self, what: str = "operation"):
+        super().__init__(f"The {what} was cancelled.")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder shapes, read from a Hugging Face config (Llama and Qwen2 families)."""
+
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab_size: int
+    rms_eps: float
+    has_qkv_bias: bool
+    has_tied_embeddings: bool
+    max_positions: int
+
+    @classmethod
+    def from_hf(cls, hf) -> ModelConfig:
+        n_heads = hf.num_attention_heads
+        n_kv_heads = getattr(hf, "num_key_value_heads", None) or n_heads
+        if n_heads % n_kv_heads:
+            raise ValueError(f"{n_heads} query heads are not a multiple of {n_kv_heads} KV heads")
+        is_qwen2 = hf.model_type == "qwen2"
+        return cls(
+            n_layers=hf.num_hidden_layers,
+            dim=hf.hidden_size,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // n_heads,
+            intermediate=hf.intermediate_size,
+            vocab_size=hf.vocab_size,
+            rms_eps=hf.rms_norm_eps,
+            has_qkv_bias=is_qwen2 or bool(getattr(hf, "attention_bias", False)),
+            has_tied_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            max_positions=hf.max_position_embeddings,
+        )
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of K and V for one token across all layers."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class RetrievalConfig:
+    """The middle level's cache (ALGORITHM.md section 4)."""
+
+    budget_tokens: int = 1024  # KV entries per head the middle level reads; ~6% of a 16K book
+    sink_tokens: int = 16  # attention sinks at the start of the document
+    window_tokens: int = 128  # recent tokens always kept, as the question's end lives there
+    chunk_tokens: int = 16  # retrieval granularity; TriForce uses 8-16
+    n_score_queries: int = 16  # last query positions whose attention scores the chunks
+    rebuild_every_tokens: int = 256  # re-score the chunks after this many generated tokens
+    rebuild_below_acceptance: float = 0.4  # ... or when the middle level's acceptance drops below
+
+    def __post_init__(self):
+        if self.budget_tokens < self.sink_tokens + self.window_tokens + self.chunk_tokens:
+            raise ValueError(
+                f"budget_tokens={self.budget_tokens} must hold sinks ({self.sink_tokens}), "
+                f"window ({self.window_tokens}) and at least one chunk ({self.chunk_tokens})"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    target: str = "qwen2.5-coder-0.5b"  # a local folder, GGUF file, hub id or packaged model name
+    draft: str | None = None  # small model for the `draft` level; must share the tokenizer
+    levels: str = "ngram>retrieval>full"
+    device: str = "auto"  # "auto" picks cuda when present, else cpu
+    dtype: str = "auto"  # "auto": bfloat16 on CPU with AMX or CUDA, else float32
+    retrieval: RetrievalConfig = RetrievalConfig()
+    prefill_chunk_tokens: int = 512  # bigger chunks prefill faster; smaller cancel sooner
+    streaming_sink_tokens: int = 4  # StreamingLLM cache of the draft / self-speculation level
+    streaming_window_tokens: int = 256
+    max_ngram: int = 4  # longest suffix the context database matches
+    n_ngram_candidates: int = 3  # continuations tried per n-gram check (multi-candidate rule)
+    gamma_bottom: int | None = None  # None: adaptive (ALGORITHM.md section 6)
+    gamma_middle: int | None = None
+    max_gamma: int = 8  # upper bound for adaptive draft lengths
+
+    def __post_init__(self):
+        if self.levels not in LEVEL_STACKS:
+            raise ValueError(f"levels={self.levels!r}; choose one of {', '.join(LEVEL_STACKS)}")
+        if "draft" in self.levels.split(">") and not self.draft:
+            raise ValueError(f"levels={self.levels!r} needs a draft model (--draft)")
+        if self.prefill_chunk_tokens < 1 or self.max_gamma < 1:
+            raise ValueError("prefill_chunk_tokens and max_gamma must be at least 1")
+
+    @property
+    def level_names(self) -> tuple[str, ...]:
+        """Levels from the bottom up, e.g. ("ngram", "retrieval", "full")."""
+        return ("full",) if self.levels == "plain" else tuple(self.levels.split(">"))
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0  # 0 = greedy (its own argmax branch, never max(T, eps))
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 256
+    seed: int = 0  # one torch.Generator per request, so a run is reproducible from its seed
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0 or self.max_new_tokens < 1:
+            raise ValueError("top_k must be >= 0 and max_new_tokens >= 1")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0

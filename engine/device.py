@@ -1,0 +1,44 @@
+"""The few device decisions outside the kernels: which device and dtype, and how to time.
+
+Nothing else in the engine names "cuda" or synchronises (STYLE.md section 5).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def cpu_has_amx_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_bf16" in f.read()
+    except OSError:
+        return False
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto": bfloat16 on CUDA and on CPUs with AMX-BF16 (matmuls as fast as one row), else float32."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda" or cpu_has_amx_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def now(device: torch.device) -> float:
+    """Seconds, after the device has finished the work queued so far."""
+    sync(device)
+    return time.perf_counter()

@@ -1,0 +1,21 @@
+"""Drafters: the levels that propose tokens. A drafter follows the committed token sequence
+(`reset`, `extend`, `truncate`) and proposes a continuation of it (`propose` -> sampling.Draft)."""
+
+from typing import Protocol
+
+from engine.config import SamplingConfig
+from engine.sampling import Coins, Draft
+
+
+class Drafter(Protocol):
+    def reset(self, tokens: list[int]) -> None:
+        """Start over from this committed sequence (document + chat so far)."""
+
+    def extend(self, tokens: list[int]) -> None:
+        """The committed sequence grew by `tokens`."""
+
+    def truncate(self, length: int) -> None:
+        """The committed sequence shrank to `length` tokens."""
+
+    def propose(self, gamma: int, sampling: SamplingConfig, coins: Coins) -> Draft:
+        """Up to `gamma` tokens continuing the committed sequence (an empty Draft when none)."""

@@ -1,0 +1,87 @@
+"""A model drafter: a small model (or the target itself: self-speculation, MagicDec) that reads
+only a StreamingLLM cache (sinks + recent window, ALGORITHM.md section 5).
+
+It feeds the committed tokens it has not seen, then samples `gamma` tokens from its own
+sampling distribution `r` (same temperature / top-k / top-p as the request), and rolls its cache
+back to the committed tokens. When it starts on a document it reads only the sinks and the last
+window of it: a StreamingLLM cache would hold exactly those tokens (their KV differs a little
+from a full streaming pass, which changes drafts, never the output).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import SamplingConfig
+from engine.kv.streaming import StreamingCache
+from engine.model import Transformer
+from engine.sampling import Coins, Draft, sampling_probs
+
+
+class ModelDrafter:
+    def __init__(self, model: Transformer, cache: StreamingCache):
+        self.model, self.cache = model, cache
+        self.tokens: list[int] = []
+        self.n_fed = 0  # committed tokens whose KV is in the cache (the last ones, contiguously)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.lm_head.weight.device
+
+    def reset(self, tokens: list[int]) -> None:
+        c = self.cache
+        self.tokens, self.n_fed = list(tokens), 0
+        c.truncate(0)
+        if len(tokens) > c.sink_tokens + c.window_tokens + 1:
+            self._feed(tokens[: c.sink_tokens])
+            self.n_fed = len(tokens) - c.window_tokens - 1
+
+    def extend(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+
+    def truncate(self, length: int) -> None:
+        del self.tokens[length:]
+        if length < self.n_fed and not self._unfeed(self.n_fed - length):
+            self.reset(self.tokens)
+
+    def _unfeed(self, n_tokens: int) -> bool:
+        """Drop the last n fed tokens from the cache; False when they reach into the sinks."""
+        if self.cache.length - n_tokens < self.cache.sink_tokens:
+            return False
+        self.cache.truncate(self.cache.length - n_tokens)
+        self.n_fed -= n_tokens
+        return True
+
+    def _feed(self, tokens: list[int]) -> torch.Tensor:
+        """Run `tokens` through the model in pieces that fit; return the last logits [V]."""
+        step = self.cache.max_new_tokens
+        for i in range(0, len(tokens), step):
+            piece = tokens[i:i + step]
+            self.cache.make_room(len(piece))
+            start = self.cache.length
+            ids = torch.tensor([piece], device=self.device)
+            pos = torch.arange(start, start + len(piece), device=self.device)
+            logits = self.model(ids, pos, self.cache, n_logits=1)[0, -1]
+        return logits
+
+    def propose(self, gamma: int, sampling: SamplingConfig, coins: Coins) -> Draft:
+        if self.n_fed == len(self.tokens) and not self._unfeed(1):
+            self.reset(self.tokens)  # the last token must be fed again to get its logits
+        pending = self.tokens[self.n_fed:]
+        n_head = max(0, len(pending) - (self.cache.max_new_tokens - gamma))
+        if n_head:
+            self._feed(pending[:n_head])
+        self.cache.make_room(len(pending) - n_head + gamma)  # no eviction while drafting
+        logits = self._feed(pending[n_head:])
+        self.n_fed = len(self.tokens)
+        committed_length = self.cache.length
+        drafted, probs = [], []
+        for i in range(gamma):
+            r = sampling_probs(logits.double(), sampling.temperature, sampling.top_k, sampling.top_p)
+            x = int(r.argmax()) if sampling.is_greedy else coins.sample(r)
+            drafted.append(x)
+            probs.append(r)
+            if i + 1 < gamma:
+                logits = self._feed([x])
+        self.cache.truncate(committed_length)
+        return Draft.chain(drafted, None if sampling.is_greedy else torch.stack(probs))

@@ -1,0 +1,320 @@
+"""Engine and Session: the face of the engine (DESIGN.md "The engine's face").
+
+`Engine` holds the loaded target (and draft) model; `Engine.open(doc_ids)` prefills a document
+once into a full cache and returns a `Session`; `Session.ask(question_ids, sampling)` appends
+the question and yields `Event`s as the level stack commits tokens. Multi-turn reuses the
+cache; `truncate` rolls it back (regenerate, edit). Events are plain dataclasses; errors are
+typed (engine/config.py). The engine never prints and never imports the app.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from engine.attention import pick_attention
+from engine.config import (
+    Cancelled,
+    DocumentTooLong,
+    EmptyPrompt,
+    EngineConfig,
+    SamplingConfig,
+)
+from engine.device import now, pick_device, pick_dtype
+from engine.drafters.model import ModelDrafter
+from engine.drafters.ngram import NgramDrafter
+from engine.kv.full import FullCache
+from engine.kv.retrieval import RetrievalCache
+from engine.kv.streaming import StreamingCache
+from engine.model import QueryLog, Transformer
+from engine.sampling import Coins, GeneratorCoins
+from engine.speculative import CheckingDrafter, GammaTuner, LevelStack, LevelStats, Scorer
+
+Progress = Callable[[int, int], None]  # (tokens done, tokens total)
+
+
+@dataclass
+class Stats:
+    """Metrics streamed with every event (ALGORITHM.md section 9)."""
+
+    levels: list[LevelStats]  # checking levels, bottom-most checker first, "full" last
+    n_tokens: int = 0
+    elapsed_s: float = 0.0  # since the question was received
+    ttft_s: float = 0.0  # question prefill + first check
+    tbt_ms_last: float = 0.0  # time per token of the last check
+    tbt_ms_mean: float = 0.0  # decode time per token, first check excluded
+    drafter_s: float = 0.0  # time in the drafters below the top level
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1000.0 / self.tbt_ms_mean if self.tbt_ms_mean else 0.0
+
+
+@dataclass
+class Event:
+    tokens: list[int]  # newly committed token ids
+    stats: Stats
+    reading: list[tuple[int, int, float]] | None = None  # (start, end, share) token ranges
+    finish_reason: str | None = None  # "stop", "length", "cancelled" on the last event
+
+
+def is_set(cancel) -> bool:
+    return cancel is not None and cancel.is_set()
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, target: Transformer, tokenizer=None,
+                 draft: Transformer | None = None):
+        self.config, self.target, self.draft, self.tokenizer = config, target, draft, tokenizer
+        self.device = target.lm_head.weight.device
+        self.dtype = target.lm_head.weight.dtype
+        attend = pick_attention(self.device)
+        for model in (target, draft):
+            if model is not None:
+                model.set_attention(attend)
+        self.n_prefills = 0  # documents prefilled (the app asserts a question does not add one)
+        self.n_prefill_tokens = 0
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> Engine:
+        from engine.loading import check_same_tokenizer, load_model
+
+        device = pick_device(config.device)
+        dtype = pick_dtype(config.dtype, device)
+        target, tokenizer = load_model(config.target, dtype, device)
+        draft = None
+        if config.draft and "draft" in config.level_names:
+            draft, draft_tokenizer = load_model(config.draft, dtype, device)
+            check_same_tokenizer(tokenizer, draft_tokenizer, config.target, config.draft)
+        return cls(config, target, tokenizer, draft)
+
+    @property
+    def max_context(self) -> int:
+        return self.target.config.max_positions
+
+    def new_full_cache(self, capacity: int) -> FullCache:
+        c = self.target.config
+        return FullCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, capacity, self.dtype, self.device)
+
+    def prefill(self, cache: FullCache, ids: list[int], query_log: QueryLog | None,
+                on_progress: Progress | None = None, cancel=None) -> None:
+        """Chunked prefill of `ids` after the cache's length; cancel is checked between chunks."""
+        chunk = self.config.prefill_chunk_tokens
+        cache.reserve(len(ids))
+        for i in range(0, len(ids), chunk):
+            if is_set(cancel):
+                raise Cancelled("prefill")
+            piece = ids[i:i + chunk]
+            start = cache.length
+            pos = torch.arange(start, start + len(piece), device=self.device)
+            self.target(torch.tensor([piece], device=self.device), pos, cache, None, query_log, n_logits=1)
+            self.n_prefill_tokens += len(piece)
+            if on_progress:
+                on_progress(i + len(piece), len(ids))
+
+    def check_fits(self, n_tokens: int) -> None:
+        if n_tokens > self.max_context:
+            raise DocumentTooLong(n_tokens, self.max_context)
+
+    def open(self, doc_ids: list[int], on_progress: Progress | None = None, cancel=None) -> Session:
+        """Prefill the document once; the returned session answers questions about it."""
+        if not doc_ids:
+            raise EmptyPrompt("document")
+        self.check_fits(len(doc_ids) + 1)
+        session = Session(self, self.new_full_cache(len(doc_ids) + 1024))
+        self.prefill(session.full, doc_ids, session.query_log, on_progress, cancel)
+        self.n_prefills += 1
+        session.start(list(doc_ids))
+        return session
+
+    def build_stack(self, full: FullCache, query_log: QueryLog, levels: str
+                    ) -> tuple[LevelStack, list[LevelStats], RetrievalCache | None]:
+        cfg, c = replace(self.config, levels=levels), self.target.config
+        if "draft" in cfg.level_names and self.draft is None:
+            raise ValueError(f"levels={levels!r} needs a draft model: load the engine with one (--draft)")
+        names = cfg.level_names
+        stats = [LevelStats(name) for name in names if name in ("retrieval", "full")]  # checking levels
+        bottom = self._bottom_drafter(names[0]) if len(names) > 1 and names[0] != "retrieval" else None
+        retrieval = None
+        drafter = bottom
+        if "retrieval" in names:
+            r = cfg.retrieval
+            scratch = 2 + cfg.max_gamma * (cfg.n_ngram_candidates + 1)
+            retrieval = RetrievalCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, r.budget_tokens, r.sink_tokens,
+                                       r.window_tokens, r.chunk_tokens, scratch, self.dtype, self.device)
+            drafter = CheckingDrafter(
+                Scorer(self.target, retrieval), bottom, stats[0], GammaTuner(cfg.gamma_bottom, cfg.max_gamma),
+                synced_length=lambda: retrieval.synced,
+                sync=lambda: retrieval.append(full, retrieval.synced, full.length),
+                rebuild=lambda: retrieval.build(full, query_log.queries),
+                rebuild_every_tokens=r.rebuild_every_tokens, rebuild_below=r.rebuild_below_acceptance)
+        top_gamma = cfg.gamma_middle if "retrieval" in names else cfg.gamma_bottom
+        stack = LevelStack(Scorer(self.target, full, query_log), drafter, stats[-1],
+                           GammaTuner(top_gamma, cfg.max_gamma))
+        return stack, stats, retrieval
+
+    def _bottom_drafter(self, name: str):
+        cfg = self.config
+        if name == "ngram":
+            return NgramDrafter(cfg.max_ngram, cfg.n_ngram_candidates)
+        model = self.draft if name == "draft" else self.target
+        c = model.config
+        cache = StreamingCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, cfg.streaming_sink_tokens,
+                               cfg.streaming_window_tokens, cfg.prefill_chunk_tokens + cfg.max_gamma,
+                               model.rotate, self.dtype, self.device)
+        return ModelDrafter(model, cache)
+
+
+class Session:
+    """One open document: its full cache, its committed tokens and its level stack."""
+
+    def __init__(self, engine: Engine, full: FullCache):
+        self.engine, self.full = engine, full
+        self.query_log = QueryLog(engine.target.config.n_layers, engine.config.retrieval.n_score_queries)
+        self.levels = engine.config.levels
+        self.stack, self.level_stats, self.retrieval = engine.build_stack(full, self.query_log, self.levels)
+        self.lock = threading.Lock()  # one answer at a time per session
+
+    def set_levels(self, levels: str) -> None:
+        """Switch the level stack; the full cache (the prefilled document) is kept."""
+        if levels != self.levels:
+            tokens = self.tokens
+            self.stack, self.level_stats, self.retrieval = self.engine.build_stack(self.full, self.query_log, levels)
+            self.levels = levels
+            self.stack.reset(tokens)
+
+    def probe_plain_tbt(self, n_tokens: int = 8) -> float:
+        """Milliseconds per token of plain decoding at this context length (the speedup's
+        baseline, measured on this machine); the session is left as it was."""
+        length = self.length
+        plain = LevelStack(Scorer(self.engine.target, self.full), None, LevelStats("probe"), GammaTuner(0, 1))
+        plain.reset(self.tokens)
+        self.full.truncate(min(self.full.length, length - 1))
+        coins = GeneratorCoins(torch.Generator().manual_seed(0))
+        t0 = now(self.engine.device)
+        for _ in range(n_tokens):
+            plain.step(SamplingConfig(), coins)
+        ms = 1000 * (now(self.engine.device) - t0) / n_tokens
+        self.full.truncate(min(self.full.length, length - 1))
+        return ms
+
+    def start(self, tokens: list[int]) -> None:
+        self.stack.reset(tokens)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.stack.tokens
+
+    @property
+    def length(self) -> int:
+        return len(self.stack.tokens)
+
+    def truncate(self, length: int) -> None:
+        """Roll back to the first `length` tokens (regenerate / edit-and-resend)."""
+        if not 1 <= length <= self.length:
+            raise ValueError(f"truncate({length}) of a session holding {self.length} tokens")
+        self.stack.truncate(length)
+
+    def ask(self, question_ids: list[int], sampling: SamplingConfig = SamplingConfig(),
+            cancel=None, stop_ids: set[int] | None = None, coins: Coins | None = None) -> Iterator[Event]:
+        """Append the question and stream the answer. Randomness: `sampling.seed`, unless tests
+        pass their own `coins` (an exact enumerator of every random outcome)."""
+        if not question_ids:
+            raise EmptyPrompt("question")
+        self.engine.check_fits(self.length + len(question_ids) + 1)
+        with self.lock:
+            coins = coins or GeneratorCoins(torch.Generator().manual_seed(sampling.seed))
+            yield from self._answer(question_ids, sampling, cancel, stop_ids or set(), coins)
+
+    def _answer(self, question_ids, sampling, cancel, stop_ids, coins) -> Iterator[Event]:
+        engine, stack = self.engine, self.stack
+        max_new = min(sampling.max_new_tokens, engine.max_context - self.length - len(question_ids))
+        for s in self.level_stats:
+            s.reset()
+        stack.drafter_s = 0.0
+        t_start = now(engine.device)
+        unseen = stack.tokens[self.full.length:]  # e.g. the last token after a truncate
+        engine.prefill(self.full, unseen + question_ids[:-1], self.query_log, cancel=cancel)
+        stack.tokens += question_ids
+        if stack.drafter:
+            stack.drafter.extend(question_ids)
+        stats, n_new, n_first, t_first = Stats(self.level_stats), 0, 0, 0.0
+        reason, reading_version = None, None
+        while reason is None:
+            if is_set(cancel):
+                reason = "cancelled"
+                break
+            t0 = now(engine.device)
+            new = stack.step(sampling, coins)
+            new, reason = self._cut(new, n_new, max_new, stop_ids)
+            t1 = now(engine.device)
+            n_new += len(new)
+            if not t_first:
+                t_first, n_first, stats.ttft_s = t1, n_new, t1 - t_start
+            stats = self._stats(stats, n_new, n_first, t_start, t_first, t1, (t1 - t0) / max(len(new), 1))
+            reading, reading_version = self._reading(reading_version)
+            yield Event(new, stats, reading, reason)
+        if reason == "cancelled":
+            yield Event([], stats, None, reason)
+
+    def _cut(self, new: list[int], n_before: int, max_new: int, stop_ids: set[int]):
+        """Cut a step's tokens at the first stop token or at max_new; roll the stack back to match."""
+        keep, reason = len(new), None
+        for i, t in enumerate(new):
+            if t in stop_ids:
+                keep, reason = i + 1, "stop"
+                break
+        if n_before + keep >= max_new:
+            keep, reason = min(keep, max_new - n_before), reason or "length"
+        if keep < len(new):
+            self.stack.truncate(self.length - (len(new) - keep))
+        return new[:keep], reason
+
+    def _stats(self, stats: Stats, n_new, n_first, t_start, t_first, t_now, tbt_last_s) -> Stats:
+        mean_s = (t_now - t_first) / (n_new - n_first) if n_new > n_first else tbt_last_s
+        return replace(stats, levels=[replace(s) for s in self.level_stats], n_tokens=n_new,
+                       elapsed_s=t_now - t_start, tbt_ms_last=1000 * tbt_last_s,
+                       tbt_ms_mean=1000 * mean_s, drafter_s=self.stack.drafter_s)
+
+    def _reading(self, seen_version):
+        """Token ranges the retrieval cache reads, when they changed since `seen_version`."""
+        r = self.retrieval
+        if r is None or r.n_chunks == 0:
+            return None, seen_version
+        if r.version == seen_version:
+            return None, seen_version
+        return reading_ranges(r.chunk_starts, r.chunk_tokens), r.version
+
+    def save(self, path: str | Path, meta: dict | None = None) -> None:
+        """A prefill snapshot: tokens and full cache (the app adds model and document hashes)."""
+        torch.save({"tokens": self.tokens, "cache": self.full.state(), "queries": self.query_log.queries,
+                    "meta": meta or {}}, path)
+
+    @classmethod
+    def restore(cls, engine: Engine, path: str | Path) -> Session:
+        state = torch.load(path, map_location=engine.device, weights_only=True)
+        full = FullCache.from_state(state["cache"], state["cache"]["k"].shape[3] + 1024)
+        session = cls(engine, full)
+        session.query_log.queries = state["queries"]
+        session.start(state["tokens"])
+        return session
+
+
+def reading_ranges(chunk_starts: torch.Tensor, chunk_tokens: int, top: int = 12) -> list[tuple[int, int, float]]:
+    """Merge selected chunks ([L, B, Hkv, n] start positions) into ranges weighted by selection share."""
+    starts, counts = chunk_starts.flatten().unique(return_counts=True)
+    total = float(counts.sum())
+    ranges: list[list[float]] = []
+    for s, n in zip(starts.tolist(), counts.tolist()):
+        if ranges and ranges[-1][1] == s:
+            ranges[-1][1] = s + chunk_tokens
+            ranges[-1][2] += n / total
+        else:
+            ranges.append([s, s + chunk_tokens, n / total])
+    ranges.sort(key=lambda r: -r[2])
+    return [(int(a), int(b), w) for a, b, w in ranges[:top]]
+

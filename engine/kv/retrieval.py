@@ -1,0 +1,137 @@
+"""The retrieval cache of the middle level (ALGORITHM.md section 4).
+
+Per layer and KV head, `budget` entries copied from the full cache, laid out as
+[sinks | retrieved chunks, best score first | recent window + accepted tokens | scratch].
+Chunks are scored by the attention of the last `M` queries (all query heads that share the KV
+head) to each chunk's mean key (`score_chunks`, a pure function). Accepted tokens are appended
+from the full cache (their exact KV); when the budget is full the lowest-scoring chunk makes
+room. Scratch holds the middle level's own unverified tokens; `truncate` drops it.
+Attention ignores key order, so a layout that differs from the full cache is harmless.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.kv.full import FullCache
+
+
+def score_chunks(queries: torch.Tensor, keys: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """Score of each whole chunk of `keys` for each KV head.
+
+    queries: [B, H, M, D] recent post-RoPE queries; keys: [B, Hkv, n*C, D].
+    Returns [B, Hkv, n]: softmax over chunks of q . mean_key / sqrt(D), summed over the G*M
+    queries of the KV head's group.
+    """
+    B, H, M, D = queries.shape
+    Hkv, n = keys.shape[1], keys.shape[2] // chunk_tokens
+    dtype = torch.promote_types(keys.dtype, torch.float32)
+    means = keys[:, :, : n * chunk_tokens].reshape(B, Hkv, n, chunk_tokens, D).to(dtype).mean(3)
+    q = queries.reshape(B, Hkv, (H // Hkv) * M, D).to(dtype)
+    logits = q @ means.transpose(-1, -2) / math.sqrt(D)  # [B, Hkv, G*M, n]
+    return logits.softmax(-1).sum(2)
+
+
+class RetrievalCache:
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int,
+                 budget_tokens: int, sink_tokens: int, window_tokens: int, chunk_tokens: int,
+                 scratch_tokens: int, dtype: torch.dtype, device: torch.device):
+        shape = (n_layers, batch, n_kv_heads, budget_tokens + scratch_tokens, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)  # [L, B, Hkv, budget+scratch, D]
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.budget_tokens, self.sink_tokens = budget_tokens, sink_tokens
+        self.window_tokens, self.chunk_tokens = window_tokens, chunk_tokens
+        self.n_sinks = self.n_chunks = 0
+        self.chunk_starts = torch.zeros(n_layers, batch, n_kv_heads, 0, dtype=torch.long)
+        self.committed = 0  # sinks + chunks + recent: entries that outlive a check
+        self.length = 0  # committed + scratch
+        self.synced = 0  # full-cache length these entries reflect
+        self.version = 0  # changes whenever the selected chunks do
+
+    def build(self, full: FullCache, queries: list[torch.Tensor] | None) -> None:
+        """(Re)select sinks, chunks and window from the full cache; queries: per layer [B, H, M, D]."""
+        S, C = full.length, self.chunk_tokens
+        sinks = min(self.sink_tokens, S)
+        n_avail = max(0, S - self.window_tokens - sinks) // C
+        window_start = sinks + n_avail * C
+        n_keep = min(n_avail, (self.budget_tokens - sinks - (S - window_start)) // C)
+        L, B, Hkv = full.k.shape[:3]
+        starts = torch.empty(L, B, Hkv, n_keep, dtype=torch.long)
+        for layer_idx in range(L):
+            if n_keep < n_avail and queries and queries[layer_idx] is not None:
+                region = full.k[layer_idx, :, :, sinks:window_start]
+                top = score_chunks(queries[layer_idx], region, C).topk(n_keep, dim=-1).indices
+            else:  # everything fits, or no queries yet: evenly spaced chunks
+                top = torch.linspace(0, n_avail - 1, n_keep).long().expand(B, Hkv, n_keep)
+            starts[layer_idx] = sinks + top.cpu() * C
+            self._gather_chunks(full, layer_idx, starts[layer_idx], sinks)
+        self.k[:, :, :, :sinks], self.v[:, :, :, :sinks] = full.entries(0, sinks)
+        self.n_sinks, self.n_chunks, self.chunk_starts = sinks, n_keep, starts
+        self.version += 1
+        self.committed = self.length = sinks + n_keep * C
+        self.synced = window_start
+        self.append(full, window_start, S)
+
+    def _gather_chunks(self, full: FullCache, layer_idx: int, starts: torch.Tensor, at: int):
+        """Copy chunks starting at `starts` ([B, Hkv, n]) of one layer to slots [at, at + n*C)."""
+        B, Hkv, n = starts.shape
+        D = full.k.shape[-1]
+        idx = (starts[..., None] + torch.arange(self.chunk_tokens)).reshape(B, Hkv, -1, 1)
+        idx = idx.expand(B, Hkv, n * self.chunk_tokens, D).to(full.k.device)
+        end = at + n * self.chunk_tokens
+        self.k[layer_idx, :, :, at:end] = full.k[layer_idx].gather(2, idx)
+        self.v[layer_idx, :, :, at:end] = full.v[layer_idx].gather(2, idx)
+
+    def append(self, full: FullCache, start: int, end: int) -> None:
+        """Drop the scratch and append the full cache's entries [start, end) (accepted tokens)."""
+        assert start == self.synced, f"appending from {start}, but synced up to {self.synced}"
+        n = end - start
+        self.length = self.committed
+        self._make_room(n)
+        k, v = full.entries(start, end)
+        self.k[:, :, :, self.committed:self.committed + n] = k
+        self.v[:, :, :, self.committed:self.committed + n] = v
+        self.committed = self.length = self.committed + n
+        self.synced = end
+
+    def _make_room(self, n_tokens: int) -> None:
+        """Evict the lowest-scoring chunks, then the oldest recent tokens, so n_tokens fit."""
+        C = self.chunk_tokens
+        while self.committed + n_tokens > self.budget_tokens and self.n_chunks > 0:
+            self._drop(self.n_sinks + (self.n_chunks - 1) * C, C)
+            self.n_chunks -= 1
+            self.chunk_starts = self.chunk_starts[..., : self.n_chunks]
+            self.version += 1
+        overflow = self.committed + n_tokens - self.budget_tokens
+        if overflow > 0:
+            self._drop(self.n_sinks, min(overflow, self.committed - self.n_sinks))
+
+    def _drop(self, at: int, n: int) -> None:
+        """Remove committed slots [at, at + n), shifting the later ones left."""
+        end = self.committed
+        for t in (self.k, self.v):
+            t[:, :, :, at:end - n] = t[:, :, :, at + n:end].clone()
+        self.committed = self.length = end - n
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+        end = self.length + k.shape[2]
+        assert end <= self.k.shape[3], f"scratch overflow: {end} > {self.k.shape[3]} slots"
+        self.k[layer_idx, :, :, self.length:end] = k
+        self.v[layer_idx, :, :, self.length:end] = v
+        return self.k[layer_idx, :, :, :end], self.v[layer_idx, :, :, :end]
+
+    def advance(self, n_tokens: int) -> None:
+        self.length += n_tokens
+
+    def truncate(self, length: int) -> None:
+        assert self.committed <= length <= self.length, "only the scratch can be truncated"
+        self.length = length
+
+    def keep_tail(self, start: int, keep_idx: torch.Tensor) -> None:
+        """Keep scratch entries start+keep_idx (sorted) of the last call, moved to follow `start`."""
+        n, src = keep_idx.shape[0], start + keep_idx.to(self.k.device)
+        for t in (self.k, self.v):
+            t[:, :, :, start:start + n] = t[:, :, :, src]
+        self.length = start + n

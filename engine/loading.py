@@ -1,0 +1,254 @@
+"""Find a model on disk and read its tokenizer, Hugging Face config and weights.
+
+`resolve_model` turns what a user typed (a local folder, a `.gguf` file, a packaged model name,
+a hub id) into one local Hugging Face folder: config.json, *.safetensors, tokenizer files with
+the model's chat template. A GGUF is dequantised by transformers once and cached as safetensors.
+A model already on disk never touches the network. This module does not build our decoder
+(engine/model.py does) and does not assemble the packaged models (engine/models.py does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.config import EngineError, ModelNotFound, TokenizerMismatch
+
+COMPLETE_MARKER = ".bookchat-complete"  # written last: a folder without it is half-converted
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+
+
+def cache_root() -> Path:
+    """`$BOOKCHAT_CACHE`, else ~/.cache/bookchat; wheels, GGUFs and converted models live here."""
+    return Path(os.environ.get("BOOKCHAT_CACHE") or Path.home() / ".cache" / "bookchat")
+
+
+def resolve_model(source: str) -> Path:
+    """A local Hugging Face folder for `source`; raises ModelNotFound with what to do."""
+    from engine import models  # lazy: models.py converts through this module
+
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path)
+    if path.is_dir():
+        return _local_folder(path)
+    if source in models.PACKAGED_MODELS:
+        return models.packaged_model_dir(source, assemble=True)
+    if source.endswith(".gguf") or source.startswith(("/", ".", "~")):
+        raise ModelNotFound(f"No model file or folder at {path}: check the path.")
+    if HUB_ID.match(source):
+        return _hub_snapshot(source)
+    raise ModelNotFound(
+        f"No model {source!r}: give a local Hugging Face folder, a .gguf file, a hub id "
+        f"(org/name) or one of the packaged models: {', '.join(models.PACKAGED_MODELS)}."
+    )
+
+
+def _local_folder(path: Path) -> Path:
+    if (path / "config.json").is_file():
+        return path
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return convert_gguf(ggufs[0])
+    raise ModelNotFound(
+        f"{path} is not a Hugging Face model folder (no config.json) and does not hold exactly "
+        f"one .gguf file (found {len(ggufs)}); point at the folder or at the .gguf itself."
+    )
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    from huggingface_hub import is_offline_mode, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    if is_offline_mode():
+        raise ModelNotFound(
+            f"{repo_id!r} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: download it "
+            f"on a connected machine, or pass a local folder or .gguf file instead."
+        )
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as error:
+        raise ModelNotFound(
+            f"Could not download {repo_id!r} from the Hugging Face hub ({error.__class__.__name__}"
+            f"): check the id and the network, or pass a local folder or .gguf file instead."
+        ) from error
+
+
+def file_sha256(path: Path, chunk_bytes: int = 1 << 24) -> str:
+    """Hex sha256 of a file, read in 16 MB chunks (about 1.3 GB/s here)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def is_complete(model_dir: Path) -> bool:
+    return (model_dir / COMPLETE_MARKER).is_file()
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path | None = None, sha256: str | None = None) -> Path:
+    """Dequantise a GGUF once into a bfloat16 safetensors folder; later calls return the cache.
+
+    The default folder is keyed by the file's full sha256, so an edited file converts again.
+    Pass `sha256` when it is already known (engine/models.py verified it) to skip hashing.
+    """
+    gguf_path = Path(gguf_path).resolve()
+    sha256 = sha256 or file_sha256(gguf_path)
+    if out_dir is None:
+        out_dir = cache_root() / "models" / f"{gguf_path.stem}-{sha256[:16]}"
+    if is_complete(out_dir):
+        return out_dir
+    tmp_dir = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    started = time.perf_counter()
+    try:
+        _save_hf_folder(gguf_path, tmp_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    marker = {"gguf": str(gguf_path), "sha256": sha256,
+              "convert_s": round(time.perf_counter() - started, 1)}
+    (tmp_dir / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
+    shutil.rmtree(out_dir, ignore_errors=True)  # a stale, unmarked attempt
+    os.replace(tmp_dir, out_dir)
+    return out_dir
+
+
+def _save_hf_folder(gguf_path: Path, out_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    where, name = gguf_path.parent, gguf_path.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)  # a local file: no network
+        model = AutoModelForCausalLM.from_pretrained(
+            where, gguf_file=name, dtype=torch.bfloat16, local_files_only=True
+        )
+    except (ValueError, KeyError, OSError) as error:
+        raise EngineError(f"transformers could not read {gguf_path} as a GGUF model: {error}") from error
+    # The weights are plain dequantised tensors now; these two stop save_pretrained refusing them.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+def load_hf_config(model_dir: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+
+
+def load_state_dict(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Hugging Face parameter names -> tensors cast to `dtype`, from one or several shards.
+
+    `lm_head.weight` is absent when the embeddings are tied.
+    """
+    state: dict[str, torch.Tensor] = {}
+    for shard in _safetensors_files(Path(model_dir)):
+        with safe_open(shard, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                state[name] = f.get_tensor(name).to(dtype)
+    return state
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / shard for shard in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFound(
+            f"{model_dir} holds no *.safetensors weights; convert the model to safetensors "
+            f"(transformers save_pretrained) or pass its .gguf file."
+        )
+    return files
+
+
+def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
+    """Raise TokenizerMismatch unless both models map text to the same ids.
+
+    Speculation compares token ids across levels, so the vocabularies and the special tokens
+    must be identical; chat templates may differ (the target's builds the prompt).
+    """
+    target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+    if target_vocab != draft_vocab:
+        raise TokenizerMismatch(
+            f"The draft {draft_name!r} cannot draft for {target_name!r}: their vocabularies "
+            f"differ ({len(target_vocab):,} vs {len(draft_vocab):,} tokens; "
+            f"{_first_difference(target_vocab, draft_vocab)}). Pick a draft of the same family."
+        )
+    target_special, draft_special = _special_tokens(target_tok), _special_tokens(draft_tok)
+    if target_special != draft_special:
+        raise TokenizerMismatch(
+            f"The draft {draft_name!r} cannot draft for {target_name!r}: their special tokens "
+            f"differ (only in target: {sorted(target_special - draft_special)}, only in draft: "
+            f"{sorted(draft_special - target_special)}). Pick a draft of the same family."
+        )
+
+
+def _first_difference(target_vocab: dict[str, int], draft_vocab: dict[str, int]) -> str:
+    target_by_id = {idx: tok for tok, idx in target_vocab.items()}
+    draft_by_id = {idx: tok for tok, idx in draft_vocab.items()}
+    for token_idx in sorted(target_by_id.keys() | draft_by_id.keys()):
+        target_token, draft_token = target_by_id.get(token_idx), draft_by_id.get(token_idx)
+        if target_token != draft_token:
+            return f"first differing id {token_idx}: {target_token!r} vs {draft_token!r}"
+    return "same ids, but some tokens map to several ids"
+
+
+def _special_tokens(tokenizer) -> set[tuple[str, int]]:
+    """(token, id) of every special token: the named ones and the added special ones."""
+    tokens = set(tokenizer.all_special_tokens)
+    tokens |= {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    return {(token, tokenizer.convert_tokens_to_ids(token)) for token in tokens}
+
+
+def load_model(source: str, dtype: torch.dtype, device: torch.device):
+    """(our Transformer with the weights of `source`, its tokenizer), weights on `device`.
+
+    The decoder is built on the meta device and takes the loaded tensors as they are (no random
+    initialisation, no second copy); RoPE buffers are then made for real.
+    """
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from engine.config import ModelConfig
+    from engine.model import Transformer
+
+    model_dir = resolve_model(source)
+    hf_config = load_hf_config(model_dir)
+    with torch.device("meta"):
+        model = Transformer(ModelConfig.from_hf(hf_config), hf_config)
+    state = {k: v.to(device) for k, v in load_state_dict(model_dir, dtype).items()}
+    if model.config.has_tied_embeddings:
+        state.pop("lm_head.weight", None)
+    model.load_state_dict(state, strict=False, assign=True)
+    if model.config.has_tied_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    with torch.device(device):
+        model.model.rotary_emb = LlamaRotaryEmbedding(config=hf_config)
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise EngineError(f"{model_dir} lacks weights for {', '.join(missing[:5])}")
+    return model.eval(), load_tokenizer(model_dir)

@@ -1,0 +1,150 @@
+"""One lean decoder forward for the Llama and Qwen2 families, over a pluggable KV cache.
+
+Submodules keep Hugging Face's names, so HF weights load 1:1 with `load_state_dict`; RoPE
+(default, llama3, yarn, linear, dynamic) is transformers' own rotary module. The forward knows
+nothing of speculation, offloading or tensor parallelism: it takes token ids, their absolute
+positions and a cache (engine/kv), and returns logits. Token trees are verified by passing the
+tail mask (engine/attention.py). `QueryLog` records recent queries for retrieval scoring.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import (
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    rotate_half,
+)
+
+from engine.attention import sdpa_attention
+from engine.config import ModelConfig
+from engine.kv import KVCache
+
+
+class QueryLog:
+    """The last `n_queries` post-RoPE queries of every layer (for scoring retrieval chunks)."""
+
+    def __init__(self, n_layers: int, n_queries: int):
+        self.n_queries = n_queries
+        self.queries: list[torch.Tensor | None] = [None] * n_layers  # each [B, H, <=M, D]
+
+    def record(self, layer_idx: int, q: torch.Tensor) -> None:
+        old = self.queries[layer_idx]
+        q = q if old is None else torch.cat([old, q], dim=2)
+        self.queries[layer_idx] = q[:, :, -self.n_queries:].detach()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        bias = cfg.has_qkv_bias
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.attend = sdpa_attention  # replaced once by Transformer.set_attention
+
+    def forward(self, x, cos, sin, cache: KVCache, layer_idx: int, tail, query_log):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if query_log is not None:
+            query_log.record(layer_idx, q)
+        k_all, v_all = cache.update(layer_idx, k, v)  # [B, Hkv, S, D], this call's T keys last
+        out = self.attend(q, k_all, v_all, tail)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.intermediate, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.intermediate, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate, cfg.dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.rms_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.rms_eps)
+
+    def forward(self, x, cos, sin, cache, layer_idx, tail, query_log):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer_idx, tail, query_log)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig, hf_config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.rms_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=hf_config)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, hf_config):
+        super().__init__()
+        self.config = cfg
+        self.model = Decoder(cfg, hf_config)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.has_tied_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def set_attention(self, attend) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.attend = attend
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        pos: torch.Tensor,  # [T] absolute positions (RoPE), increasing along a chain
+        cache: KVCache,
+        tail: torch.Tensor | None = None,  # [T, T] bool; None = causal chain
+        query_log: QueryLog | None = None,
+        n_logits: int | None = None,  # logits of the last n tokens only (prefill: 1)
+    ) -> torch.Tensor:  # [B, T or n_logits, V] logits, float32 or wider ([B, 1, V] when last_only)
+        B, T = input_ids.shape
+        if tail is None and T > 1:
+            tail = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(x, pos.expand(B, T))
+        for layer_idx, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, cache, layer_idx, tail, query_log)
+        cache.advance(T)
+        if n_logits is not None:
+            x = x[:, T - n_logits:]
+        logits = self.lm_head(self.model.norm(x))
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+    def rotate(self, k: torch.Tensor, delta: int) -> torch.Tensor:
+        """Rotate post-RoPE keys ([..., n, D]) by `delta` positions (pure rotation, no scaling)."""
+        rotary = self.model.rotary_emb
+        cos, sin = rotary(k, torch.full((1, 1), delta, device=k.device))  # [1, 1, D]
+        scale = rotary.attention_scaling
+        return k * (cos[0] / scale) + rotate_half(k) * (sin[0] / scale)

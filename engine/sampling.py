@@ -1,0 +1,159 @@
+"""Sampling transforms and the acceptance rule of speculative decoding (ALGORITHM.md section 3).
+
+Naming: `q` is the distribution of the level that checks, `r` the distribution of the level that
+proposed. A proposal is a token tree (a chain is a tree with one child per node); each node is
+either stochastic (`r` given: accept with min(1, q/r), on rejection continue with the residual
+norm(max(q - r, 0))) or deterministic (`r` one-hot: accept with q(x), on rejection continue with
+q without x, renormalised: the multi-candidate rule). When no child is accepted, one token is
+drawn from what is left of q; when a leaf is reached, a bonus token is drawn from q.
+Greedy decoding is not a second path: `sampling_probs` turns T = 0 into a one-hot argmax, under
+which this rule accepts exactly while argmax q == x and otherwise emits argmax q.
+`verify` takes its randomness as an input (`Coins`), so it is deterministic given it; tests
+enumerate every coin outcome exactly. Imports only torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """The distribution plain decoding samples from: [..., V] logits -> [..., V] probabilities.
+
+    Order as in Hugging Face: temperature, then top-k, then top-p (nucleus, keeping at least one).
+    """
+    logits = logits.double()
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly before each token
+        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_from(probs: torch.Tensor, u: float) -> int:
+    """Inverse-CDF draw from [V] probabilities (need not be normalised) with a uniform u in [0, 1)."""
+    cdf = probs.cumsum(0)
+    idx = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
+    return min(idx, probs.shape[0] - 1)
+
+
+@dataclass
+class Draft:
+    """A proposal: a token tree, parents before children, siblings in the order to try them."""
+
+    tokens: torch.Tensor  # [N] long
+    parents: torch.Tensor  # [N] long; -1 = child of the last committed token (the root)
+    probs: torch.Tensor | None  # [N, V] r at each node's position; None = deterministic
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    @classmethod
+    def chain(cls, tokens: list[int], probs: torch.Tensor | None = None) -> Draft:
+        n = len(tokens)
+        return cls(torch.tensor(tokens, dtype=torch.long), torch.arange(n) - 1, probs)
+
+    def depths(self) -> torch.Tensor:  # [N], root children at depth 0
+        depth = torch.zeros(len(self), dtype=torch.long)
+        for i, p in enumerate(self.parents.tolist()):
+            depth[i] = 0 if p < 0 else depth[p] + 1
+        return depth
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[N+1, N+1] bool over (root, nodes...): entry [i, j] = j is i or an ancestor of i."""
+        n = len(self)
+        mask = torch.eye(n + 1, dtype=torch.bool)
+        mask[:, 0] = True
+        for i, p in enumerate(self.parents.tolist()):
+            if p >= 0:
+                mask[i + 1] |= mask[p + 1]
+        return mask
+
+
+class Coins(Protocol):
+    """Where the acceptance rule gets its randomness (tests substitute an exact enumerator)."""
+
+    def accept(self, p: float) -> bool:
+        """True with probability p."""
+
+    def sample(self, probs: torch.Tensor) -> int:
+        """A draw from [V] probabilities (need not be normalised)."""
+
+
+class GeneratorCoins:
+    """Production coins: one uniform from a seeded generator per call, in call order."""
+
+    def __init__(self, gen: torch.Generator):
+        self.gen = gen
+
+    def _uniform(self) -> float:
+        return float(torch.rand(1, generator=self.gen, dtype=torch.float64))
+
+    def accept(self, p: float) -> bool:
+        return self._uniform() < p
+
+    def sample(self, probs: torch.Tensor) -> int:
+        return sample_from(probs, self._uniform())
+
+
+def acceptance(q: torch.Tensor, x: int, r: torch.Tensor | None) -> tuple[float, torch.Tensor]:
+    """The rule for one proposal x against q ([V]): (probability to accept, q after a rejection).
+
+    r ([V]) for a stochastic proposal x ~ r: min(1, q/r) and the residual norm(max(q - r, 0));
+    r None for a deterministic one (r one-hot): q(x) and q without x, renormalised.
+    """
+    if r is None:
+        accept_prob, residual = float(q[x]), q.clone()
+        residual[x] = 0
+    else:
+        accept_prob = min(1.0, float(q[x] / r[x])) if r[x] > 0 else 1.0
+        residual = (q - r).clamp(min=0)
+    total = residual.sum()
+    return accept_prob, (residual / total if total > 0 else q)
+
+
+@dataclass
+class Verdict:
+    path: list[int]  # accepted node indices, root to leaf
+    token: int  # the token emitted after the path (residual draw or bonus)
+    n_tested: int  # nodes whose acceptance was tested (for acceptance statistics)
+
+
+def verify(q: torch.Tensor, draft: Draft, coins: Coins) -> Verdict:
+    """Accept a prefix of `draft` so that every emitted token is distributed as `q`.
+
+    q: [N+1, V]; q[0] is the checking level's distribution after the root, q[i+1] after node i.
+    Stochastic drafts must be chains; deterministic ones may branch (multi-candidate rule).
+    """
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(draft.parents.tolist()):
+        children.setdefault(p, []).append(i)
+    assert draft.probs is None or all(len(c) == 1 for c in children.values()), "stochastic tree"
+    tokens = draft.tokens.tolist()
+    path, node, n_tested, q_cur = [], -1, 0, q[0]
+    while True:
+        accepted = None
+        for c in children.get(node, []):
+            n_tested += 1
+            r = None if draft.probs is None else draft.probs[c]
+            accept_prob, residual = acceptance(q_cur, tokens[c], r)
+            if coins.accept(accept_prob):
+                accepted = c
+                break
+            q_cur = residual
+        if accepted is None:
+            return Verdict(path, coins.sample(q_cur), n_tested)
+        path.append(accepted)
+        node, q_cur = accepted, q[accepted + 1]

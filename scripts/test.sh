@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test command (README): installs what the tests need, then runs the whole suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh --dev
+export GRADIO_ANALYTICS_ENABLED=False HF_HUB_OFFLINE=1
+.venv/bin/ruff check engine app tests benchmarks app.py
+.venv/bin/python -m pytest -q --timeout 900 "$@"

@@ -1,0 +1,214 @@
+"""The app's API through gradio_client, against `python app.py --model smollm2-135m` started here.
+
+Upload and prefill a few pages of Persuasion, a streamed answer with metrics and reading
+passages, Stop, Regenerate, Edit, a second question that reuses the prefill (engine counters),
+a bad file that leaves the open book alone, a too-long book that waits for the user's choice,
+per-client isolation, and reopening a saved book from its snapshot.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ART = Path(os.environ.get("E2E_ARTIFACTS", ROOT / "tests" / "e2e" / "artifacts"))
+LEVELS = "ngram>retrieval>full"
+pytest.importorskip("gradio_client")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_app(args: list[str], log_path: Path):
+    """`python app.py ARGS` on a free port; returns (process, url) once /gradio_api/info answers."""
+    from engine import models
+
+    if models.packaged_model_dir("smollm2-135m", assemble=False) is None:
+        pytest.skip("smollm2-135m is not assembled: run `python -m engine.models --only smollm2-135m`")
+    port = free_port()
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, APP_PORT=str(port), GRADIO_ANALYTICS_ENABLED="False", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "app.py"), *args], cwd=ROOT, env=env,
+                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    url, deadline = f"http://127.0.0.1:{port}/", time.time() + 120
+    while True:
+        assert proc.poll() is None, f"the app exited, see {log_path}"
+        try:
+            if httpx.get(url + "gradio_api/info", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline, f"the app did not start in 120 s, see {log_path}"
+        time.sleep(0.3)
+
+
+def stop_app(proc) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def app_url(tmp_path_factory):
+    library = tmp_path_factory.mktemp("library")
+    proc, url = start_app(["--model", "smollm2-135m", "--threads", "1", "--library", str(library)],
+                          ART / "app-api.log")
+    yield url
+    stop_app(proc)
+
+
+@pytest.fixture(scope="module")
+def small_book(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("books") / "persuasion-start.txt"
+    path.write_text((ROOT / "assets" / "persuasion.txt").read_text(encoding="utf-8")[:4500], encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def loaded(app_url, small_book):
+    from gradio_client import Client, handle_file
+
+    client = Client(app_url, verbose=False)
+    return client, client.predict(handle_file(str(small_book)), "", api_name="/load_book")
+
+
+def ask(client, question: str, max_new_tokens: int = 10):
+    job = client.submit(question, [], 0.0, 1.0, max_new_tokens, 0, LEVELS, api_name="/ask")
+    updates = list(job)
+    return job.result(), updates
+
+
+def text_of(message: dict) -> str:
+    content = message["content"]
+    return content if isinstance(content, str) else " ".join(block.get("text", "") for block in content)
+
+
+def counters(client) -> dict:
+    return client.predict(api_name="/engine_counters")
+
+
+def test_upload_tokenizes_against_the_context_and_prefills_once(loaded):
+    client, result = loaded
+    status = result[0]
+    assert "tokens of 7,168 — fits" in status and "Ready" in status, status
+    assert counters(client)["n_prefills"] == 1
+
+
+def test_answer_streams_with_metrics_and_reading_passages(loaded):
+    client, _ = loaded
+    (msg, chatbot, metrics, *_), updates = ask(client, "Who is Sir Walter Elliot?")
+    assert len(updates) > 2  # "thinking", then one update per engine step, then the final one
+    assert text_of(chatbot[-2]) == "Who is Sir Walter Elliot?" and text_of(chatbot[-1]).strip()
+    assert "done" in metrics and "tokens/s" in metrics and "TBT now" in metrics and "| full |" in metrics
+    readings = [u[4] for u in updates if isinstance(u[4], str) and "passage" in u[4]]
+    assert readings, "no 'where the model is reading' update while streaming"
+
+
+def test_second_question_reuses_the_prefill(loaded):
+    client, _ = loaded
+    before = counters(client)
+    ask(client, "Where is Kellynch Hall?")
+    after = counters(client)
+    assert after["n_prefills"] == before["n_prefills"] == 1
+    assert after["n_prefill_tokens"] - before["n_prefill_tokens"] < 100  # only the question went in
+
+
+def test_stop_ends_the_answer_within_a_step_and_the_book_still_answers(loaded):
+    client, _ = loaded
+    job = client.submit("Tell me the whole story of the Elliot family.", [], 0.0, 1.0, 400, 0, LEVELS, api_name="/ask")
+    deadline = time.time() + 60
+    while len(job.outputs()) < 3 and not job.done():
+        assert time.time() < deadline
+        time.sleep(0.05)
+    stopped_at = time.time()
+    client.predict(api_name="/stop")
+    _, chatbot, metrics, *_ = job.result()
+    assert "stopped" in metrics and time.time() - stopped_at < 15
+    assert "(stopped)" in text_of(chatbot[-1])
+    (_, _, metrics, *_), _ = ask(client, "Who is Anne?", 4)
+    assert "done" in metrics
+
+
+def test_regenerate_replaces_the_last_answer(loaded):
+    client, _ = loaded
+    (_, chatbot, *_), _ = ask(client, "Who is Anne?", 8)
+    _, regenerated, metrics, *_ = client.predict(0.0, 1.0, 8, 0, LEVELS, api_name="/regenerate")
+    assert len(regenerated) == len(chatbot) and "done" in metrics
+    assert text_of(regenerated[-1]) == text_of(chatbot[-1])  # greedy: the same answer again
+
+
+def test_edit_last_then_send_replaces_the_question(loaded):
+    client, _ = loaded
+    (_, chatbot, *_), _ = ask(client, "Who is Mary?", 4)
+    assert client.predict(api_name="/edit_last")["value"] == "Who is Mary?"
+    (_, edited, *_), _ = ask(client, "Who is Elizabeth?", 4)
+    assert len(edited) == len(chatbot) and text_of(edited[-2]) == "Who is Elizabeth?"
+
+
+def test_bad_file_keeps_the_open_book_and_its_chat(loaded, tmp_path):
+    from gradio_client import handle_file
+
+    client, _ = loaded
+    before, n_prefills = client.predict("md", api_name="/export"), counters(client)["n_prefills"]
+    fake = tmp_path / "chapter.txt"
+    fake.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 8)
+    status = client.predict(handle_file(str(fake)), "", api_name="/load_book")[0]
+    assert "PNG image" in status and "is still open" in status
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    assert "empty" in client.predict(handle_file(str(empty)), "", api_name="/load_book")[0]
+    assert client.predict("md", api_name="/export") == before and counters(client)["n_prefills"] == n_prefills
+
+
+def test_too_long_book_waits_for_a_choice_then_loads_the_beginning(app_url, tmp_path):
+    from gradio_client import Client, handle_file
+
+    client = Client(app_url, verbose=False)
+    book = tmp_path / "persuasion.txt"
+    book.write_text((ROOT / "assets" / "persuasion.txt").read_text(encoding="utf-8")[:40_000], encoding="utf-8")
+    n_prefills = counters(client)["n_prefills"]
+    status = client.predict(handle_file(str(book)), "", api_name="/load_book")[0]
+    assert "of 7,168 — too long by" in status and "Choose what to read" in status
+    assert counters(client)["n_prefills"] == n_prefills  # nothing was prefilled or cut silently
+    status = client.predict(512, api_name="/load_first")[0]
+    assert "first 512 tokens" in status and "Ready" in status
+    assert counters(client)["n_prefills"] == n_prefills + 1
+
+
+def test_clients_are_isolated_and_a_saved_book_reopens_from_its_snapshot(loaded, app_url, small_book):
+    from gradio_client import Client
+
+    from app.documents import load_document
+    from app.library import text_sha256
+
+    client, _ = loaded
+    book_id = text_sha256(load_document(small_book).text)[:16]  # the library's id of that text
+    other = Client(app_url, verbose=False)
+    assert other.predict("md", api_name="/export") == ""  # another session sees no book, no chat
+    n_prefills = counters(client)["n_prefills"]
+    reopened = other.predict(book_id, api_name="/open_book")
+    assert "restored from the saved snapshot" in reopened[0] and counters(client)["n_prefills"] == n_prefills
+    assert "**You:**" not in other.predict("md", api_name="/export")  # a fresh chat, not the other user's
+    chats = reopened[-1]["choices"]
+    assert chats, "the first client's autosaved chats are listed with the book"
+
+
+def test_clear_starts_an_empty_chat(loaded):
+    client, _ = loaded
+    chatbot, metrics, *_ = client.predict(api_name="/clear")
+    assert chatbot == [] and "ready" in metrics
+    assert "**You:**" not in client.predict("md", api_name="/export")

@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny random Llama / Qwen2 models (float64, seeded) and the engine around them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from engine.config import EngineConfig, ModelConfig, RetrievalConfig
+from engine.engine import Engine
+from engine.model import Transformer
+
+torch.set_num_threads(1)  # tiny models: one thread is faster, and immune to a busy second core
+
+
+def tiny_hf(family: str = "llama", seed: int = 0, vocab: int = 128, n_layers: int = 2, rope=None,
+            tie: bool | None = None, max_positions: int = 4096):
+    """A Hugging Face model with random weights: hidden 64, 4 query / 2 KV heads, float64."""
+    torch.manual_seed(seed)
+    Cfg, Model = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    kwargs = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=n_layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                  tie_word_embeddings=(family == "qwen2") if tie is None else tie,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if rope is not None:
+        kwargs["rope_parameters"] = rope
+    hf = Model(Cfg(**kwargs)).double().eval()
+    with torch.no_grad():  # larger weights than the default init: peaked, varied distributions
+        for p in hf.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    return hf
+
+
+def ours(hf) -> Transformer:
+    model = Transformer(ModelConfig.from_hf(hf.config), hf.config).double()
+    model.load_state_dict(hf.state_dict(), strict=False)
+    return model.eval()
+
+
+def tiny_engine(levels: str, family: str = "llama", seed: int = 0, vocab: int = 128, **overrides) -> Engine:
+    target = ours(tiny_hf(family, seed, vocab))
+    sharpen_draft = overrides.pop("sharpen_draft", False)
+    draft = ours(tiny_hf(family, seed + 1, vocab)) if "draft" in levels else None
+    if sharpen_draft:  # the target itself, sharpened towards its argmax (ALGORITHM.md section 1)
+        draft = ours(tiny_hf(family, seed, vocab))
+        draft.lm_head.weight.data = draft.lm_head.weight.data.clone() * 3
+    retrieval = overrides.pop("retrieval", RetrievalConfig(budget_tokens=64, sink_tokens=4, window_tokens=16,
+                                                            chunk_tokens=4, n_score_queries=4,
+                                                            rebuild_every_tokens=16))
+    settings = dict(prefill_chunk_tokens=7, streaming_sink_tokens=2, streaming_window_tokens=12) | overrides
+    config = EngineConfig(target="tiny", draft="tiny-draft" if draft else None, levels=levels,
+                          device="cpu", dtype="float64", retrieval=retrieval, **settings)
+    return Engine(config, target, None, draft)
+
+
+@pytest.fixture
+def tiny_pair():
+    hf = tiny_hf("llama")
+    return hf, ours(hf)

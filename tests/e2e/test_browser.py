@@ -1,0 +1,73 @@
+"""The app in headless Chromium (UI-TESTING.md): upload a real PDF, watch the prefill finish,
+ask, see the answer stream and the metrics move, stop a second answer, and check that a bad file
+leaves the book and chat alone, with no Gradio error pill anywhere. Screenshots land in
+tests/e2e/artifacts/; look at them."""
+
+from __future__ import annotations
+
+import re
+
+from conftest import ART
+from playwright.sync_api import expect
+
+ERROR_PILLS = '[data-testid="status-tracker"] .error'
+
+
+def test_upload_pdf_ask_stream_and_stop(app_url, pdf_path, page):
+    page.goto(app_url)
+    msg = page.locator("#msg textarea")
+    expect(msg).to_be_visible()
+    page.locator("#upload input[type=file]").set_input_files(str(pdf_path))
+    status = page.locator("#doc-status")
+    expect(status).to_contain_text("of 7,168 — fits", timeout=60_000)
+    expect(status).to_contain_text("Ready", timeout=90_000)
+
+    msg.fill("What is R?")
+    msg.press("Enter")
+    metrics, bot = page.locator("#metrics"), page.locator('#chatbot [data-testid="bot"]').last
+    expect(metrics).to_contain_text("streaming", timeout=60_000)
+    first_metrics, first_text = metrics.inner_text(), bot.inner_text()
+    expect(metrics).not_to_have_text(first_metrics, timeout=30_000)  # the numbers move while it streams
+    expect(metrics).to_contain_text("done", timeout=90_000)
+    assert len(bot.inner_text()) > len(first_text.strip("…")), "the answer did not grow while streaming"
+    final = metrics.inner_text()
+    assert re.search(r"[\d.]+ tokens/s", final) and "TBT now" in final and "vs plain" in final
+    assert re.search(r"full\s+\d+%", final), final
+    expect(page.locator("#reading")).to_contain_text("p. ")
+    expect(page.locator("#plot svg")).to_be_visible()
+    page.screenshot(path=str(ART / "answered.png"))
+
+    page.locator("#settings").get_by_text("Settings").click()
+    max_new = page.locator("#max-new input[type=number]")
+    max_new.fill("300")
+    max_new.press("Tab")
+    msg.fill("Explain how to start R, step by step.")
+    msg.press("Enter")
+    expect(metrics).to_contain_text("streaming", timeout=60_000)
+    page.locator("#stop").click()
+    expect(metrics).to_contain_text("stopped", timeout=30_000)
+    stopped = bot.inner_text()
+    page.wait_for_timeout(1000)
+    assert bot.inner_text() == stopped and "(stopped)" in stopped
+    assert page.locator(ERROR_PILLS).count() == 0
+    page.locator("#settings").get_by_text("Settings").click()  # fold the settings for the screenshot
+    page.screenshot(path=str(ART / "stopped.png"))
+
+
+def test_bad_file_keeps_the_book_and_chat(app_url, pdf_path, page, tmp_path):
+    page.goto(app_url)
+    page.locator("#upload input[type=file]").set_input_files(str(pdf_path))
+    expect(page.locator("#doc-status")).to_contain_text("Ready", timeout=90_000)  # restored from its snapshot
+    msg = page.locator("#msg textarea")
+    msg.fill("Who wrote R?")
+    msg.press("Enter")
+    expect(page.locator("#metrics")).to_contain_text("done", timeout=90_000)
+    answer = page.locator('#chatbot [data-testid="bot"]').last.inner_text()
+
+    broken = tmp_path / "broken.pdf"
+    broken.write_bytes(pdf_path.read_bytes()[:3000])
+    page.locator("#upload input[type=file]").set_input_files(str(broken))
+    expect(page.locator("#doc-status")).to_contain_text("is still open", timeout=30_000)
+    assert page.locator('#chatbot [data-testid="bot"]').last.inner_text() == answer
+    assert page.locator(ERROR_PILLS).count() == 0
+    page.screenshot(path=str(ART / "bad-file.png"))

@@ -1,0 +1,110 @@
+"""The engine's face: bad input gives typed errors with numbers a person can act on; prefill
+progress and cancellation leave the engine usable; events carry stats and reading positions;
+a prefill snapshot restores a session that answers like the original."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine.config import Cancelled, DocumentTooLong, EmptyPrompt, EngineConfig, SamplingConfig
+from engine.engine import Session
+from tests.conftest import tiny_engine
+from tests.engine.test_speculative import random_ids
+
+
+def answer(session, q, **kw):
+    return [t for e in session.ask(q, SamplingConfig(max_new_tokens=kw.pop("n", 10)), **kw) for t in e.tokens]
+
+
+def test_empty_document_and_question_are_refused():
+    engine = tiny_engine("ngram>retrieval>full")
+    with pytest.raises(EmptyPrompt, match="document is empty"):
+        engine.open([])
+    session = engine.open(random_ids(20, 128, 0))
+    with pytest.raises(EmptyPrompt, match="question is empty"):
+        list(session.ask([]))
+
+
+def test_too_long_prompt_names_both_numbers():
+    engine = tiny_engine("plain")
+    from dataclasses import replace
+    engine.target.config = replace(engine.target.config, max_positions=64)
+    with pytest.raises(DocumentTooLong, match="100 tokens but the model's context holds 64"):
+        engine.open(random_ids(99, 128, 1))
+    session = engine.open(random_ids(50, 128, 1))
+    with pytest.raises(DocumentTooLong, match="71 tokens .* holds 64"):
+        list(session.ask(random_ids(20, 128, 2)))
+    assert len(answer(session, random_ids(3, 128, 2), n=100)) == 64 - 50 - 3  # stops at the end
+
+
+def test_cancel_during_prefill_raises_and_the_engine_stays_usable():
+    engine = tiny_engine("ngram>retrieval>full")
+    cancel, seen = threading.Event(), []
+
+    def progress(done, total):
+        seen.append((done, total))
+        if done >= 14:
+            cancel.set()
+
+    with pytest.raises(Cancelled):
+        engine.open(random_ids(60, 128, 3), on_progress=progress, cancel=cancel)
+    assert seen[:2] == [(7, 60), (14, 60)] and engine.n_prefills == 0
+    session = engine.open(random_ids(60, 128, 3))
+    assert len(answer(session, random_ids(4, 128, 4))) == 10 and engine.n_prefills == 1
+
+
+def test_cancel_during_generation_stops_within_one_step():
+    session = tiny_engine("ngram>retrieval>full").open(random_ids(60, 128, 5))
+    cancel, events = threading.Event(), []
+    for event in session.ask(random_ids(4, 128, 6), SamplingConfig(max_new_tokens=50), cancel=cancel):
+        events.append(event)
+        if len(events) == 2:
+            cancel.set()
+    assert len(events) == 3 and events[-1].finish_reason == "cancelled" and events[-1].tokens == []
+    assert len(answer(session, random_ids(3, 128, 7))) == 10  # the session still answers
+
+
+def test_stop_token_ends_the_answer_and_stays_in_the_history():
+    session = tiny_engine("ngram>full").open(random_ids(60, 128, 8))
+    q = random_ids(4, 128, 9)
+    free = answer(session, q, n=12)
+    session.truncate(60)
+    stop = free[5]
+    events = list(session.ask(q, SamplingConfig(max_new_tokens=12), stop_ids={stop}))
+    tokens = [t for e in events for t in e.tokens]
+    assert tokens == free[: free.index(stop) + 1] and events[-1].finish_reason == "stop"
+    assert session.tokens[-1] == stop
+
+
+def test_events_carry_level_stats_and_reading_positions():
+    session = tiny_engine("ngram>retrieval>full").open(random_ids(200, 128, 10))
+    events = list(session.ask(random_ids(5, 128, 11), SamplingConfig(max_new_tokens=30)))
+    last = events[-1]
+    assert [s.name for s in last.stats.levels] == ["retrieval", "full"]
+    full = last.stats.levels[-1]
+    assert full.n_emitted == last.stats.n_tokens == 30 and last.finish_reason == "length"
+    assert 0 <= full.acceptance <= 1 and full.tokens_per_check >= 1 and last.stats.tbt_ms_mean > 0
+    reading = events[0].reading
+    assert reading and all(0 <= a < b <= 205 for a, b, _ in reading)
+    assert abs(sum(w for *_, w in reading) - 1) < 1e-9 or len(reading) == 12
+
+
+def test_snapshot_restores_a_session_that_answers_the_same(tmp_path):
+    engine = tiny_engine("ngram>retrieval>full")
+    doc, q = random_ids(80, 128, 12), random_ids(4, 128, 13)
+    session = engine.open(doc)
+    session.save(tmp_path / "snap.pt", meta={"doc": "x"})
+    want = answer(session, q)
+    restored = Session.restore(engine, tmp_path / "snap.pt")
+    assert answer(restored, q) == want and engine.n_prefills == 1
+
+
+def test_config_errors_say_what_to_do():
+    with pytest.raises(ValueError, match="choose one of"):
+        EngineConfig(levels="ngram>draft")
+    with pytest.raises(ValueError, match="needs a draft model"):
+        EngineConfig(levels="draft>full")
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingConfig(top_p=0)

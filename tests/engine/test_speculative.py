@@ -1,0 +1,176 @@
+"""Every level stack is lossless end to end, on tiny random Llama / Qwen2 models in float64:
+greedy output equals plain decoding and Hugging Face `generate` across three chat turns, and
+the sampled output distribution, enumerated exactly over every random outcome, equals plain
+decoding's; a chi-square test on seeded samples agrees and fails on a wrong acceptance rule."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from engine import sampling as sampling_module
+from engine.config import LEVEL_STACKS, SamplingConfig
+from engine.sampling import GeneratorCoins
+from tests.conftest import tiny_engine, tiny_hf
+from tests.engine.enumerate import exact_distribution
+
+SPECULATIVE = [s for s in LEVEL_STACKS if s != "plain"]
+
+
+def random_ids(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def chat(engine, doc, questions, sampling=SamplingConfig(max_new_tokens=14)):
+    session = engine.open(doc)
+    answers = []
+    for q in questions:
+        answers.append([t for event in session.ask(q, sampling) for t in event.tokens])
+    return session, answers
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("levels", SPECULATIVE)
+def test_greedy_equals_plain_and_hf_generate_over_three_turns(levels, family):
+    doc = random_ids(123, 128, 1)  # not a multiple of the prefill chunk (7) nor of retrieval chunks (4)
+    questions = [random_ids(n, 128, 10 + n) for n in (5, 9, 3)]
+    _, plain = chat(tiny_engine("plain", family), doc, questions)
+    session, got = chat(tiny_engine(levels, family), doc, questions)
+    assert got == plain
+    hf, context = tiny_hf(family), list(doc)
+    for q, answer in zip(questions, plain):
+        context += q
+        out = hf.generate(torch.tensor([context]), max_new_tokens=len(answer), do_sample=False,
+                          min_new_tokens=len(answer), pad_token_id=0)
+        assert out[0, len(context):].tolist() == answer
+        context += answer
+    assert session.tokens == context
+
+
+@pytest.mark.parametrize("levels", SPECULATIVE)
+def test_regenerate_after_truncate_gives_the_same_answer(levels):
+    engine = tiny_engine(levels)
+    doc, q = random_ids(90, 128, 2), random_ids(6, 128, 3)
+    session = engine.open(doc)
+    first = [t for e in session.ask(q, SamplingConfig(max_new_tokens=20)) for t in e.tokens]
+    session.truncate(len(doc))
+    again = [t for e in session.ask(q, SamplingConfig(max_new_tokens=20)) for t in e.tokens]
+    assert again == first
+    session.truncate(len(doc) + len(q) + 7)  # keep part of the answer: the rest must follow it
+    rest = [t for e in session.ask(random_ids(2, 128, 4), SamplingConfig(max_new_tokens=5)) for t in e.tokens]
+    assert len(rest) == 5 and engine.n_prefills == 1
+
+
+SAMPLINGS = [SamplingConfig(temperature=1.0, max_new_tokens=2),
+             SamplingConfig(temperature=0.7, top_p=0.9, max_new_tokens=2)]
+
+
+def exact_answers(levels: str, sampling: SamplingConfig, vocab: int = 6):
+    """Every answer's exact probability. Sampled drafts are 1 token long (each one multiplies
+    the paths by the vocabulary), n-gram drafts 2; the document is longer than the retrieval
+    budget, so the middle level's q differs from the top's."""
+    gamma_bottom = 2 if levels.startswith("ngram") else 1
+    engine = tiny_engine(levels, vocab=vocab, gamma_bottom=gamma_bottom, gamma_middle=1,
+                         prefill_chunk_tokens=64)
+    doc, q = random_ids(100, vocab, 5), random_ids(3, vocab, 6)
+
+    def run(coins):
+        session = engine.open(doc)
+        return tuple(t for e in session.ask(q, sampling, coins=coins) for t in e.tokens)
+
+    return exact_distribution(run, min_prob=1e-10)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["T1", "T0.7-p0.9"])
+@pytest.mark.parametrize("levels", SPECULATIVE)
+def test_every_stack_preserves_the_distribution_exactly(levels, sampling):
+    if levels == "draft>retrieval>full":  # three sampled levels: one token has ~10^3 paths, two ~10^6
+        sampling = replace(sampling, max_new_tokens=1)
+    want, want_pruned = exact_answers("plain", sampling)
+    got, pruned = exact_answers(levels, sampling)
+    assert pruned < 1e-7 and want_pruned < 1e-7
+    for seq in set(want) | set(got):
+        assert abs(got.get(seq, 0.0) - want.get(seq, 0.0)) < 1e-6, seq
+
+
+def first_token_counts(engine, doc, q, sampling, n_samples: int, vocab: int, position: int = 2):
+    session = engine.open(doc)
+    counts = torch.zeros(vocab)
+    for seed in range(n_samples):
+        s = SamplingConfig(temperature=sampling.temperature, top_p=sampling.top_p, max_new_tokens=3, seed=seed)
+        answer = [t for e in session.ask(q, s) for t in e.tokens]
+        counts[answer[position]] += 1
+        session.truncate(len(doc))
+    return counts
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["T1", "T0.7-p0.9"])
+@pytest.mark.parametrize("levels", SPECULATIVE)
+def test_chi_square_of_sampled_tokens(levels, sampling):
+    """End-to-end samples (vocab 24) against the exact distribution of plain decoding."""
+    vocab = 24
+    doc, q = random_ids(40, vocab, 7), random_ids(3, vocab, 8)
+    sampling = SamplingConfig(temperature=sampling.temperature, top_p=sampling.top_p, max_new_tokens=3)
+    want, _ = exact_distribution(lambda coins: tuple(
+        t for e in tiny_engine("plain", vocab=vocab).open(doc).ask(q, sampling, coins=coins) for t in e.tokens)[2],
+        min_prob=1e-9)
+    expected = torch.tensor([want.get(t, 0.0) for t in range(vocab)])
+    counts = first_token_counts(tiny_engine(levels, vocab=vocab), doc, q, sampling, 600, vocab)
+    keep = expected * 600 >= 5
+    f_exp = torch.cat([expected[keep] * 600, (expected[~keep].sum() * 600).reshape(1)])
+    f_obs = torch.cat([counts[keep], counts[~keep].sum().reshape(1)])
+    f_exp = f_exp * f_obs.sum() / f_exp.sum()
+    assert chisquare(f_obs.numpy(), f_exp.numpy()).pvalue > 1e-3
+
+
+def test_same_seed_same_answer_and_generator_coins_are_seeded():
+    engine = tiny_engine("ngram>retrieval>full")
+    doc, q = random_ids(60, 128, 9), random_ids(4, 128, 10)
+    s = SamplingConfig(temperature=0.8, top_k=20, max_new_tokens=12, seed=123)
+    session = engine.open(doc)
+    a = [t for e in session.ask(q, s) for t in e.tokens]
+    session.truncate(len(doc))
+    b = [t for e in session.ask(q, s) for t in e.tokens]
+    assert a == b
+    c1, c2 = (GeneratorCoins(torch.Generator().manual_seed(5)) for _ in range(2))
+    assert [c1.accept(0.5) for _ in range(8)] == [c2.accept(0.5) for _ in range(8)]
+
+
+def wrong_acceptance(q, x, r):
+    """The public TriForce rule: on rejection draw again from q, not from the residual."""
+    accept_prob, _ = right_acceptance(q, x, r)
+    return accept_prob, q
+
+
+right_acceptance = sampling_module.acceptance
+
+
+@pytest.mark.parametrize("levels", ["draft>full", "ngram>retrieval>full"])
+def test_exact_enumeration_fails_on_a_wrong_rule(levels, monkeypatch):
+    sampling = SAMPLINGS[0]
+    want, _ = exact_answers("plain", sampling)
+    monkeypatch.setattr(sampling_module, "acceptance", wrong_acceptance)
+    got, _ = exact_answers(levels, sampling)
+    assert max(abs(got.get(k, 0.0) - p) for k, p in want.items()) > 1e-3
+
+
+def test_chi_square_fails_on_a_wrong_rule(monkeypatch):
+    """The statistical test has power: a draft sharpened towards the target's argmax, checked
+    with the wrong rule, is rejected; the same draft with the right rule passes above."""
+    vocab = 24
+    doc, q = random_ids(40, vocab, 7), random_ids(3, vocab, 8)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=3)
+    engine = tiny_engine("draft>full", vocab=vocab, sharpen_draft=True, gamma_bottom=3)
+    want, _ = exact_distribution(lambda coins: tuple(
+        t for e in tiny_engine("plain", vocab=vocab).open(doc).ask(q, sampling, coins=coins) for t in e.tokens)[0],
+        min_prob=1e-9)
+    monkeypatch.setattr(sampling_module, "acceptance", wrong_acceptance)
+    counts = first_token_counts(engine, doc, q, sampling, 600, vocab, position=0)
+    expected = torch.tensor([want.get(t, 0.0) for t in range(vocab)]) * 600
+    keep = expected >= 5
+    f_obs = torch.cat([counts[keep], counts[~keep].sum().reshape(1)])
+    f_exp = torch.cat([expected[keep], expected[~keep].sum().reshape(1)])
+    assert chisquare(f_obs.numpy(), (f_exp * f_obs.sum() / f_exp.sum()).numpy()).pvalue < 1e-6
