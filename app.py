@@ -1,7 +1,5 @@
 """BookChat: `python app.py [options]` prepares the model, then serves the UI on 127.0.0.1."""
 
-from __future__ import annotations
-
 import argparse
 import os
 import secrets
@@ -22,7 +20,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
-    p.add_argument("--port", type=int, default=int(os.environ.get("APP_PORT", 7860)))
+    p.add_argument("--port", type=int, default=int(os.environ.get("APP_PORT", 7860)), help="$APP_PORT overrides")
     p.add_argument("--share", action="store_true", help="also serve on a public Gradio link")
     p.add_argument("--auth", default=None, metavar="USER:PASS", help="require this login")
     p.add_argument("--share-without-auth", action="store_true", help="allow --share with no login (unsafe)")
@@ -30,23 +28,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-file-mb", type=int, default=200, help="largest upload accepted")
     p.add_argument("--max-tokens", type=int, default=None, help="largest document, in tokens (default: context)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="default answer length")
-    args = p.parse_args(argv)
-    if "APP_PORT" in os.environ:  # tests pick a free port
-        args.port = int(os.environ["APP_PORT"])
-    return args
+    return p.parse_args(argv)
 
 
 def login(args: argparse.Namespace) -> tuple[str, str] | None:
     """--auth, or for --share without it a generated password (unless --share-without-auth)."""
     if args.auth:
-        user, sep, password = args.auth.partition(":")
-        if not (sep and user and password):
-            sys.exit("--auth needs USER:PASS")
-        return user, password
-    if not args.share:
-        return None
-    if args.share_without_auth:
-        print("WARNING: --share-without-auth: anyone with the link can use this app and its library.", flush=True)
+        user, _, password = args.auth.partition(":")
+        return (user, password) if user and password else sys.exit("--auth needs USER:PASS")
+    if not args.share or args.share_without_auth:
+        if args.share:
+            print("WARNING: --share-without-auth: anyone with the link can use this app and its library.", flush=True)
         return None
     password = secrets.token_urlsafe(12)
     print(f"--share without --auth: log in as user 'reader' with password {password}", flush=True)
@@ -56,8 +48,6 @@ def login(args: argparse.Namespace) -> tuple[str, str] | None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     auth = login(args)
-    import torch
-
     from app.documents import Limits
     from app.library import Library
     from app.ui import App, launch
@@ -65,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     from engine.config import EngineConfig, EngineError
     from engine.engine import Engine
 
-    if args.threads:
+    if args.threads:  # on 2 shared cores, 1 thread can be many times faster than spinning OpenMP threads
+        import torch
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
     try:
@@ -79,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"Model {args.model} ready in {time.perf_counter() - started:.1f} s "
           f"({engine.device.type}, {engine.dtype}, context {engine.max_context:,} tokens)", flush=True)
-    limits = Limits(max_file_bytes=args.max_file_mb * 1024 * 1024)
+    limits = Limits(max_file_bytes=args.max_file_mb * 1024 * 1024)  # the upload itself is capped in launch()
     app = App(engine, Library(args.library), limits, args.max_tokens, args.max_new_tokens)
     launch(app.build(), args.port, args.share, auth, args.max_file_mb)
     return 0

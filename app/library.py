@@ -148,7 +148,8 @@ class Library:
     def choices(self, book_id: str | None) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
         """(label, id) pairs for pickers: every book, and the chats of `book_id`."""
         books = [(b["title"], b["id"]) for b in self.books()]
-        chats = [(f"{c['title']} ({c['n_turns']} turns)", c["id"]) for c in self.chats(book_id)] if book_id else []
+        chats = [(f"{c['title']} ({c['n_turns']} turn{'s' * (c['n_turns'] != 1)})", c["id"])
+                 for c in self.chats(book_id)] if book_id else []
         return books, chats
 
     def document(self, book_id: str) -> Document | None:

@@ -3,8 +3,7 @@
 `prepare` tokenises a Document and says whether it fits ("117,342 tokens of 131,072 — fits");
 `keep_first` / `pick_chapters` make the shorter Document a user chose (never silently). `open_book`
 restores the book's prefill snapshot or prefills it. `BookSession` asks, regenerates, edits and
-clears, tracking each turn's token boundaries so `Session.truncate` can roll back, and autosaves
-the chat after every answer. Layout and event wiring live in app/ui.py, files in app/library.py.
+clears, keeping each turn's token boundaries for `Session.truncate`, and autosaves every answer.
 """
 
 from __future__ import annotations
@@ -67,8 +66,7 @@ class Prepared:
 
 
 def prepare(engine: Engine, chat: ChatFormat, document: Document, max_tokens: int | None = None) -> Prepared:
-    budget = engine.max_context - CHAT_ROOM_TOKENS
-    doc_ids = chat.document_ids(document.text)
+    budget, doc_ids = engine.max_context - CHAT_ROOM_TOKENS, chat.document_ids(document.text)
     return Prepared(document, doc_ids, TokenMap(engine.tokenizer, document.text, len(doc_ids)),
                     min(budget, max_tokens or budget))
 
@@ -133,25 +131,21 @@ class BookSession:
         self.plain_ms: float | None = None  # plain decoding ms/token at this context (the speedup's base)
         self.save_error: str | None = None
 
-    def measure_plain(self) -> float:
-        if self.plain_ms is None:
-            self.plain_ms = self.session.probe_plain_tbt(8)
-        return self.plain_ms
-
     def ask(self, question: str, sampling: SamplingConfig, cancel=None) -> Iterator[Update]:
-        question = question.strip()
-        if not question:
+        if not (question := question.strip()):
             raise EmptyPrompt("question")
         s, last = self.session, self.turns[-1] if self.turns else None
         ended = last is not None and last.ids[-1:] == [self.chat.end_of_turn_id]
         q_ids = self.chat.question_ids(question, is_first=last is None, previous_answer_ended=ended)
         turn, answer_ids = Turn(question, start=s.length, answer_start=s.length + len(q_ids)), []
+        events = s.ask(q_ids, sampling, cancel=cancel, stop_ids=self.chat.stop_ids)
         try:
-            for event in s.ask(q_ids, sampling, cancel=cancel, stop_ids=self.chat.stop_ids):
+            for event in events:
                 answer_ids += event.tokens
                 turn.answer, turn.finish_reason = self._decode(answer_ids).rstrip("\ufffd"), event.finish_reason
                 yield Update(turn.answer, event.stats, self.passages(event.reading), event.finish_reason)
         finally:
+            events.close()  # releases the session's lock now, even when our caller went away mid-answer
             if s.length >= turn.answer_start:  # the question is in: keep the (maybe partial) turn
                 turn.end, turn.ids = s.length, s.tokens[turn.start:s.length]
                 turn.answer, turn.finish_reason = self._decode(answer_ids), turn.finish_reason or "cancelled"
@@ -159,9 +153,6 @@ class BookSession:
                 self.autosave()
             else:  # failed or cancelled before the question got in: undo any partial prefill
                 s.truncate(turn.start)
-
-    def regenerate(self, sampling: SamplingConfig, cancel=None) -> Iterator[Update]:
-        return self.edit_last(None, sampling, cancel)
 
     def edit_last(self, question: str | None, sampling: SamplingConfig, cancel=None) -> Iterator[Update]:
         """Replace the last turn: the same question (regenerate) or an edited one."""
@@ -179,21 +170,17 @@ class BookSession:
     def load_chat(self, data: dict) -> None:
         """Continue a saved chat: its tokens follow the document and are prefilled at the next question."""
         turns = [Turn(**t) for t in data["turns"]]
-        expected = self.doc_len
-        for t in turns:
-            if t.start != expected or t.end != t.start + len(t.ids):
-                raise ValueError("the chat's token boundaries do not match this book")
-            expected = t.end
+        starts = [self.doc_len] + [t.end for t in turns[:-1]]  # each turn starts where the last ended
+        if any(t.start != start or t.end != t.start + len(t.ids) for t, start in zip(turns, starts, strict=True)):
+            raise ValueError("the chat's token boundaries do not match this book")
         self.session.truncate(self.doc_len)
         self.session.start(self.doc_ids + [i for t in turns for i in t.ids])
         self.turns, self.chat_id, self.created = turns, data["id"], data.get("created", time.time())
 
     def messages(self) -> list[dict]:
-        out = []
-        for t in self.turns:
-            note = " *(stopped)*" if t.finish_reason == "cancelled" else ""
-            out += [{"role": "user", "content": t.question}, {"role": "assistant", "content": t.answer + note}]
-        return out
+        """The chat for gr.Chatbot; a stopped answer says so."""
+        return [m for t in self.turns for m in ({"role": "user", "content": t.question}, {
+            "role": "assistant", "content": t.answer + (" *(stopped)*" if t.finish_reason == "cancelled" else "")})]
 
     def to_json(self) -> dict:
         title = self.turns[0].question[:60] if self.turns else "New chat"
@@ -202,12 +189,11 @@ class BookSession:
                 "messages": self.messages(), "turns": [asdict(t) for t in self.turns]}
 
     def autosave(self) -> None:
-        if self.library is None:
-            return
         try:
-            self.library.save_chat(self.book_id, self.to_json())
+            if self.library is not None:
+                self.library.save_chat(self.book_id, self.to_json())
             self.save_error = None
-        except OSError as error:
+        except OSError as error:  # e.g. disk full: the previous file stays intact (atomic write)
             self.save_error = f"The chat could not be saved ({error.strerror or error}); it is still open here."
 
     def passages(self, ranges: list[tuple[int, int, float]] | None, top: int = 5) -> list[Passage] | None:
@@ -235,33 +221,30 @@ def read_document(path: str, password: str | None, limits: Limits, engine: Engin
         if cancel.is_set():
             raise Cancelled("reading of the file")
         report(stage.capitalize(), f"{done} of {total}" if total > 1 else "")
-
     document = load_document(path, password or None, limits, progress)
     report("Tokenize", "counting tokens …")
     return prepare(engine, chat, document, max_tokens)
 
 
-def load_book(engine: Engine, chat: ChatFormat, prepared: Prepared, library: Library | None, report: Report,
-              cancel: threading.Event) -> tuple[BookSession, bool]:
-    """Prefill (reporting chunk i of N, tokens/s, ETA) or restore a book, then time plain decoding."""
+def open_book(engine: Engine, chat: ChatFormat, prepared: Prepared, library: Library | None,
+              report: Report | None = None, cancel=None, measure_plain: bool = False) -> tuple[BookSession, bool]:
+    """Restore the book's snapshot or prefill it (reporting chunk i of N, tokens/s, ETA); optionally
+    time plain decoding for the speedup figure. Returns the book and whether it was restored."""
     chunk, started = engine.config.prefill_chunk_tokens, time.perf_counter()
 
     def progress(done: int, total: int):
         rate = done / max(time.perf_counter() - started, 1e-6)
-        report("Prefill", f"chunk {math.ceil(done / chunk)} of {math.ceil(total / chunk)} · {rate:,.0f} tokens/s · "
-                          f"ETA {(total - done) / rate:.0f} s")
-
-    book, restored = open_book(engine, chat, prepared, library, progress, cancel)
-    report("Prefill", "measuring plain decoding for the speedup …")
-    book.measure_plain()
-    return book, restored
-
-
-def open_book(engine: Engine, chat: ChatFormat, prepared: Prepared, library: Library | None,
-              on_progress=None, cancel=None) -> tuple[BookSession, bool]:
-    """Restore the book's snapshot or prefill it; returns the book and whether it was restored."""
+        if report:  # chunk i of N, measured speed, and the time left at that speed
+            report("Prefill", f"chunk {math.ceil(done / chunk)} of {math.ceil(total / chunk)} · "
+                              f"{rate:,.0f} tokens/s · ETA {(total - done) / rate:.0f} s")
     if library is None:
-        session = engine.open(prepared.doc_ids, on_progress=on_progress, cancel=cancel)
-        return BookSession(engine, chat, prepared, session, "0", None), False
-    book_id, session, restored = library.open_session(engine, prepared.document, prepared.doc_ids, on_progress, cancel)
-    return BookSession(engine, chat, prepared, session, book_id, library), restored
+        book_id, session, restored = "0", engine.open(prepared.doc_ids, on_progress=progress, cancel=cancel), False
+    else:
+        book_id, session, restored = library.open_session(engine, prepared.document, prepared.doc_ids, progress,
+                                                          cancel)
+    book = BookSession(engine, chat, prepared, session, book_id, library)
+    if measure_plain:
+        if report:
+            report("Prefill", "measuring plain decoding for the speedup …")
+        book.plain_ms = session.probe_plain_tbt(8)
+    return book, restored

@@ -14,16 +14,17 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
 import gradio as gr
 
-from app.documents import DocumentError, Limits, PasswordRequired, WrongPassword, chapters
+from app.documents import Limits, PasswordRequired, WrongPassword, chapters
 from app.library import Library, chat_export_json, chat_markdown, write_export
-from app.session import BookSession, Prepared, keep_first, load_book, pick_chapters, prepare, read_document
+from app.session import BookSession, Prepared, keep_first, open_book, pick_chapters, prepare, read_document
 from engine.chat import ChatFormat
-from engine.config import LEVEL_STACKS, Cancelled, EngineError, SamplingConfig
+from engine.config import LEVEL_STACKS, Cancelled, SamplingConfig
 from engine.engine import Engine, Stats
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -51,8 +52,7 @@ class Stages:
     name: str
     rows: dict[str, tuple[bool, str]] = field(default_factory=dict)  # stage -> (is done, detail)
 
-    def set(self, stage: str, detail: str = "", is_done: bool = False) -> str:
-        """Mark `stage` current (or done) with `detail`, and every stage before it done."""
+    def set(self, stage: str, detail: str = "", is_done: bool = False) -> str:  # the stages before it are done
         stage = stage if stage in STAGES else "Extract"
         self.rows = {s: (True, self.rows.get(s, (True, ""))[1]) for s in STAGES[:STAGES.index(stage)]}
         self.rows[stage] = (is_done, detail)
@@ -153,7 +153,8 @@ class App:
     def _kept(self, user: User, message: str) -> dict:
         """A failure: say why; the open book, if any, is untouched (nothing is replaced on failure)."""
         note = f"\n\n*{user.book.document.title}* is still open." if user.book else ""
-        return {self.c.status: message + note, self.c.cancel: gr.update(visible=False)}
+        hidden = gr.update(visible=False)
+        return {self.c.status: message + note, self.c.cancel: hidden, self.c.password_row: hidden}
 
     # ---- loading a book: file -> Document -> tokens -> fits? -> prefill or snapshot ----------
     def load_book(self, path: str | None, password: str, request: gr.Request):
@@ -168,14 +169,15 @@ class App:
             yield {c.status: "Choose a book file first."}
             return
         stages = Stages(Path(user.file).name)
-        yield {c.status: stages.set("Extract", "reading …"), c.cancel: gr.update(visible=True), c.upload: None}
+        yield {c.status: stages.set("Extract", "reading …"), c.cancel: gr.update(visible=True), c.upload: None,
+               c.fit_row: gr.update(visible=False)}
         try:
             prepared = yield from self._progress(user, stages, read_document, user.file, password, self.limits,
                                                  self.engine, self.chat, self.max_tokens)
         except (PasswordRequired, WrongPassword) as error:
-            yield {**self._kept(user, f"🔒 {error}"), c.password_row: gr.update(visible=True)}
+            yield {**self._kept(user, str(error)), c.password_row: gr.update(visible=True)}
             return
-        except (DocumentError, EngineError) as error:
+        except Exception as error:  # DocumentError says what to do; anything else must not break the page either
             yield self._kept(user, f"⚠ {error}")
             return
         yield from self._fit_then_open(user, prepared, stages)
@@ -212,36 +214,34 @@ class App:
                    for i, s in enumerate(found)]
         most = max(256, prepared.budget_tokens - 64)
         note = "The book is longer than the model's context. Choose what to read below; nothing is cut silently."
-        yield {**self._kept(user, f"{stages.render()}\n\n{note}"), c.fit_row: gr.update(visible=True),
-               c.first_n: gr.update(maximum=most, value=most), c.pick: gr.update(choices=choices, value=[],
-                                                                                 visible=bool(choices))}
+        yield {**self._kept(user, f"{stages.render()}\n\n{note}"), c.first_n: gr.update(maximum=most, value=most),
+               c.fit_row: gr.update(visible=True), c.pick: gr.update(choices=choices, value=[], visible=bool(choices))}
 
     def _open(self, user: User, prepared: Prepared, stages: Stages):
         c, started = self.c, time.perf_counter()
         yield {c.status: stages.set("Prefill", "starting …"), c.cancel: gr.update(visible=True),
                c.fit_row: gr.update(visible=False)}
         try:
-            book, restored = yield from self._progress(user, stages, load_book, self.engine, self.chat, prepared,
-                                                       self.library)
+            book, restored = yield from self._progress(user, stages, partial(open_book, measure_plain=True),
+                                                       self.engine, self.chat, prepared, self.library)
         except Cancelled:
             yield self._kept(user, "Loading cancelled.")
             return
-        except EngineError as error:
+        except Exception as error:  # EngineError (too long...) or e.g. out of memory: the open book stays
             yield self._kept(user, f"⚠ {error}")
             return
         seconds, n = time.perf_counter() - started, len(prepared.doc_ids)
-        how = "restored from the saved snapshot" if restored else f"{n:,} tokens"
-        speed = "" if restored else f" ({n / seconds:,.0f} tokens/s)"
+        how = (f"restored from the saved snapshot in {seconds:.1f} s" if restored
+               else f"{n:,} tokens in {seconds:.1f} s ({n / seconds:,.0f} tokens/s)")
         user.book, user.pending, user.editing = book, None, False
         titles = [s.title for s in chapters(book.document)]
-        yield {c.status: stages.set("Prefill", f"{how} in {seconds:.1f} s{speed}", True) + "\n\nReady: ask a question.",
+        yield {c.status: stages.set("Prefill", how, True) + "\n\nReady: ask a question.",
                c.cancel: gr.update(visible=False), c.password_row: gr.update(visible=False), c.chatbot: [],
                c.metrics: render_metrics("ready", None, book, self.engine), c.plot: render_plot([]),
                c.reading: render_reading(book, None), c.title: f"### {book.document.title}",
                c.chapter: gr.update(choices=titles, value=titles[0] if titles else None, visible=bool(titles)),
                c.summarize_chapter: gr.update(visible=bool(titles)), **self._library_view(user)}
 
-    # ---- chatting ------------------------------------------------------------------------
     def ask(self, message: str, history: list, temperature: float, top_p: float, max_new_tokens: float,
             seed: float, levels: str, request: gr.Request):
         """Answer `message` (or, after Edit, replace the last question with it); `history` is shown only."""
@@ -282,7 +282,7 @@ class App:
                 yield out if update.reading is None else {**out, c.reading: render_reading(book, update.reading)}
         except Cancelled:
             state = "stopped"
-        except (EngineError, ValueError) as error:
+        except Exception as error:  # EngineError, bad settings, ...: the book and chat stay consistent
             state = f"error — {error}"
         yield {c.chatbot: book.messages(), c.metrics: render_metrics(state, stats, book, self.engine),
                c.plot: render_plot(points), **self._library_view(user)}
@@ -309,10 +309,8 @@ class App:
 
     def export_file(self, fmt: str, request: gr.Request):
         book = self.user(request).book
-        return gr.update(visible=False) if book is None else gr.update(value=str(write_export(book.to_json(), fmt)),
-                                                                       visible=True)
+        return gr.update(value=str(write_export(book.to_json(), fmt)) if book else None, visible=bool(book))
 
-    # ---- library ---------------------------------------------------------------------------
     def _library_view(self, user: User) -> dict:
         book = user.book
         books, chats = self.library.choices(book.book_id if book else None) if self.library else ([], [])
@@ -329,8 +327,7 @@ class App:
         try:
             user.book.load_chat(self.library.load_chat(user.book.book_id, chat_id))
         except (TypeError, KeyError, ValueError) as error:
-            return {c.metrics: render_metrics(f"That chat could not be opened ({error}).", None, user.book,
-                                              self.engine)}
+            return {c.metrics: render_metrics(f"That chat could not be opened ({error}).", None, None, self.engine)}
         return {c.chatbot: user.book.messages(), c.metrics: render_metrics("ready", None, user.book, self.engine)}
 
     def engine_counters(self) -> dict:
@@ -338,8 +335,8 @@ class App:
 
     # ---- layout ----------------------------------------------------------------------------
     def build(self) -> gr.Blocks:
-        c = self.c = SimpleNamespace()  # the components handlers update, by name
-        e = self.engine
+        c, e = SimpleNamespace(), self.engine  # c: the components handlers update, by name
+        self.c = c
         info = (f"{e.config.target} · context {e.max_context:,} tokens · {e.device.type} "
                 f"{str(e.dtype).split('.')[-1]} · levels {e.config.levels}")
         with gr.Blocks(title="BookChat") as demo:
@@ -395,8 +392,7 @@ class App:
             c.clear = gr.Button("New chat", size="sm", elem_id="clear")
             c.export_md = gr.Button("Export .md", size="sm", elem_id="export-md")
             c.export_json = gr.Button("Export .json", size="sm", elem_id="export-json")
-        c.export_file = gr.File(label="Exported chat", visible=False, elem_id="export-file", height=60,
-                                interactive=False)
+        c.export_file = gr.File(label="Exported chat", visible=False, elem_id="export-file", interactive=False)
         levels = [s for s in LEVEL_STACKS if "draft" not in s or self.engine.draft is not None]
         with gr.Accordion("Settings", open=False, elem_id="settings"):
             with gr.Row():
@@ -415,13 +411,11 @@ class App:
         answering = [c.msg, c.chatbot, c.metrics, c.plot, c.reading, c.books, c.chats]
         job = dict(concurrency_id="engine", concurrency_limit=1, show_progress="hidden")  # one engine, one queue
         c.upload.upload(self.load_book, [c.upload, c.password], loading, api_name="load_book", **job)
-        c.unlock.click(self.unlock, [c.password], loading, api_name="unlock", **job)
-        c.password.submit(self.unlock, [c.password], loading, api_name=False, **job)
+        gr.on([c.unlock.click, c.password.submit], self.unlock, [c.password], loading, api_name="unlock", **job)
         c.load_selection.click(self.load_selection, [c.first_n, c.pick], loading, api_name="load_selection", **job)
         c.open_book.click(self.open_saved, [c.books], loading, api_name="open_book", **job)
         c.cancel.click(self.request_stop, None, None, api_name="cancel_prefill", concurrency_limit=None)
-        c.send.click(self.ask, [c.msg, c.chatbot, *c.settings], answering, api_name="ask", **job)
-        c.msg.submit(self.ask, [c.msg, c.chatbot, *c.settings], answering, api_name=False, **job)
+        gr.on([c.send.click, c.msg.submit], self.ask, [c.msg, c.chatbot, *c.settings], answering, api_name="ask", **job)
         c.stop.click(self.request_stop, None, None, api_name="stop", concurrency_limit=None)
         c.regenerate.click(self.regenerate, c.settings, answering, api_name="regenerate", **job)
         quick = [(b, lambda q=q: q, None) for b, q in zip(c.quick, QUICK.values(), strict=True)]
@@ -430,7 +424,8 @@ class App:
             button.click(question, source, c.msg, api_name=False).then(
                 self.ask, [c.msg, c.chatbot, *c.settings], answering, api_name=False, **job)
         c.edit.click(self.edit_last, None, [c.msg], api_name="edit_last")
-        c.clear.click(self.clear, None, [c.chatbot, c.metrics, c.plot, c.books, c.chats], api_name="clear", **job)
+        gr.on([c.clear.click, c.chatbot.clear], self.clear, None, [c.chatbot, c.metrics, c.plot, c.books, c.chats],
+              api_name="clear", **job)  # the chatbot's own trash button starts a new chat too
         for button, fmt in ((c.export_md, "md"), (c.export_json, "json")):
             button.click(self.export_file, gr.State(fmt), c.export_file, api_name=False)
         c.chats.input(self.open_chat, [c.chats], [c.chatbot, c.metrics], api_name="open_chat", **job)

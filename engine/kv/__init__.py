@@ -17,3 +17,36 @@ class KVCache(Protocol):
 
     def truncate(self, length: int) -> None:
         """Forget everything from `length` on (O(1): only the length changes)."""
+
+
+class SlotCache:
+    """K and V slots [L, B, Hkv, S_max, D] filled up to `length`: the shared mechanics of every cache."""
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (n_layers, batch, n_kv_heads, capacity, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)  # [L, B, Hkv, S_max, D]
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+        end = self.length + k.shape[2]
+        assert end <= self.k.shape[3], f"{end} entries do not fit in {self.k.shape[3]} slots"
+        self.k[layer_idx, :, :, self.length:end] = k
+        self.v[layer_idx, :, :, self.length:end] = v
+        return self.k[layer_idx, :, :, :end], self.v[layer_idx, :, :, :end]
+
+    def advance(self, n_tokens: int) -> None:
+        self.length += n_tokens
+
+    def truncate(self, length: int) -> None:
+        assert 0 <= length <= self.length, f"truncate({length}) of a cache holding {self.length}"
+        self.length = length
+
+    def keep_tail(self, start: int, keep_idx: torch.Tensor) -> None:
+        """Keep entries start+keep_idx (sorted, [n]) of the last call, moved to follow `start`."""
+        n = keep_idx.shape[0]
+        src = start + keep_idx.to(self.k.device)
+        for t in (self.k, self.v):
+            t[:, :, :, start:start + n] = t[:, :, :, src]
+        self.length = start + n

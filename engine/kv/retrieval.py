@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from engine.kv import SlotCache
 from engine.kv.full import FullCache
 
 
@@ -34,19 +35,16 @@ def score_chunks(queries: torch.Tensor, keys: torch.Tensor, chunk_tokens: int) -
     return logits.softmax(-1).sum(2)
 
 
-class RetrievalCache:
+class RetrievalCache(SlotCache):
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int,
                  budget_tokens: int, sink_tokens: int, window_tokens: int, chunk_tokens: int,
                  scratch_tokens: int, dtype: torch.dtype, device: torch.device):
-        shape = (n_layers, batch, n_kv_heads, budget_tokens + scratch_tokens, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)  # [L, B, Hkv, budget+scratch, D]
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        super().__init__(n_layers, batch, n_kv_heads, head_dim, budget_tokens + scratch_tokens, dtype, device)
         self.budget_tokens, self.sink_tokens = budget_tokens, sink_tokens
         self.window_tokens, self.chunk_tokens = window_tokens, chunk_tokens
         self.n_sinks = self.n_chunks = 0
         self.chunk_starts = torch.zeros(n_layers, batch, n_kv_heads, 0, dtype=torch.long)
-        self.committed = 0  # sinks + chunks + recent: entries that outlive a check
-        self.length = 0  # committed + scratch
+        self.committed = 0  # sinks + chunks + recent: entries that outlive a check; + scratch = length
         self.synced = 0  # full-cache length these entries reflect
         self.version = 0  # changes whenever the selected chunks do
 
@@ -115,23 +113,6 @@ class RetrievalCache:
             t[:, :, :, at:end - n] = t[:, :, :, at + n:end].clone()
         self.committed = self.length = end - n
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
-        end = self.length + k.shape[2]
-        assert end <= self.k.shape[3], f"scratch overflow: {end} > {self.k.shape[3]} slots"
-        self.k[layer_idx, :, :, self.length:end] = k
-        self.v[layer_idx, :, :, self.length:end] = v
-        return self.k[layer_idx, :, :, :end], self.v[layer_idx, :, :, :end]
-
-    def advance(self, n_tokens: int) -> None:
-        self.length += n_tokens
-
     def truncate(self, length: int) -> None:
-        assert self.committed <= length <= self.length, "only the scratch can be truncated"
-        self.length = length
-
-    def keep_tail(self, start: int, keep_idx: torch.Tensor) -> None:
-        """Keep scratch entries start+keep_idx (sorted) of the last call, moved to follow `start`."""
-        n, src = keep_idx.shape[0], start + keep_idx.to(self.k.device)
-        for t in (self.k, self.v):
-            t[:, :, :, start:start + n] = t[:, :, :, src]
-        self.length = start + n
+        assert self.committed <= length, "only the scratch can be truncated"
+        super().truncate(length)

@@ -13,22 +13,21 @@ from collections.abc import Callable
 
 import torch
 
+from engine.kv import SlotCache
+
 # rotate(k [L, B, Hkv, n, D], delta) -> k rotated by `delta` positions
 Rotate = Callable[[torch.Tensor, int], torch.Tensor]
 
 
-class StreamingCache:
+class StreamingCache(SlotCache):
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int,
                  sink_tokens: int, window_tokens: int, max_new_tokens: int,
                  rotate: Rotate, dtype: torch.dtype, device: torch.device):
         capacity = sink_tokens + window_tokens + max_new_tokens
-        shape = (n_layers, batch, n_kv_heads, capacity, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)  # [L, B, Hkv, sink+window+new, D]
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        super().__init__(n_layers, batch, n_kv_heads, head_dim, capacity, dtype, device)
         self.sink_tokens, self.window_tokens = sink_tokens, window_tokens
         self.max_new_tokens = max_new_tokens
         self.rotate = rotate
-        self.length = 0
 
     def make_room(self, n_tokens: int) -> None:
         """Make `n_tokens` fit; when full, evict the oldest window entries down to sink + window.
@@ -44,17 +43,3 @@ class StreamingCache:
         self.k[:, :, :, s:self.length - n_evict] = self.rotate(self.k[:, :, :, kept], -n_evict)
         self.v[:, :, :, s:self.length - n_evict] = self.v[:, :, :, kept].clone()
         self.length -= n_evict
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
-        end = self.length + k.shape[2]
-        assert end <= self.k.shape[3], "call make_room() before the forward"
-        self.k[layer_idx, :, :, self.length:end] = k
-        self.v[layer_idx, :, :, self.length:end] = v
-        return self.k[layer_idx, :, :, :end], self.v[layer_idx, :, :, :end]
-
-    def advance(self, n_tokens: int) -> None:
-        self.length += n_tokens
-
-    def truncate(self, length: int) -> None:
-        assert 0 <= length <= self.length
-        self.length = length

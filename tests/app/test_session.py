@@ -129,7 +129,7 @@ def test_second_question_reuses_the_prefilled_book(engine, book):
 def test_regenerate_rolls_back_and_greedy_gives_the_same_answer(book):
     first, _ = answer(book.ask("Who is Anne?", GREEDY))
     length = book.session.length
-    again, _ = answer(book.regenerate(GREEDY))
+    again, _ = answer(book.edit_last(None, GREEDY))  # regenerate
     assert again == first and len(book.turns) == 1 and book.session.length == length
 
 
@@ -153,6 +153,17 @@ def test_stop_keeps_the_partial_answer_and_the_book_answers_again(book):
     assert updates[-1].finish_reason == "cancelled" and turn.finish_reason == "cancelled"
     assert turn.end == book.session.length and "*(stopped)*" in book.messages()[-1]["content"]
     cancel.clear()
+    answer(book.ask("Who is Anne?", GREEDY))
+    assert book.turns[1].start == turn.end
+
+
+def test_a_caller_going_away_mid_answer_keeps_the_turn_and_frees_the_session(book):
+    updates = book.ask("Tell me everything about the Elliot family.", SamplingConfig(max_new_tokens=60))
+    next(updates)
+    updates.close()  # what Gradio does when the browser tab closes during an answer
+    (turn,) = book.turns
+    assert turn.finish_reason == "cancelled" and turn.end == book.session.length
+    assert not book.session.lock.locked()
     answer(book.ask("Who is Anne?", GREEDY))
     assert book.turns[1].start == turn.end
 
@@ -190,7 +201,9 @@ def test_chat_autosaves_and_reopens_from_the_snapshot(engine, chat, document, tm
 
 
 def test_exports_hold_every_turn(book):
+    from app.library import chat_export_json, chat_markdown
+
     answer(book.ask("Who is Anne?", GREEDY))
-    md, js = book.export_markdown(), book.export_json()
+    md, js = chat_markdown(book.to_json()), chat_export_json(book.to_json())
     assert md.startswith("# Persuasion") and "**You:** Who is Anne?" in md and book.turns[0].answer in md
     assert '"question": "Who is Anne?"' in js and '"ids"' not in js

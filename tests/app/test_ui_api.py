@@ -40,8 +40,9 @@ def start_app(args: list[str], log_path: Path):
     port = free_port()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, APP_PORT=str(port), GRADIO_ANALYTICS_ENABLED="False", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, str(ROOT / "app.py"), *args], cwd=ROOT, env=env,
-                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen([sys.executable, str(ROOT / "app.py"), *args], cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     url, deadline = f"http://127.0.0.1:{port}/", time.time() + 120
     while True:
         assert proc.poll() is None, f"the app exited, see {log_path}"
@@ -184,9 +185,22 @@ def test_too_long_book_waits_for_a_choice_then_loads_the_beginning(app_url, tmp_
     status = client.predict(handle_file(str(book)), "", api_name="/load_book")[0]
     assert "of 7,168 — too long by" in status and "Choose what to read" in status
     assert counters(client)["n_prefills"] == n_prefills  # nothing was prefilled or cut silently
-    status = client.predict(512, api_name="/load_first")[0]
+    status = client.predict(512, [], api_name="/load_selection")[0]  # no chapter ticked: the beginning
     assert "first 512 tokens" in status and "Ready" in status
     assert counters(client)["n_prefills"] == n_prefills + 1
+
+
+def test_password_pdf_asks_for_the_password_and_opens_with_it(app_url):
+    from gradio_client import Client, handle_file
+
+    assets = Path(os.environ.get("BOOKCHAT_CACHE", Path.home() / ".cache" / "bookchat")) / "assets"
+    pdf = assets / "r3-user-password.pdf"  # pypdf's test file, password "asdfzxcv" (.ci/fetch_assets.sh)
+    if not pdf.is_file():
+        pytest.skip(f"{pdf} is missing: run `bash .ci/fetch_assets.sh`")
+    client = Client(app_url, verbose=False)
+    assert "protected by a password" in client.predict(handle_file(str(pdf)), "", api_name="/load_book")[0]
+    assert "does not open this PDF" in client.predict("wrong", api_name="/unlock")[0]
+    assert "Ready" in client.predict("asdfzxcv", api_name="/unlock")[0]
 
 
 def test_clients_are_isolated_and_a_saved_book_reopens_from_its_snapshot(loaded, app_url, small_book):

@@ -38,8 +38,9 @@ def app_url(tmp_path_factory):
     ART.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, APP_PORT=str(port), GRADIO_ANALYTICS_ENABLED="False", OMP_NUM_THREADS="1")
     args = ["--model", "smollm2-135m", "--threads", "1", "--library", str(library), "--max-new-tokens", "24"]
-    proc = subprocess.Popen([sys.executable, str(ROOT / "app.py"), *args], cwd=ROOT, env=env,
-                            stdout=open(ART / "app-e2e.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    with open(ART / "app-e2e.log", "w") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen([sys.executable, str(ROOT / "app.py"), *args], cwd=ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     url, deadline = f"http://127.0.0.1:{port}/", time.time() + 120
     while True:
         assert proc.poll() is None, f"the app exited, see {ART / 'app-e2e.log'}"

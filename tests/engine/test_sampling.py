@@ -12,7 +12,7 @@ import torch
 from engine.sampling import Draft, GeneratorCoins, acceptance, sampling_probs, verify
 from tests.engine.enumerate import ScriptedCoins, exact_distribution
 
-V = 4  # small enough to enumerate every outcome of three sampled levels
+V = 3  # small enough to enumerate every outcome of three sampled levels
 
 
 def toy(seed: int, sharpen: float = 1.0):
@@ -79,7 +79,7 @@ def test_greedy_verdicts():
     v = verify(q, Draft.chain([1, 3]), coins)  # second mismatches: emit argmax q[1] = 0
     assert (v.path, v.token, v.n_tested) == ([0], 0, 2)
     tree = Draft(torch.tensor([2, 1, 0]), torch.tensor([-1, -1, 1]), None)  # siblings 2, 1; 1 -> 0
-    q = sampling_probs(torch.eye(V)[[1, 3, 0, 4]], 0)  # argmax after: root 1, node0 3, node1 0, node2 4
+    q = sampling_probs(torch.eye(5)[[1, 3, 0, 4]], 0)  # argmax after: root 1, node0 3, node1 0, node2 4
     v = verify(q, tree, coins)  # rejects sibling 2, accepts 1, then its child 0, bonus 4
     assert (v.path, v.token, v.n_tested) == ([1, 2], 4, 3)
 
@@ -187,9 +187,9 @@ def test_triforce_resampling_from_q_is_biased():
     because it takes the middle's q as r. The residual rule passes the same check."""
     q_top, q_mid = toy(0), toy(3)
     r = toy(3, sharpen=3.0)  # a draft sharpened towards the middle's argmax: rejections matter
-    want = target_distribution(q_top, 2)
-    right, _ = exact_distribution(speculative_run(q_top, middle_level(q_mid, sampled_drafter(r), 2), 2, 2))
+    want = target_distribution(q_top, 1)
+    right, _ = exact_distribution(speculative_run(q_top, middle_level(q_mid, sampled_drafter(r), 2), 1, 2))
     wrong, _ = exact_distribution(
-        speculative_run(q_top, middle_level(q_mid, sampled_drafter(r), 2, resample_from_q=True), 2, 2))
+        speculative_run(q_top, middle_level(q_mid, sampled_drafter(r), 2, resample_from_q=True), 1, 2))
     assert_same(right, want)
     assert max(abs(wrong.get(k, 0) - p) for k, p in want.items()) > 1e-3

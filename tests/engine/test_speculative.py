@@ -5,6 +5,7 @@ decoding's; a chi-square test on seeded samples agrees and fails on a wrong acce
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import pytest
@@ -96,34 +97,47 @@ def test_every_stack_preserves_the_distribution_exactly(levels, sampling):
         assert abs(got.get(seq, 0.0) - want.get(seq, 0.0)) < 1e-6, seq
 
 
-def first_token_counts(engine, doc, q, sampling, n_samples: int, vocab: int, position: int = 2):
+def token_counts(engine, doc, q, sampling, n_samples: int, vocab: int, position: int):
+    """How often each token appears at `position` of the answer over seeds 0..n_samples-1."""
     session = engine.open(doc)
     counts = torch.zeros(vocab)
     for seed in range(n_samples):
-        s = SamplingConfig(temperature=sampling.temperature, top_p=sampling.top_p, max_new_tokens=3, seed=seed)
-        answer = [t for e in session.ask(q, s) for t in e.tokens]
+        answer = [t for e in session.ask(q, replace(sampling, seed=seed)) for t in e.tokens]
         counts[answer[position]] += 1
         session.truncate(len(doc))
     return counts
 
 
+CHI_VOCAB, CHI_SAMPLES = 24, 400
+
+
+@functools.cache
+def chi_setup(temperature: float, top_p: float):
+    """Document, question and the exact distribution of plain decoding's second answer token."""
+    doc, q = random_ids(40, CHI_VOCAB, 7), random_ids(3, CHI_VOCAB, 8)
+    sampling = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=2)
+    engine = tiny_engine("plain", vocab=CHI_VOCAB)
+    want, _ = exact_distribution(
+        lambda coins: tuple(t for e in engine.open(doc).ask(q, sampling, coins=coins) for t in e.tokens)[1],
+        min_prob=1e-12)
+    return doc, q, sampling, torch.tensor([want.get(t, 0.0) for t in range(CHI_VOCAB)])
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected >= 5  # rare tokens pooled into one bin
+    f_obs = torch.cat([counts[keep], counts[~keep].sum().reshape(1)])
+    f_exp = torch.cat([expected[keep], expected[~keep].sum().reshape(1)])
+    return float(chisquare(f_obs.numpy(), (f_exp * f_obs.sum() / f_exp.sum()).numpy()).pvalue)
+
+
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["T1", "T0.7-p0.9"])
 @pytest.mark.parametrize("levels", SPECULATIVE)
 def test_chi_square_of_sampled_tokens(levels, sampling):
-    """End-to-end samples (vocab 24) against the exact distribution of plain decoding."""
-    vocab = 24
-    doc, q = random_ids(40, vocab, 7), random_ids(3, vocab, 8)
-    sampling = SamplingConfig(temperature=sampling.temperature, top_p=sampling.top_p, max_new_tokens=3)
-    want, _ = exact_distribution(lambda coins: tuple(
-        t for e in tiny_engine("plain", vocab=vocab).open(doc).ask(q, sampling, coins=coins) for t in e.tokens)[2],
-        min_prob=1e-9)
-    expected = torch.tensor([want.get(t, 0.0) for t in range(vocab)])
-    counts = first_token_counts(tiny_engine(levels, vocab=vocab), doc, q, sampling, 600, vocab)
-    keep = expected * 600 >= 5
-    f_exp = torch.cat([expected[keep] * 600, (expected[~keep].sum() * 600).reshape(1)])
-    f_obs = torch.cat([counts[keep], counts[~keep].sum().reshape(1)])
-    f_exp = f_exp * f_obs.sum() / f_exp.sum()
-    assert chisquare(f_obs.numpy(), f_exp.numpy()).pvalue > 1e-3
+    """End-to-end seeded samples of the second answer token (drafted, checked by every level)."""
+    doc, q, sampling, probs = chi_setup(sampling.temperature, sampling.top_p)
+    counts = token_counts(tiny_engine(levels, vocab=CHI_VOCAB), doc, q, sampling, CHI_SAMPLES, CHI_VOCAB, 1)
+    assert chi_square_pvalue(counts, probs) > 1e-3
 
 
 def test_same_seed_same_answer_and_generator_coins_are_seeded():
@@ -159,18 +173,13 @@ def test_exact_enumeration_fails_on_a_wrong_rule(levels, monkeypatch):
 
 def test_chi_square_fails_on_a_wrong_rule(monkeypatch):
     """The statistical test has power: a draft sharpened towards the target's argmax, checked
-    with the wrong rule, is rejected; the same draft with the right rule passes above."""
-    vocab = 24
-    doc, q = random_ids(40, vocab, 7), random_ids(3, vocab, 8)
-    sampling = SamplingConfig(temperature=1.0, max_new_tokens=3)
-    engine = tiny_engine("draft>full", vocab=vocab, sharpen_draft=True, gamma_bottom=3)
+    with the wrong rule, is rejected at the first speculated token; the right rule passes."""
+    doc, q, sampling, _ = chi_setup(1.0, 1.0)
+    engine = tiny_engine("draft>full", vocab=CHI_VOCAB, sharpen_draft=True, gamma_bottom=3)
     want, _ = exact_distribution(lambda coins: tuple(
-        t for e in tiny_engine("plain", vocab=vocab).open(doc).ask(q, sampling, coins=coins) for t in e.tokens)[0],
-        min_prob=1e-9)
+        t for e in tiny_engine("plain", vocab=CHI_VOCAB).open(doc).ask(q, sampling, coins=coins) for t in e.tokens)[0])
+    probs = torch.tensor([want.get(t, 0.0) for t in range(CHI_VOCAB)])
+    right = token_counts(engine, doc, q, sampling, CHI_SAMPLES, CHI_VOCAB, 0)
     monkeypatch.setattr(sampling_module, "acceptance", wrong_acceptance)
-    counts = first_token_counts(engine, doc, q, sampling, 600, vocab, position=0)
-    expected = torch.tensor([want.get(t, 0.0) for t in range(vocab)]) * 600
-    keep = expected >= 5
-    f_obs = torch.cat([counts[keep], counts[~keep].sum().reshape(1)])
-    f_exp = torch.cat([expected[keep], expected[~keep].sum().reshape(1)])
-    assert chisquare(f_obs.numpy(), (f_exp * f_obs.sum() / f_exp.sum()).numpy()).pvalue < 1e-6
+    wrong = token_counts(engine, doc, q, sampling, CHI_SAMPLES, CHI_VOCAB, 0)
+    assert chi_square_pvalue(right, probs) > 1e-3 and chi_square_pvalue(wrong, probs) < 1e-4

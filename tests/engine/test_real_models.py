@@ -1,0 +1,65 @@
+"""Real weights (SmolLM2-135M, Qwen2.5-Coder-0.5B), a ~2K-token prompt from a real book, greedy
+64 tokens: every level stack gives plain decoding's tokens; a divergence is allowed only at a
+float near-tie (shown by the top-2 logit margin), and acceptance rates are printed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.chat import ChatFormat
+from engine.config import LEVEL_STACKS, EngineConfig, SamplingConfig
+from engine.engine import Engine
+from engine.models import packaged_model_dir
+
+pytestmark = pytest.mark.slow
+BOOK = Path(__file__).parents[2] / "assets" / "persuasion.txt"
+NEAR_TIE = 0.05  # logits; float32 verification of 8 tokens vs 1 changes the last bits only
+
+
+def load(name: str) -> Engine:
+    if packaged_model_dir(name, assemble=False) is None:
+        pytest.skip(f"{name} is not assembled: run `python -m engine.models --only {name}`")
+    torch.set_num_threads(2)
+    # the target is also the draft model here: CI has no smaller model with its tokenizer
+    return Engine.load(EngineConfig(target=name, draft=name, levels="plain", device="cpu", dtype="float32"))
+
+
+def top2_margin(engine: Engine, prefix: list[int]) -> float:
+    """Gap between the two largest logits of plain decoding after `prefix`."""
+    cache = engine.new_full_cache(len(prefix))
+    engine.prefill(cache, prefix[:-1], None)
+    logits = engine.target(torch.tensor([prefix[-1:]]), torch.tensor([len(prefix) - 1]), cache)[0, -1]
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
+def test_every_stack_equals_plain_decoding_on_real_weights(name):
+    engine = load(name)
+    chat = ChatFormat(engine.tokenizer)
+    doc = chat.document_ids(BOOK.read_text())[:2000]
+    q = chat.question_ids("Who is Sir Walter Elliot, and what does he like to read?", True, False)
+    session = engine.open(doc)
+    answers, report = {}, []
+    for levels in LEVEL_STACKS:
+        session.set_levels(levels)
+        events = list(session.ask(q, SamplingConfig(max_new_tokens=64), stop_ids=chat.stop_ids))
+        answers[levels] = [t for e in events for t in e.tokens]
+        session.truncate(len(doc))
+        stats = events[-1].stats
+        report.append(f"{levels:22s} TBT {stats.tbt_ms_mean:6.1f} ms  " + "  ".join(
+            f"{s.name} acceptance {s.acceptance:.2f} ({s.tokens_per_check:.2f} tokens/check)" for s in stats.levels))
+        if levels != "plain":
+            assert all(s.acceptance > 0 for s in stats.levels), report[-1]
+    print(f"\n{name}, {len(doc)}-token prompt:\n" + "\n".join(report))
+    plain = answers["plain"]
+    assert len(plain) >= 16 and engine.n_prefills == 1
+    for levels, got in answers.items():
+        n_same = next((i for i, (a, b) in enumerate(zip(got, plain)) if a != b), min(len(got), len(plain)))
+        if got != plain:
+            margin = top2_margin(engine, doc + q + plain[:n_same])
+            print(f"{levels}: agrees for {n_same}/{len(plain)} tokens; top-2 margin there {margin:.4f}")
+            assert margin < NEAR_TIE, f"{levels} diverges at token {n_same} without a near-tie"
