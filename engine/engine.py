@@ -87,7 +87,7 @@ class Engine:
         dtype = pick_dtype(config.dtype, device)
         target, tokenizer = load_model(config.target, dtype, device)
         draft = None
-        if config.draft and "draft" in config.level_names:
+        if config.draft:  # loaded even when the first stack does not use it: sessions may switch
             draft, draft_tokenizer = load_model(config.draft, dtype, device)
             check_same_tokenizer(tokenizer, draft_tokenizer, config.target, config.draft)
         return cls(config, target, tokenizer, draft)

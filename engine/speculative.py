@@ -108,13 +108,14 @@ class Scorer:
     def __init__(self, model: Transformer, cache: KVCache, query_log: QueryLog | None = None):
         self.model, self.cache, self.query_log = model, cache, query_log
 
-    def score(self, pending: list[int], draft: Draft, sampling: SamplingConfig) -> torch.Tensor:
+    def score(self, pending: list[int], start_pos: int, draft: Draft, sampling: SamplingConfig) -> torch.Tensor:
         """q after the last pending token and after each draft node: [N+1, V] (float64).
 
-        pending: committed tokens this cache has not seen (at least the last committed token).
+        pending: committed tokens this cache has not seen (at least the last committed token),
+        the first at absolute position `start_pos` (a retrieval cache holds fewer slots than that).
         """
         P, N = len(pending), len(draft)
-        base, device = self.cache.length, self.model.lm_head.weight.device
+        base, device = start_pos, self.model.lm_head.weight.device
         ids = torch.tensor([pending + draft.tokens.tolist()], device=device)
         pos = torch.cat([torch.arange(base, base + P), base + P + draft.depths()]).to(device)
         tail = torch.ones(P + N, P + N, dtype=torch.bool).tril()
@@ -131,10 +132,10 @@ class Scorer:
             self.cache.keep_tail(start, torch.tensor(path))
 
 
-def check(scorer: Scorer, pending: list[int], draft: Draft, sampling: SamplingConfig,
+def check(scorer: Scorer, pending: list[int], start_pos: int, draft: Draft, sampling: SamplingConfig,
           coins: Coins) -> tuple[Verdict, torch.Tensor]:
     """Score a draft, accept a prefix of it, keep its KV; returns the verdict and q ([N+1, V])."""
-    q = scorer.score(pending, draft, sampling)
+    q = scorer.score(pending, start_pos, draft, sampling)
     verdict = verify(q, draft, coins)
     scorer.keep(len(pending), len(draft), verdict.path)
     return verdict, q
@@ -210,7 +211,8 @@ class CheckingDrafter:
             t0 = now(self.scorer.model.lm_head.weight.device)
             draft = self.below.propose(g, sampling, coins) if self.below else EMPTY_DRAFT
             t1 = now(self.scorer.model.lm_head.weight.device)
-            verdict, q = check(self.scorer, pending, draft, sampling, coins)
+            start_pos = len(self.tokens) + len(drafted) - len(pending)
+            verdict, q = check(self.scorer, pending, start_pos, draft, sampling, coins)
             t2 = now(self.scorer.model.lm_head.weight.device)
             self.tuner.observe(len(draft), t1 - t0, verdict, len(pending) + len(draft), t2 - t1)
             self.stats.record(verdict, t2 - t1)
@@ -254,7 +256,7 @@ class LevelStack:
         t0 = now(device)
         draft = self.drafter.propose(gamma, sampling, coins) if self.drafter else EMPTY_DRAFT
         t1 = now(device)
-        verdict, _ = check(self.top, pending, draft, sampling, coins)
+        verdict, _ = check(self.top, pending, len(self.tokens) - len(pending), draft, sampling, coins)
         t2 = now(device)
         self.tuner.observe(len(draft), t1 - t0, verdict, len(pending) + len(draft), t2 - t1)
         self.top_stats.record(verdict, t2 - t1)

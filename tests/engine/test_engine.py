@@ -108,3 +108,15 @@ def test_config_errors_say_what_to_do():
         EngineConfig(levels="draft>full")
     with pytest.raises(ValueError, match="top_p"):
         SamplingConfig(top_p=0)
+
+
+def test_middle_level_equals_the_top_when_the_document_fits_its_budget():
+    """With the whole prompt in the retrieval cache, the middle level is the target itself at
+    the right positions: in greedy decoding the top accepts every token it drafts."""
+    from engine.config import RetrievalConfig
+
+    retrieval = RetrievalConfig(budget_tokens=512, sink_tokens=4, window_tokens=16, chunk_tokens=4)
+    session = tiny_engine("retrieval>full", retrieval=retrieval).open(random_ids(150, 128, 14))
+    events = list(session.ask(random_ids(5, 128, 15), SamplingConfig(max_new_tokens=30)))
+    full = events[-1].stats.levels[-1]
+    assert full.n_tested > 0 and full.acceptance == 1.0

@@ -63,3 +63,19 @@ def test_every_stack_equals_plain_decoding_on_real_weights(name):
             margin = top2_margin(engine, doc + q + plain[:n_same])
             print(f"{levels}: agrees for {n_same}/{len(plain)} tokens; top-2 margin there {margin:.4f}")
             assert margin < NEAR_TIE, f"{levels} diverges at token {n_same} without a near-tie"
+
+
+def test_cli_streams_an_answer_and_prints_level_stats(tmp_path, capsys):
+    from engine.__main__ import main
+
+    load("smollm2-135m")
+    book = tmp_path / "book.txt"
+    book.write_text(BOOK.read_text()[:3000])
+    rc = main(["generate", "--model", "smollm2-135m", "--file", str(book), "--dtype", "float32",
+               "--question", "Who is Sir Walter Elliot?", "--question", "And his daughters?",
+               "--max-new-tokens", "12", "--levels", "ngram>retrieval>full"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and len(out.strip()) > 10
+    assert err.count("retrieval: ") == 2 and "acceptance" in err and "TBT" in err
+    assert main(["generate", "--model", "no-such-model", "--file", str(book), "--question", "x"]) == 1
+    assert "No model 'no-such-model'" in capsys.readouterr().err

@@ -1,0 +1,116 @@
+"""What this machine can do, measured in the benchmark's own process, and the per-token floor.
+
+`measure_hardware` times a large copy (bytes read + written per second) and a large square
+matmul in bfloat16 and float32, plus the decode-shaped matmuls ([1 or 8, dim] x [dim, 4*dim])
+that show whether a dtype reads its weights at copy speed. `token_floor_ms` turns those into the
+physical floor of one full-model forward: max(bytes read / bandwidth, FLOPs / peak matmul rate).
+A peak RSS sampler lives here too (a thread reading psutil every few milliseconds).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import psutil
+import torch
+
+
+def _best_s(fn, n_repeats: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(n_repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@dataclass
+class Hardware:
+    copy_gb_s: float  # (bytes read + bytes written) / s of a 512 MiB tensor copy
+    matmul_tflops: dict[str, float]  # dtype name -> best rate of a 2048^3 matmul
+    decode_matmul_ms: dict[str, float]  # "bfloat16 T=1" -> ms of [T, 896] x [896, 4864]
+    n_threads: int
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def measure_hardware(n_repeats: int = 5, copy_mib: int = 512) -> Hardware:
+    src = torch.empty(copy_mib << 20, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    copy_s = _best_s(lambda: dst.copy_(src), n_repeats)
+    tflops, decode_ms = {}, {}
+    for dtype in (torch.bfloat16, torch.float32):
+        name = str(dtype).removeprefix("torch.")
+        a = torch.randn(2048, 2048).to(dtype)
+        b = torch.randn(2048, 2048).to(dtype)
+        tflops[name] = 2 * 2048**3 / _best_s(lambda a=a, b=b: a @ b, n_repeats) / 1e12
+        w = torch.randn(4864, 896).to(dtype)  # Qwen-0.5B gate_proj shape, [out, in] as nn.Linear
+        for n_rows in (1, 8):
+            x = torch.randn(1, n_rows, 896).to(dtype)
+            decode_ms[f"{name} T={n_rows}"] = 1000 * _best_s(
+                lambda x=x, w=w: torch.nn.functional.linear(x, w), 20 * n_repeats)
+    return Hardware(2 * (copy_mib << 20) / copy_s / 1e9, tflops, decode_ms, torch.get_num_threads())
+
+
+@dataclass
+class Floor:
+    weight_bytes: int
+    kv_bytes: int  # KV of the context the token attends to
+    flops: float  # matmuls (2 per weight) + attention (4 * S * H * D per layer)
+    bytes_ms: float
+    flops_ms: float
+
+    @property
+    def ms(self) -> float:
+        return max(self.bytes_ms, self.flops_ms)
+
+
+def token_floor(model, context_tokens: int, hw: Hardware) -> Floor:
+    """Floor of one plain decoding step of `model` (our Transformer) over `context_tokens`.
+
+    Every weight is read once (the tied embedding once, as the LM head); the embedding lookup's
+    FLOPs are not matmuls, the LM head's are.
+    """
+    c = model.config
+    dtype = model.lm_head.weight.dtype
+    params = {p.data_ptr(): p for p in model.parameters()}.values()
+    weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    matmul_params = sum(p.numel() for n, p in model.named_parameters()
+                        if p.dim() == 2 and "embed_tokens" not in n)
+    if c.has_tied_embeddings:
+        matmul_params += model.lm_head.weight.numel()
+    kv_bytes = c.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * context_tokens
+    flops = 2 * matmul_params + 4 * c.n_layers * c.n_heads * c.head_dim * context_tokens
+    peak = hw.matmul_tflops[str(dtype).removeprefix("torch.")] * 1e12
+    return Floor(weight_bytes, kv_bytes, flops, 1000 * (weight_bytes + kv_bytes) / (hw.copy_gb_s * 1e9),
+                 1000 * flops / peak)
+
+
+class RssSampler:
+    """Peak resident set size of this process while a `with` block runs (sampled every 10 ms)."""
+
+    def __init__(self, interval_s: float = 0.01):
+        self.interval_s = interval_s
+        self.process = psutil.Process()
+        self.peak_bytes = 0
+        self._stop = threading.Event()
+
+    def __enter__(self) -> RssSampler:
+        self.peak_bytes = self.process.memory_info().rss
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak_bytes = max(self.peak_bytes, self.process.memory_info().rss)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_bytes = max(self.peak_bytes, self.process.memory_info().rss)

@@ -1,0 +1,408 @@
+"""CPU long-context benchmark: our level stacks side by side with Hugging Face transformers (issue 7).
+
+One process, one run. The committed sample book (assets/persuasion.txt) is cut to each context
+length and wrapped exactly as the app does (engine/chat.py: `document_ids` + `question_ids`).
+Each context is prefilled ONCE per implementation: ours with `Engine.open` (then `Session.save`,
+and `Session.restore` before every method), Hugging Face with one forward into a DynamicCache
+(deep-copied before every method). Every method then answers the same questions with the same
+settings, greedy and sampled. Timing is wall clock around the token stream (a streamer for HF,
+the event stream for ours): TTFT covers the question's prefill and the first check; TBT is decode
+only. The floor is one plain full-model step: max(bytes read / copy bandwidth, FLOPs / peak
+matmul rate), both measured at start-up in this process (benchmarks/hardware.py).
+
+    python -m benchmarks.longctx --contexts 8192 --new-tokens 128            # 0.5B
+    python -m benchmarks.longctx --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --contexts 8192
+    python -m benchmarks.longctx --quick                                     # CI smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import psutil
+import torch
+
+from benchmarks.hardware import RssSampler, measure_hardware, token_floor
+from engine.chat import ChatFormat
+from engine.config import EngineConfig, SamplingConfig
+from engine.engine import Engine, Session
+from engine.loading import resolve_model
+
+ROOT = Path(__file__).resolve().parent.parent
+BOOK = ROOT / "assets" / "persuasion.txt"
+QUESTIONS = (
+    ("summary", "Summarize the story so far in one paragraph."),
+    ("fact", "What is the name of Sir Walter Elliot's estate, and which book does he like to read?"),
+)
+HF_METHODS = ("hf:plain", "hf:prompt-lookup", "hf:assisted")
+OUR_METHODS = ("ours:plain", "ours:ngram>full", "ours:retrieval>full", "ours:ngram>retrieval>full",
+               "ours:draft>retrieval>full")
+SAMPLINGS = {"greedy": (0.0, 1.0), "sampled": (0.6, 0.9)}  # temperature, top_p
+PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value
+COPY_NGRAM = 8  # an answer token is "copied" when it lies in an 8-token run found in the book
+COPY_HEAVY_SHARE = 0.5
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.longctx", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-coder-0.5b")
+    p.add_argument("--draft", default=None, help="draft model: enables hf:assisted and ours:draft>...")
+    p.add_argument("--contexts", default="8192,16384,32768", help="comma-separated token counts")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--samplings", default="greedy,sampled")
+    p.add_argument("--questions", default="summary,fact")
+    p.add_argument("--methods", default=None, help="comma-separated subset (default: all that apply)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "longctx.json")
+    p.add_argument("--quick", action="store_true", help="CI smoke test: SmolLM2, ~1K context, 16 tokens")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.model, args.draft, args.contexts, args.new_tokens = "smollm2-135m", None, "1024", 16
+        args.samplings, args.questions = "greedy", "summary"
+        args.methods = args.methods or "hf:plain,hf:prompt-lookup,ours:plain,ours:ngram>retrieval>full"
+    all_methods = [m for m in HF_METHODS + OUR_METHODS if args.draft or "draft" not in m and "assisted" not in m]
+    args.methods = args.methods.split(",") if args.methods else all_methods
+    unknown = set(args.methods) - set(HF_METHODS + OUR_METHODS)
+    if unknown:
+        p.error(f"unknown methods {sorted(unknown)}; choose from {HF_METHODS + OUR_METHODS}")
+    if not args.draft and any("draft" in m or "assisted" in m for m in args.methods):
+        p.error("hf:assisted and ours:draft>retrieval>full need --draft")
+    args.contexts = [int(n) for n in args.contexts.split(",")]
+    return args
+
+
+# ---------------------------------------------------------------- prompts
+
+def book_doc_ids(chat: ChatFormat, book_ids: list[int], n_tokens: int) -> list[int]:
+    """The app's document ids for the first part of the book, about `n_tokens` long in total."""
+    overhead = len(chat.document_ids("x")) - 1
+    text = chat.tokenizer.decode(book_ids[: n_tokens - overhead])
+    return chat.document_ids(text)
+
+
+def copy_share(answer: list[int], doc_grams: set[tuple[int, ...]]) -> float:
+    """Share of answer tokens inside a run of COPY_NGRAM tokens that occurs verbatim in the book."""
+    covered = [False] * len(answer)
+    for i in range(len(answer) - COPY_NGRAM + 1):
+        if tuple(answer[i:i + COPY_NGRAM]) in doc_grams:
+            covered[i:i + COPY_NGRAM] = [True] * COPY_NGRAM
+    return sum(covered) / len(answer) if answer else 0.0
+
+
+# ---------------------------------------------------------------- timing
+
+def timing(t_start: float, events: list[tuple[float, int]]) -> dict:
+    """TTFT, median / mean decode TBT from (time, n_tokens) of each emission after the prompt."""
+    events = [(t, n) for t, n in events if n]
+    if not events:
+        return {"n_tokens": 0, "ttft_s": None, "tbt_ms_median": None, "tbt_ms_mean": None, "tokens_per_s": None}
+    per_token_ms = []
+    for (t0, _), (t1, n) in zip(events, events[1:]):
+        per_token_ms += [1000 * (t1 - t0) / n] * n
+    n_total = sum(n for _, n in events)
+    n_decode = n_total - events[0][1]
+    mean_ms = 1000 * (events[-1][0] - events[0][0]) / n_decode if n_decode else None
+    return {"n_tokens": n_total, "ttft_s": events[0][0] - t_start,
+            "tbt_ms_median": statistics.median(per_token_ms) if per_token_ms else None,
+            "tbt_ms_mean": mean_ms, "tokens_per_s": 1000 / mean_ms if mean_ms else None,
+            "total_s": events[-1][0] - t_start}
+
+
+class TimingStreamer:
+    """transformers streamer that timestamps every put after the prompt's."""
+
+    def __init__(self):
+        self.events: list[tuple[float, int]] = []
+        self.tokens: list[int] = []
+        self.has_prompt = False
+
+    def put(self, value: torch.Tensor) -> None:
+        t = time.perf_counter()
+        if not self.has_prompt:
+            self.has_prompt = True
+            return
+        ids = value.flatten().tolist()
+        self.tokens += ids
+        self.events.append((t, len(ids)))
+
+    def end(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------- Hugging Face
+
+def load_hf(name: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype, attn_implementation="sdpa",
+                                                 local_files_only=True).eval()
+    first_step_skips_cached(model)
+    return model
+
+
+def hf_prefill(model, doc_ids: list[int]):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([doc_ids]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+def first_step_skips_cached(model) -> None:
+    """Work around transformers 5.23 assisted decoding (prompt lookup, assistant model) ignoring a
+    prefilled cache: its first iteration feeds the whole prompt (`next_sequence_length=None`), so
+    the cached document is appended a second time at wrong positions. Feed only the uncached part,
+    as plain `generate` does in `_prefill`. Applied to the target model object only."""
+    original = model.prepare_inputs_for_generation
+
+    def prepare(input_ids, next_sequence_length=None, past_key_values=None, is_first_iteration=False, **kwargs):
+        if is_first_iteration and next_sequence_length is None and past_key_values is not None:
+            next_sequence_length = input_ids.shape[1] - past_key_values.get_seq_length()
+        return original(input_ids, next_sequence_length=next_sequence_length, past_key_values=past_key_values,
+                        is_first_iteration=is_first_iteration, **kwargs)
+
+    model.prepare_inputs_for_generation = prepare
+
+
+def hf_generate(method: str, model, draft, doc_cache, prompt: list[int], stop_ids: set[int],
+                temperature: float, top_p: float, new_tokens: int, seed: int, pad_id: int) -> dict:
+    from transformers import GenerationConfig
+
+    settings = dict(max_new_tokens=new_tokens, eos_token_id=sorted(stop_ids), pad_token_id=pad_id,
+                    do_sample=temperature > 0, repetition_penalty=1.0)
+    if temperature > 0:
+        settings.update(temperature=temperature, top_p=top_p, top_k=0)  # 0: no top-k, as SamplingConfig
+    if method == "hf:prompt-lookup":
+        settings["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
+    cache = copy.deepcopy(doc_cache)
+    streamer = TimingStreamer()
+    extra = {"assistant_model": draft} if method == "hf:assisted" else {}
+    torch.manual_seed(seed)
+    t_start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                       past_key_values=cache, generation_config=GenerationConfig(**settings),
+                       streamer=streamer, **extra)
+    return {**timing(t_start, streamer.events), "tokens": streamer.tokens}
+
+
+# ---------------------------------------------------------------- ours
+
+def ours_generate(method: str, engine: Engine, state_path: Path, q_ids: list[int], stop_ids: set[int],
+                  temperature: float, top_p: float, new_tokens: int, seed: int) -> dict:
+    session = Session.restore(engine, state_path)
+    session.set_levels(method.removeprefix("ours:"))
+    sampling = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=new_tokens, seed=seed)
+    tokens, events, last = [], [], None
+    t_start = time.perf_counter()
+    for event in session.ask(q_ids, sampling, stop_ids=stop_ids):
+        events.append((time.perf_counter(), len(event.tokens)))
+        tokens += event.tokens
+        last = event
+    result = {**timing(t_start, events), "tokens": tokens}
+    result["levels"] = level_breakdown(last.stats, result)
+    return result
+
+
+def level_breakdown(stats, result: dict) -> list[dict]:
+    """Acceptance, tokens per check and share of the answer's wall time, per level.
+
+    "below" is the time spent under the lowest checking level: the bottom drafter (n-gram lookup
+    or draft model) and the retrieval cache's syncs and rebuilds. "other" is the rest: the
+    question's prefill, the loop and the event builder.
+    """
+    total = result.get("total_s") or 1e-9
+    rows = [{"level": s.name, "n_checks": s.n_checks, "acceptance": s.acceptance,
+             "tokens_per_check": s.tokens_per_check, "time_s": s.time_s, "share": s.time_s / total}
+            for s in stats.levels]
+    middle_s = sum(s.time_s for s in stats.levels[:-1])
+    below_s = max(0.0, stats.drafter_s - middle_s)
+    rows.append({"level": "below", "time_s": below_s, "share": below_s / total})
+    other_s = total - below_s - sum(s.time_s for s in stats.levels)
+    rows.append({"level": "other", "time_s": other_s, "share": other_s / total})
+    return rows
+
+
+# ---------------------------------------------------------------- the run
+
+def machine() -> dict:
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
+    flags = next((line for line in cpuinfo if line.startswith("flags")), "")
+    return {"cpu": cpu, "amx_bf16": "amx_bf16" in flags, "n_cores": psutil.cpu_count(),
+            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+            "load_avg_at_start": list(psutil.getloadavg())}
+
+
+def run_context(args, n_ctx, engine, hf_model, hf_draft, chat, book_ids, hw, report, save):
+    doc_ids = book_doc_ids(chat, book_ids, n_ctx)
+    doc_grams = {tuple(doc_ids[i:i + COPY_NGRAM]) for i in range(len(doc_ids) - COPY_NGRAM + 1)}
+    floor = token_floor(engine.target, len(doc_ids), hw)
+    ctx = {"n_doc_tokens": len(doc_ids), "floor": {**floor.__dict__, "ms": floor.ms}, "runs": []}
+    report["contexts"].append(ctx)
+    log(f"context {len(doc_ids):,} tokens; floor {floor.ms:.1f} ms/token "
+        f"(bytes {floor.bytes_ms:.1f} ms, FLOPs {floor.flops_ms:.1f} ms)")
+    needs_hf = any(m.startswith("hf:") for m in args.methods)
+    with tempfile.TemporaryDirectory() as tmp:
+        state_path = Path(tmp) / "prefill.pt"
+        with RssSampler() as rss:
+            t0 = time.perf_counter()
+            engine.open(doc_ids).save(state_path)
+            ours_s = time.perf_counter() - t0
+        ctx["prefill"] = {"ours_s": ours_s, "ours_tokens_per_s": len(doc_ids) / ours_s,
+                          "ours_peak_rss_mib": rss.peak_bytes / 2**20}
+        log(f"  ours prefill {ours_s:.1f} s ({len(doc_ids) / ours_s:.0f} tokens/s)")
+        gc.collect()
+        hf_cache = None
+        if needs_hf:
+            with RssSampler() as rss:
+                t0 = time.perf_counter()
+                hf_cache = hf_prefill(hf_model, doc_ids)
+                hf_s = time.perf_counter() - t0
+            ctx["prefill"].update(hf_s=hf_s, hf_tokens_per_s=len(doc_ids) / hf_s,
+                                  hf_peak_rss_mib=rss.peak_bytes / 2**20)
+            log(f"  HF prefill {hf_s:.1f} s ({len(doc_ids) / hf_s:.0f} tokens/s)")
+        save()
+        for q_name in args.questions.split(","):
+            question = dict(QUESTIONS)[q_name]
+            q_ids = chat.question_ids(question, is_first=True, previous_answer_ended=False)
+            for s_name in args.samplings.split(","):
+                temperature, top_p = SAMPLINGS[s_name]
+                reference = None
+                for method in args.methods:
+                    gc.collect()
+                    with RssSampler() as rss:
+                        if method.startswith("hf:"):
+                            r = hf_generate(method, hf_model, hf_draft, hf_cache, doc_ids + q_ids, chat.stop_ids,
+                                            temperature, top_p, args.new_tokens, args.seed,
+                                            chat.tokenizer.pad_token_id or 0)
+                        else:
+                            r = ours_generate(method, engine, state_path, q_ids, chat.stop_ids, temperature,
+                                              top_p, args.new_tokens, args.seed)
+                    r.update(method=method, question=q_name, sampling=s_name, peak_rss_mib=rss.peak_bytes / 2**20,
+                             copy_share=copy_share(r["tokens"], doc_grams))
+                    r["is_copy_heavy"] = r["copy_share"] >= COPY_HEAVY_SHARE
+                    r["floor_ratio"] = r["tbt_ms_mean"] / floor.ms if r["tbt_ms_mean"] else None
+                    if method == "hf:plain":
+                        reference = r
+                    compare(r, reference, s_name)
+                    r["text"] = chat.tokenizer.decode(r["tokens"], skip_special_tokens=True)
+                    ctx["runs"].append(r)
+                    log("  " + one_line(r))
+                    save()
+        del hf_cache
+        gc.collect()
+
+
+def compare(r: dict, reference: dict | None, s_name: str) -> None:
+    if reference is None or not reference["tbt_ms_mean"]:
+        return
+    if r["tbt_ms_mean"]:
+        r["speedup_vs_hf_plain"] = reference["tbt_ms_mean"] / r["tbt_ms_mean"]
+    if s_name == "greedy":
+        a, b = r["tokens"], reference["tokens"]
+        n = min(len(a), len(b))
+        diverge = next((i for i in range(n) if a[i] != b[i]), None if len(a) == len(b) else n)
+        r["equals_hf_plain"] = diverge is None
+        r["diverges_at"] = diverge
+
+
+def one_line(r: dict) -> str:
+    def f(x, spec):
+        return format(x, spec) if isinstance(x, (int, float)) else "-"
+    levels = " ".join(f"{lv['level']}:a={lv['acceptance']:.2f},t/c={lv['tokens_per_check']:.2f},{lv['share']:.0%}"
+                      if "acceptance" in lv else f"{lv['level']}:{lv['share']:.0%}" for lv in r.get("levels", []))
+    eq = {True: "same", False: f"differs@{r.get('diverges_at')}", None: ""}[r.get("equals_hf_plain")]
+    return (f"{r['question']:7} {r['sampling']:7} {r['method']:27} n={r['n_tokens']:3} ttft={f(r['ttft_s'], '.2f')}s "
+            f"tbt={f(r['tbt_ms_median'], '.1f')}/{f(r['tbt_ms_mean'], '.1f')}ms "
+            f"x{f(r.get('speedup_vs_hf_plain'), '.2f')} floor x{f(r['floor_ratio'], '.2f')} "
+            f"copy={r['copy_share']:.0%} rss={r['peak_rss_mib']:.0f}MiB {eq} {levels}")
+
+
+def markdown(report: dict) -> str:
+    head = ("| context | question | sampling | method | tokens | copy | TTFT s | TBT median ms | TBT mean ms "
+            "| tokens/s "
+            "| vs HF plain | TBT/floor | = HF plain | levels: acceptance, tokens/check, time share | peak RSS MiB |\n"
+            "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
+    rows = [head]
+
+    def f(x, spec):
+        return format(x, spec) if isinstance(x, (int, float)) else "–"
+    for ctx in report["contexts"]:
+        for r in ctx["runs"]:
+            levels = "; ".join(
+                f"{lv['level']} {lv['acceptance']:.2f}, {lv['tokens_per_check']:.2f}, {lv['share']:.0%}"
+                if "acceptance" in lv else f"{lv['level']} {lv['share']:.0%}" for lv in r.get("levels", []))
+            eq = {True: "yes", False: f"no (token {r.get('diverges_at')})", None: ""}[r.get("equals_hf_plain")]
+            copy_label = f"{r['copy_share']:.0%}" + (" copy-heavy" if r["is_copy_heavy"] else "")
+            rows.append(f"| {ctx['n_doc_tokens']:,} | {r['question']} | {r['sampling']} | `{r['method']}` "
+                        f"| {r['n_tokens']} "
+                        f"| {copy_label} | {f(r['ttft_s'], '.2f')} | {f(r['tbt_ms_median'], '.1f')} "
+                        f"| {f(r['tbt_ms_mean'], '.1f')} | {f(r['tokens_per_s'], '.2f')} "
+                        f"| {f(r.get('speedup_vs_hf_plain'), '.2f')}× | {f(r['floor_ratio'], '.2f')} | {eq} | {levels} "
+                        f"| {r['peak_rss_mib']:.0f} |")
+    pre = ["| context | floor ms/token (bytes / FLOPs) | ours prefill tokens/s | HF prefill tokens/s |",
+           "|---:|---|---:|---:|"]
+    for ctx in report["contexts"]:
+        fl, p = ctx["floor"], ctx.get("prefill", {})
+        pre.append(f"| {ctx['n_doc_tokens']:,} | {fl['ms']:.1f} ({fl['bytes_ms']:.1f} / {fl['flops_ms']:.1f}) "
+                   f"| {f(p.get('ours_tokens_per_s'), '.0f')} | {f(p.get('hf_tokens_per_s'), '.0f')} |")
+    return "\n".join(pre) + "\n\n" + "\n".join(rows) + "\n"
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    hw = measure_hardware(n_repeats=1 if args.quick else 5, copy_mib=64 if args.quick else 512)
+    log(f"copy {hw.copy_gb_s:.1f} GB/s; matmul {hw.matmul_tflops}; decode matmuls {hw.decode_matmul_ms}")
+    levels = "draft>retrieval>full" if args.draft else "ngram>retrieval>full"
+    engine = Engine.load(EngineConfig(target=args.model, draft=args.draft, levels=levels, dtype=args.dtype))
+    needs_hf = any(m.startswith("hf:") for m in args.methods)
+    hf_model = load_hf(args.model, dtype) if needs_hf else None
+    hf_draft = load_hf(args.draft, dtype) if "hf:assisted" in args.methods else None
+    chat = ChatFormat(engine.tokenizer)
+    book_ids = chat._user_text(BOOK.read_text(encoding="utf-8-sig").strip())
+    report = {"command": "python -m benchmarks.longctx " + " ".join(sys.argv[1:] if argv is None else argv),
+              "date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(),
+              "settings": {"model": args.model, "draft": args.draft, "dtype": args.dtype, "threads": args.threads,
+                           "new_tokens": args.new_tokens, "seed": args.seed, "methods": args.methods,
+                           "questions": {q: dict(QUESTIONS)[q] for q in args.questions.split(",")},
+                           "samplings": {s: SAMPLINGS[s] for s in args.samplings.split(",")},
+                           "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS},
+              "hardware": hw.to_json(), "contexts": []}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        args.out.with_suffix(".md").write_text(markdown(report))
+
+    for n_ctx in args.contexts:
+        run_context(args, n_ctx, engine, hf_model, hf_draft, chat, book_ids, hw, report, save)
+    report["max_rss_mib"] = psutil.Process().memory_info().rss / 2**20
+    save()
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
