@@ -53,7 +53,8 @@ def test_every_stack_equals_plain_decoding_on_real_weights(name):
         report.append(f"{levels:22s} TBT {stats.tbt_ms_mean:6.1f} ms  " + "  ".join(
             f"{s.name} acceptance {s.acceptance:.2f} ({s.tokens_per_check:.2f} tokens/check)" for s in stats.levels))
         if levels != "plain":
-            assert all(s.acceptance > 0 for s in stats.levels), report[-1]
+            checked = [s for s in stats.levels if s.n_tested]  # a middle level alone proposes nothing
+            assert checked and checked[-1].name == "full" and all(s.acceptance > 0 for s in checked), report[-1]
     print(f"\n{name}, {len(doc)}-token prompt:\n" + "\n".join(report))
     plain = answers["plain"]
     assert len(plain) >= 16 and engine.n_prefills == 1
