@@ -56,6 +56,16 @@ class Cancelled(EngineError):
         super().__init__(f"The {what} was cancelled.")
 
 
+class BadTokens(EngineError, ValueError):
+    def __init__(self, what: str, vocab_size: int):
+        super().__init__(f"The {what} holds token ids outside the model's vocabulary (0..{vocab_size - 1}).")
+
+
+class Busy(EngineError):
+    def __init__(self):
+        super().__init__("This book is already answering a question: stop it or wait for it to finish.")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Decoder shapes, read from a Hugging Face config (Llama and Qwen2 families)."""
@@ -134,6 +144,11 @@ class EngineConfig:
     gamma_bottom: int | None = None  # None: adaptive (ALGORITHM.md section 6)
     gamma_middle: int | None = None
     max_gamma: int = 8  # upper bound for adaptive draft lengths
+    offload_kv: bool = False  # full cache in host memory, streamed to the GPU per layer (kv/offload.py)
+    resident_kv_layers: int | None = None  # with offload_kv: first layers kept on the GPU; None: planner
+    n_gpus: int = 1  # tensor-parallel ranks (engine/parallel.py); 1 runs in this process
+    use_flash_attn: bool = True  # on CUDA when installed; torch SDPA otherwise (exact either way)
+    use_cuda_graphs: bool = False  # off by default, as torch.compile (STYLE.md 5); eager on CPU
 
     def __post_init__(self):
         if self.levels not in LEVEL_STACKS:
@@ -142,6 +157,9 @@ class EngineConfig:
             raise ValueError(f"levels={self.levels!r} needs a draft model (--draft)")
         if self.prefill_chunk_tokens < 1 or self.max_gamma < 1:
             raise ValueError("prefill_chunk_tokens and max_gamma must be at least 1")
+        if self.n_gpus < 1 or (self.resident_kv_layers or 0) < 0:
+            raise ValueError(f"n_gpus={self.n_gpus} must be at least 1 and resident_kv_layers="
+                             f"{self.resident_kv_layers} at least 0")
 
     @property
     def level_names(self) -> tuple[str, ...]:

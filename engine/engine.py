@@ -9,15 +9,19 @@ typed (engine/config.py). The engine never prints and never imports the app.
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from engine import parallel
 from engine.attention import pick_attention
 from engine.config import (
+    BadTokens,
+    Busy,
     Cancelled,
     DocumentTooLong,
     EmptyPrompt,
@@ -27,10 +31,13 @@ from engine.config import (
 from engine.device import now, pick_device, pick_dtype
 from engine.drafters.model import ModelDrafter
 from engine.drafters.ngram import NgramDrafter
+from engine.graphs import graphs_available
 from engine.kv.full import FullCache
+from engine.kv.offload import OffloadCache
 from engine.kv.retrieval import RetrievalCache
 from engine.kv.streaming import StreamingCache
-from engine.model import QueryLog, Transformer
+from engine.memory import Workload, resident_kv_layers
+from engine.model import Forward, QueryLog, Segment, Steps, Transformer, run
 from engine.sampling import Coins, GeneratorCoins
 from engine.speculative import CheckingDrafter, GammaTuner, LevelStack, LevelStats, Scorer
 
@@ -72,7 +79,8 @@ class Engine:
         self.config, self.target, self.draft, self.tokenizer = config, target, draft, tokenizer
         self.device = target.lm_head.weight.device
         self.dtype = target.lm_head.weight.dtype
-        attend = pick_attention(self.device)
+        attend = pick_attention(self.device, config.use_flash_attn)
+        self.uses_cuda_graphs = graphs_available(self.device, config.use_cuda_graphs)  # nothing captured yet
         for model in (target, draft):
             if model is not None:
                 model.set_attention(attend)
@@ -81,11 +89,22 @@ class Engine:
 
     @classmethod
     def load(cls, config: EngineConfig) -> Engine:
+        """The engine of `config`. With n_gpus > 1, called outside a process group: starts the
+        other ranks and returns rank 0's `parallel.Leader`, which serves as an Engine; called
+        in a rank's process (by `parallel.start`): loads that rank's shard."""
         from engine.loading import check_same_tokenizer, load_model
 
         device = pick_device(config.device)
+        if config.n_gpus > 1 and not torch.distributed.is_initialized():
+            return parallel.start(functools.partial(cls.load, config), config.n_gpus, device)
+        if config.n_gpus > 1:
+            device = parallel.rank_device(device)
         dtype = pick_dtype(config.dtype, device)
-        target, tokenizer = load_model(config.target, dtype, device)
+        if config.n_gpus == 1:
+            target, tokenizer = load_model(config.target, dtype, device)
+        else:  # loaded on the host, so only this rank's shard reaches its GPU
+            target, tokenizer = load_model(config.target, dtype, torch.device("cpu"))
+            target = parallel.shard(target, torch.distributed.get_rank(), config.n_gpus).to(device)
         draft = None
         if config.draft:  # loaded even when the first stack does not use it: sessions may switch
             draft, draft_tokenizer = load_model(config.draft, dtype, device)
@@ -96,13 +115,30 @@ class Engine:
     def max_context(self) -> int:
         return self.target.config.max_positions
 
-    def new_full_cache(self, capacity: int) -> FullCache:
-        c = self.target.config
-        return FullCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, capacity, self.dtype, self.device)
+    def new_full_cache(self, capacity: int, state: dict | None = None) -> FullCache | OffloadCache:
+        """The top level's cache for `capacity` tokens (from a snapshot's `state` when given): on
+        the device, or in host memory streamed per layer when `config.offload_kv`."""
+        c, cfg = self.target.config, self.config
+        if not cfg.offload_kv:
+            if state is not None:
+                return FullCache.from_state(state, capacity)
+            return FullCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, capacity, self.dtype, self.device)
+        n_resident = cfg.resident_kv_layers
+        if n_resident is None:
+            work = Workload(self.dtype.itemsize, None, cfg.retrieval.budget_tokens, cfg.prefill_chunk_tokens)
+            n_resident = resident_kv_layers(c, capacity, self.device, work, self.draft and self.draft.config)
+        n_resident = min(n_resident, c.n_layers)
+        if state is not None:
+            return OffloadCache.from_state(state, capacity, self.device, n_resident)
+        return OffloadCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, capacity, self.dtype, self.device, n_resident)
 
     def prefill(self, cache: FullCache, ids: list[int], query_log: QueryLog | None,
                 on_progress: Progress | None = None, cancel=None) -> None:
         """Chunked prefill of `ids` after the cache's length; cancel is checked between chunks."""
+        run(self.prefill_steps(cache, ids, query_log, on_progress, cancel))
+
+    def prefill_steps(self, cache: FullCache, ids: list[int], query_log: QueryLog | None,
+                      on_progress: Progress | None = None, cancel=None) -> Steps[None]:
         chunk = self.config.prefill_chunk_tokens
         cache.reserve(len(ids))
         for i in range(0, len(ids), chunk):
@@ -111,10 +147,16 @@ class Engine:
             piece = ids[i:i + chunk]
             start = cache.length
             pos = torch.arange(start, start + len(piece), device=self.device)
-            self.target(torch.tensor([piece], device=self.device), pos, cache, None, query_log, n_logits=1)
+            yield Forward(self.target, Segment(torch.tensor([piece], device=self.device), pos, cache, None,
+                                               query_log))
             self.n_prefill_tokens += len(piece)
             if on_progress:
                 on_progress(i + len(piece), len(ids))
+
+    def check_tokens(self, ids: list[int], what: str) -> None:
+        vocab = self.target.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise BadTokens(what, vocab)
 
     def check_fits(self, n_tokens: int) -> None:
         if n_tokens > self.max_context:
@@ -124,6 +166,7 @@ class Engine:
         """Prefill the document once; the returned session answers questions about it."""
         if not doc_ids:
             raise EmptyPrompt("document")
+        self.check_tokens(doc_ids, "document")
         self.check_fits(len(doc_ids) + 1)
         session = Session(self, self.new_full_cache(len(doc_ids) + 1024))
         self.prefill(session.full, doc_ids, session.query_log, on_progress, cancel)
@@ -197,7 +240,7 @@ class Session:
         coins = GeneratorCoins(torch.Generator().manual_seed(0))
         t0 = now(self.engine.device)
         for _ in range(n_tokens):
-            plain.step(SamplingConfig(), coins)
+            run(plain.step(SamplingConfig(), coins))
         ms = 1000 * (now(self.engine.device) - t0) / n_tokens
         self.full.truncate(min(self.full.length, length - 1))
         return ms
@@ -223,14 +266,29 @@ class Session:
             cancel=None, stop_ids: set[int] | None = None, coins: Coins | None = None) -> Iterator[Event]:
         """Append the question and stream the answer. Randomness: `sampling.seed`, unless tests
         pass their own `coins` (an exact enumerator of every random outcome)."""
+        with self.lock:
+            yield from serve_alone(self._steps(question_ids, sampling, cancel, stop_ids, coins))
+
+    def answer_steps(self, question_ids: list[int], sampling: SamplingConfig = SamplingConfig(),
+                     cancel=None, stop_ids: set[int] | None = None, coins: Coins | None = None
+                     ) -> Generator[Forward | Event, torch.Tensor | None, None]:
+        """`ask` as a generator of forward requests and events: how engine/batch.py runs it."""
+        if not self.lock.acquire(blocking=False):
+            raise Busy()
+        try:
+            yield from self._steps(question_ids, sampling, cancel, stop_ids, coins)
+        finally:
+            self.lock.release()
+
+    def _steps(self, question_ids, sampling, cancel, stop_ids, coins):
         if not question_ids:
             raise EmptyPrompt("question")
+        self.engine.check_tokens(question_ids, "question")
         self.engine.check_fits(self.length + len(question_ids) + 1)
-        with self.lock:
-            coins = coins or GeneratorCoins(torch.Generator().manual_seed(sampling.seed))
-            yield from self._answer(question_ids, sampling, cancel, stop_ids or set(), coins)
+        coins = coins or GeneratorCoins(torch.Generator().manual_seed(sampling.seed))
+        yield from self._answer(question_ids, sampling, cancel, stop_ids or set(), coins)
 
-    def _answer(self, question_ids, sampling, cancel, stop_ids, coins) -> Iterator[Event]:
+    def _answer(self, question_ids, sampling, cancel, stop_ids, coins):
         engine, stack = self.engine, self.stack
         max_new = min(sampling.max_new_tokens, engine.max_context - self.length - len(question_ids))
         for s in self.level_stats:
@@ -238,7 +296,7 @@ class Session:
         stack.drafter_s = 0.0
         t_start = now(engine.device)
         unseen = stack.tokens[self.full.length:]  # e.g. the last token after a truncate
-        engine.prefill(self.full, unseen + question_ids[:-1], self.query_log, cancel=cancel)
+        yield from engine.prefill_steps(self.full, unseen + question_ids[:-1], self.query_log, cancel=cancel)
         stack.tokens += question_ids
         if stack.drafter:
             stack.drafter.extend(question_ids)
@@ -249,7 +307,7 @@ class Session:
                 reason = "cancelled"
                 break
             t0 = now(engine.device)
-            new = stack.step(sampling, coins)
+            new = yield from stack.step(sampling, coins)
             new, reason = self._cut(new, n_new, max_new, stop_ids)
             t1 = now(engine.device)
             n_new += len(new)
@@ -302,6 +360,21 @@ class Session:
         session.query_log.queries = state["queries"]
         session.start(state["tokens"])
         return session
+
+
+def serve_alone(steps: Generator[Forward | Event, torch.Tensor | None, None]) -> Iterator[Event]:
+    """Run a session's steps by itself: serve each forward request, pass the events on."""
+    result = None
+    while True:
+        try:
+            item = steps.send(result)
+        except StopIteration:
+            return
+        if isinstance(item, Forward):
+            result = item.model.forward_packed([item.segment])[0]
+        else:
+            result = None
+            yield item
 
 
 def reading_ranges(chunk_starts: torch.Tensor, chunk_tokens: int, top: int = 12) -> list[tuple[int, int, float]]:

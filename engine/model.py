@@ -9,6 +9,10 @@ tail mask (engine/attention.py). `QueryLog` records recent queries for retrieval
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import TypeVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +26,8 @@ from engine.attention import sdpa_attention
 from engine.config import ModelConfig
 from engine.kv import KVCache
 
+R = TypeVar("R")
+
 
 class QueryLog:
     """The last `n_queries` post-RoPE queries of every layer (for scoring retrieval chunks)."""
@@ -34,6 +40,41 @@ class QueryLog:
         old = self.queries[layer_idx]
         q = q if old is None else torch.cat([old, q], dim=2)
         self.queries[layer_idx] = q[:, :, -self.n_queries:].detach()
+
+
+@dataclass
+class Segment:
+    """One sequence's part of a (packed) forward: its tokens, their positions, its cache."""
+
+    ids: torch.Tensor  # [B, T]
+    pos: torch.Tensor  # [T] absolute positions (RoPE)
+    cache: KVCache
+    tail: torch.Tensor | None = None  # [T, T] bool; None = causal chain
+    query_log: QueryLog | None = None
+    n_logits: int = 1  # logits of the last n tokens
+
+
+@dataclass
+class Forward:
+    """A request for one segment of a forward. Decoding code is written as generators that
+    yield these and receive the segment's logits ([B, n_logits, V]); `run` serves them one at
+    a time, engine/batch.py packs the requests of many sessions into one forward per model."""
+
+    model: Transformer
+    segment: Segment
+
+
+Steps = Generator[Forward, torch.Tensor, R]  # a computation that asks for forwards and returns R
+
+
+def run(steps: Steps[R]) -> R:
+    """Drive a generator of forward requests alone (unbatched); return its result."""
+    try:
+        request = next(steps)
+        while True:
+            request = steps.send(request.model.forward_packed([request.segment])[0])
+    except StopIteration as stop:
+        return stop.value
 
 
 class RMSNorm(nn.Module):
@@ -60,16 +101,19 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.attend = sdpa_attention  # replaced once by Transformer.set_attention
 
-    def forward(self, x, cos, sin, cache: KVCache, layer_idx: int, tail, query_log):
+    def forward(self, x, cos, sin, segments: list[Segment], bounds: list[int], layer_idx: int):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        if query_log is not None:
-            query_log.record(layer_idx, q)
-        k_all, v_all = cache.update(layer_idx, k, v)  # [B, Hkv, S, D], this call's T keys last
-        out = self.attend(q, k_all, v_all, tail)
+        outs = []  # each segment attends over its own cache: [B, H, T_i, D]
+        for seg, a, b in zip(segments, bounds, bounds[1:]):
+            if seg.query_log is not None:
+                seg.query_log.record(layer_idx, q[:, :, a:b])
+            k_all, v_all = seg.cache.update(layer_idx, k[:, :, a:b], v[:, :, a:b])  # this call's keys last
+            outs.append(self.attend(q[:, :, a:b], k_all, v_all, seg.tail))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -92,8 +136,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.dim, cfg.rms_eps)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.rms_eps)
 
-    def forward(self, x, cos, sin, cache, layer_idx, tail, query_log):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer_idx, tail, query_log)
+    def forward(self, x, cos, sin, segments, bounds, layer_idx):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments, bounds, layer_idx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -128,19 +172,35 @@ class Transformer(nn.Module):
         tail: torch.Tensor | None = None,  # [T, T] bool; None = causal chain
         query_log: QueryLog | None = None,
         n_logits: int | None = None,  # logits of the last n tokens only (prefill: 1)
-    ) -> torch.Tensor:  # [B, T or n_logits, V] logits, float32 or wider ([B, 1, V] when last_only)
-        B, T = input_ids.shape
-        if tail is None and T > 1:
-            tail = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
-        x = self.model.embed_tokens(input_ids)
+    ) -> torch.Tensor:  # [B, T or n_logits, V] logits, float32 or wider
+        seg = Segment(input_ids, pos, cache, tail, query_log, n_logits or input_ids.shape[1])
+        return self.forward_packed([seg])[0]
+
+    @torch.inference_mode()
+    def forward_packed(self, segments: list[Segment]) -> list[torch.Tensor]:
+        """Several sequences in one forward: their tokens are concatenated along T, so every
+        weight is read once for all of them, and each attends over its own cache (MagicDec-style
+        batching of sessions at different lengths). Returns each segment's [B, n_logits, V]."""
+        ids = torch.cat([s.ids for s in segments], dim=1)  # [B, sum T]
+        B, T = ids.shape
+        bounds = [0]
+        for s in segments:
+            bounds.append(bounds[-1] + s.ids.shape[1])
+            if s.tail is None and s.ids.shape[1] > 1:
+                s.tail = torch.ones(s.ids.shape[1], s.ids.shape[1], dtype=torch.bool, device=ids.device).tril()
+        x = self.model.embed_tokens(ids)
+        pos = torch.cat([s.pos for s in segments])
         cos, sin = self.model.rotary_emb(x, pos.expand(B, T))
         for layer_idx, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, layer_idx, tail, query_log)
-        cache.advance(T)
-        if n_logits is not None:
-            x = x[:, T - n_logits:]
-        logits = self.lm_head(self.model.norm(x))
-        return logits.to(torch.promote_types(logits.dtype, torch.float32))
+            x = layer(x, cos, sin, segments, bounds, layer_idx)
+        rows = []
+        for s, end in zip(segments, bounds[1:]):
+            s.cache.advance(s.ids.shape[1])
+            rows.append(torch.arange(end - s.n_logits, end, device=ids.device))
+        rows = torch.cat(rows)
+        logits = self.lm_head(self.model.norm(x[:, rows] if rows.shape[0] < T else x))
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return list(logits.split([s.n_logits for s in segments], dim=1))
 
     def rotate(self, k: torch.Tensor, delta: int) -> torch.Tensor:
         """Rotate post-RoPE keys ([..., n, D]) by `delta` positions (pure rotation, no scaling)."""

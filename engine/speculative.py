@@ -7,6 +7,8 @@ drafter for the level above: it runs its own rounds of propose -> score -> verif
 `LevelStack` owns the committed tokens and runs the top level's rounds. Every level uses the one
 acceptance rule, `sampling.verify`. All randomness comes from one `Coins` per request, in call order:
 a drafter's draws, then the coins of the check of its proposal.
+Every method that runs a model is a generator of `model.Forward` requests (`Steps`): one session
+drives it alone with `model.run`, many sessions share forwards through engine/batch.py.
 This module names no concrete cache or drafter; the engine wires them (engine/engine.py).
 """
 
@@ -21,7 +23,7 @@ from engine.config import SamplingConfig
 from engine.device import now
 from engine.drafters import Drafter
 from engine.kv import KVCache
-from engine.model import QueryLog, Transformer
+from engine.model import Forward, QueryLog, Segment, Steps, Transformer
 from engine.sampling import Coins, Draft, Verdict, sampling_probs, verify
 
 EMPTY_DRAFT = Draft.chain([])
@@ -108,7 +110,7 @@ class Scorer:
     def __init__(self, model: Transformer, cache: KVCache, query_log: QueryLog | None = None):
         self.model, self.cache, self.query_log = model, cache, query_log
 
-    def score(self, pending: list[int], start_pos: int, draft: Draft, sampling: SamplingConfig) -> torch.Tensor:
+    def score(self, pending: list[int], start_pos: int, draft: Draft, sampling: SamplingConfig) -> Steps[torch.Tensor]:
         """q after the last pending token and after each draft node: [N+1, V] (float64).
 
         pending: committed tokens this cache has not seen (at least the last committed token),
@@ -120,7 +122,7 @@ class Scorer:
         pos = torch.cat([torch.arange(base, base + P), base + P + draft.depths()]).to(device)
         tail = torch.ones(P + N, P + N, dtype=torch.bool).tril()
         tail[P:, P:] = draft.ancestor_mask()[1:, 1:]
-        logits = self.model(ids, pos, self.cache, tail.to(device), self.query_log, n_logits=N + 1)
+        logits = yield Forward(self.model, Segment(ids, pos, self.cache, tail.to(device), self.query_log, N + 1))
         return sampling_probs(logits[0], sampling.temperature, sampling.top_k, sampling.top_p)
 
     def keep(self, n_pending: int, n_draft: int, path: list[int]) -> None:
@@ -133,9 +135,9 @@ class Scorer:
 
 
 def check(scorer: Scorer, pending: list[int], start_pos: int, draft: Draft, sampling: SamplingConfig,
-          coins: Coins) -> tuple[Verdict, torch.Tensor]:
+          coins: Coins) -> Steps[tuple[Verdict, torch.Tensor]]:
     """Score a draft, accept a prefix of it, keep its KV; returns the verdict and q ([N+1, V])."""
-    q = scorer.score(pending, start_pos, draft, sampling)
+    q = yield from scorer.score(pending, start_pos, draft, sampling)
     verdict = verify(q, draft, coins)
     scorer.keep(len(pending), len(draft), verdict.path)
     return verdict, q
@@ -201,7 +203,7 @@ class CheckingDrafter:
         is_poor = w.n_tested >= 32 and w.acceptance < self.rebuild_below
         return self.n_since_rebuild >= self.rebuild_every_tokens or is_poor
 
-    def propose(self, gamma: int, sampling: SamplingConfig, coins: Coins) -> Draft:
+    def propose(self, gamma: int, sampling: SamplingConfig, coins: Coins) -> Steps[Draft]:
         if self._needs_rebuild():
             self._rebuild()
         pending = self.tokens[self.synced_length():]
@@ -209,10 +211,10 @@ class CheckingDrafter:
         while len(drafted) < gamma:
             g = min(self.tuner.gamma(), gamma - len(drafted))
             t0 = now(self.scorer.model.lm_head.weight.device)
-            draft = self.below.propose(g, sampling, coins) if self.below else EMPTY_DRAFT
+            draft = (yield from self.below.propose(g, sampling, coins)) if self.below else EMPTY_DRAFT
             t1 = now(self.scorer.model.lm_head.weight.device)
             start_pos = len(self.tokens) + len(drafted) - len(pending)
-            verdict, q = check(self.scorer, pending, start_pos, draft, sampling, coins)
+            verdict, q = yield from check(self.scorer, pending, start_pos, draft, sampling, coins)
             t2 = now(self.scorer.model.lm_head.weight.device)
             self.tuner.observe(len(draft), t1 - t0, verdict, len(pending) + len(draft), t2 - t1)
             self.stats.record(verdict, t2 - t1)
@@ -248,15 +250,15 @@ class LevelStack:
         if self.drafter:
             self.drafter.truncate(length)
 
-    def step(self, sampling: SamplingConfig, coins: Coins) -> list[int]:
+    def step(self, sampling: SamplingConfig, coins: Coins) -> Steps[list[int]]:
         """One check of the top level; returns the tokens it committed (at least one)."""
         device = self.top.model.lm_head.weight.device
         pending = self.tokens[self.top.cache.length:]
         gamma = self.tuner.gamma() if self.drafter else 0
         t0 = now(device)
-        draft = self.drafter.propose(gamma, sampling, coins) if self.drafter else EMPTY_DRAFT
+        draft = (yield from self.drafter.propose(gamma, sampling, coins)) if self.drafter else EMPTY_DRAFT
         t1 = now(device)
-        verdict, _ = check(self.top, pending, len(self.tokens) - len(pending), draft, sampling, coins)
+        verdict, _ = yield from check(self.top, pending, len(self.tokens) - len(pending), draft, sampling, coins)
         t2 = now(device)
         self.tuner.observe(len(draft), t1 - t0, verdict, len(pending) + len(draft), t2 - t1)
         self.top_stats.record(verdict, t2 - t1)

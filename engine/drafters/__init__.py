@@ -4,6 +4,7 @@
 from typing import Protocol
 
 from engine.config import SamplingConfig
+from engine.model import Steps
 from engine.sampling import Coins, Draft
 
 
@@ -17,5 +18,6 @@ class Drafter(Protocol):
     def truncate(self, length: int) -> None:
         """The committed sequence shrank to `length` tokens."""
 
-    def propose(self, gamma: int, sampling: SamplingConfig, coins: Coins) -> Draft:
-        """Up to `gamma` tokens continuing the committed sequence (an empty Draft when none)."""
+    def propose(self, gamma: int, sampling: SamplingConfig, coins: Coins) -> Steps[Draft]:
+        """Up to `gamma` tokens continuing the committed sequence (an empty Draft when none);
+        a generator of the forwards it needs (engine/model.py `Steps`)."""

@@ -14,7 +14,7 @@ import torch
 
 from engine.config import SamplingConfig
 from engine.kv.streaming import StreamingCache
-from engine.model import Transformer
+from engine.model import Forward, Segment, Steps, Transformer
 from engine.sampling import Coins, Draft, sampling_probs
 
 
@@ -29,12 +29,9 @@ class ModelDrafter:
         return self.model.lm_head.weight.device
 
     def reset(self, tokens: list[int]) -> None:
-        c = self.cache
+        """Start over; the sinks are fed at the next `propose` (the only method that runs the model)."""
         self.tokens, self.n_fed = list(tokens), 0
-        c.truncate(0)
-        if len(tokens) > c.sink_tokens + c.window_tokens + 1:
-            self._feed(tokens[: c.sink_tokens])
-            self.n_fed = len(tokens) - c.window_tokens - 1
+        self.cache.truncate(0)
 
     def extend(self, tokens: list[int]) -> None:
         self.tokens.extend(tokens)
@@ -52,7 +49,7 @@ class ModelDrafter:
         self.n_fed -= n_tokens
         return True
 
-    def _feed(self, tokens: list[int]) -> torch.Tensor:
+    def _feed(self, tokens: list[int]) -> Steps[torch.Tensor]:
         """Run `tokens` through the model in pieces that fit; return the last logits [V]."""
         step = self.cache.max_new_tokens
         for i in range(0, len(tokens), step):
@@ -61,18 +58,28 @@ class ModelDrafter:
             start = self.cache.length
             ids = torch.tensor([piece], device=self.device)
             pos = torch.arange(start, start + len(piece), device=self.device)
-            logits = self.model(ids, pos, self.cache, n_logits=1)[0, -1]
+            logits = (yield Forward(self.model, Segment(ids, pos, self.cache)))[0, -1]
         return logits
 
-    def propose(self, gamma: int, sampling: SamplingConfig, coins: Coins) -> Draft:
+    def _start(self) -> Steps[None]:
+        """After a reset: feed the sinks and skip to the last window, as a StreamingLLM cache
+        that had read the whole sequence would hold."""
+        c = self.cache
+        if self.n_fed == 0 and c.length == 0 and len(self.tokens) > c.sink_tokens + c.window_tokens + 1:
+            yield from self._feed(self.tokens[: c.sink_tokens])
+            self.n_fed = len(self.tokens) - c.window_tokens - 1
+
+    def propose(self, gamma: int, sampling: SamplingConfig, coins: Coins) -> Steps[Draft]:
+        yield from self._start()
         if self.n_fed == len(self.tokens) and not self._unfeed(1):
             self.reset(self.tokens)  # the last token must be fed again to get its logits
+            yield from self._start()
         pending = self.tokens[self.n_fed:]
         n_head = max(0, len(pending) - (self.cache.max_new_tokens - gamma))
         if n_head:
-            self._feed(pending[:n_head])
+            yield from self._feed(pending[:n_head])
         self.cache.make_room(len(pending) - n_head + gamma)  # no eviction while drafting
-        logits = self._feed(pending[n_head:])
+        logits = yield from self._feed(pending[n_head:])
         self.n_fed = len(self.tokens)
         committed_length = self.cache.length
         drafted, probs = [], []
@@ -82,6 +89,6 @@ class ModelDrafter:
             drafted.append(x)
             probs.append(r)
             if i + 1 < gamma:
-                logits = self._feed([x])
+                logits = yield from self._feed([x])
         self.cache.truncate(committed_length)
         return Draft.chain(drafted, None if sampling.is_greedy else torch.stack(probs))

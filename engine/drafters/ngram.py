@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import SamplingConfig
+from engine.model import Steps
 from engine.sampling import Coins, Draft
 
 MAX_SCAN = 64  # occurrences examined per suffix length: bounds a lookup of a frequent n-gram
@@ -61,7 +62,9 @@ class NgramDrafter:
                         return found
         return found
 
-    def propose(self, gamma: int, sampling: SamplingConfig, coins: Coins) -> Draft:
+    def propose(self, gamma: int, sampling: SamplingConfig, coins: Coins) -> Steps[Draft]:
+        """A generator like every drafter's `propose`, though it never asks for a forward."""
+        yield from ()
         return trie(self.lookup(gamma))
 
 
