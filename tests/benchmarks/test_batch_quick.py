@@ -1,0 +1,28 @@
+"""Smoke test of the batching benchmark (benchmarks/batch.py --quick) on real weights: it runs end to
+end, the batched greedy answers equal the lone ones, and forwards were shared. No timing assertions."""
+
+import json
+
+import pytest
+
+from benchmarks import batch
+from engine.models import packaged_model_dir
+
+pytestmark = pytest.mark.slow
+
+
+def test_quick_run_batches_and_matches_lone_answers(tmp_path):
+    if packaged_model_dir("smollm2-135m", assemble=False) is None:
+        pytest.skip("smollm2-135m is not assembled: run `python -m engine.models --only smollm2-135m`")
+    out = tmp_path / "batch.json"
+    assert batch.main(["--quick", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (ctx,) = report["contexts"]
+    assert [row["levels"] for row in ctx["stacks"]] == ["plain", "ngram>retrieval>full"]
+    for row in ctx["stacks"]:
+        one, two = row["runs"]
+        assert one["n_sessions"] == 1 and two["n_sessions"] == 2
+        assert two["greedy_equal"] is True
+        assert two["mean_segments_per_forward"] > 1.0
+        assert all(u["n_tokens"] >= 1 for u in two["users"])
+    assert "| 512 | `plain` | 2 |" in out.with_suffix(".md").read_text()
