@@ -296,7 +296,13 @@ class Session:
         stack.drafter_s = 0.0
         t_start = now(engine.device)
         unseen = stack.tokens[self.full.length:]  # e.g. the last token after a truncate
-        yield from engine.prefill_steps(self.full, unseen + question_ids[:-1], self.query_log, cancel=cancel)
+        n_kept = self.full.length
+        try:
+            yield from engine.prefill_steps(self.full, unseen + question_ids[:-1], self.query_log, cancel=cancel)
+        except Cancelled:  # stopped while reading the question: the chat stays as it was
+            self.full.truncate(n_kept)
+            yield Event([], Stats(self.level_stats), None, "cancelled")
+            return
         stack.tokens += question_ids
         if stack.drafter:
             stack.drafter.extend(question_ids)

@@ -156,3 +156,25 @@ def test_sessions_that_fit_uses_each_sessions_cache_bytes():
     assert sessions_that_fit(per, free_bytes=10 * per, reserve_fraction=0.0) == 8  # capped
     assert sessions_that_fit(per, free_bytes=3 * per + 1, reserve_fraction=0.0) == 3
     assert sessions_that_fit(per, free_bytes=per // 2) == 1
+
+
+def test_stop_while_reading_a_long_question_keeps_the_chat_as_it_was():
+    engine = tiny_engine("ngram>retrieval>full")  # prefill chunks of 7 tokens: cancel between them
+    session = engine.open(DOCS[0])
+    n_doc = session.length
+    cancel = threading.Event()
+    long_question = random_ids(40, 128, 40)
+
+    def stop_after_two_chunks(done, total):
+        if done >= 14:
+            cancel.set()
+
+    engine_prefill = engine.prefill_steps
+    engine.prefill_steps = lambda *a, **k: engine_prefill(*a[:3], on_progress=stop_after_two_chunks, cancel=cancel)
+    events = list(session.ask(long_question, SamplingConfig(max_new_tokens=5), cancel=cancel))
+    engine.prefill_steps = engine_prefill
+    assert [e.finish_reason for e in events] == ["cancelled"] and session.length == n_doc
+    assert session.full.length <= n_doc
+    again = [t for e in session.ask(QUESTIONS[0], SamplingConfig(max_new_tokens=6)) for t in e.tokens]
+    fresh = tiny_engine("ngram>retrieval>full").open(DOCS[0])
+    assert again == [t for e in fresh.ask(QUESTIONS[0], SamplingConfig(max_new_tokens=6)) for t in e.tokens]
