@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from engine import parallel
 from engine.chat import ChatFormat
 from engine.config import LEVEL_STACKS, EngineConfig, EngineError, SamplingConfig
 from engine.engine import Engine, Stats
@@ -26,6 +27,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--levels", default=EngineConfig.levels, choices=LEVEL_STACKS)
     g.add_argument("--device", default="auto")
     g.add_argument("--dtype", default="auto", help="auto, bfloat16, float32, float16")
+    g.add_argument("--gpus", type=int, default=EngineConfig.n_gpus, help="tensor parallel over N GPUs")
+    g.add_argument("--offload", action="store_true", help="full KV cache in host memory, streamed per layer")
+    g.add_argument("--resident-kv-layers", type=int, default=None, help="with --offload: layers kept on the GPU")
+    g.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=EngineConfig.use_flash_attn)
+    g.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs where shapes allow (eager on CPU)")
     g.add_argument("--file", required=True, help="the document (UTF-8 text)")
     g.add_argument("--max-doc-tokens", type=int, default=None, help="keep only the first N tokens")
     g.add_argument("--question", action="append", required=True, help="repeat for a multi-turn chat")
@@ -53,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         config = EngineConfig(target=args.model, draft=args.draft, levels=args.levels,
-                              device=args.device, dtype=args.dtype)
+                              device=args.device, dtype=args.dtype, n_gpus=args.gpus,
+                              offload_kv=args.offload, resident_kv_layers=args.resident_kv_layers,
+                              use_flash_attn=args.flash_attn, use_cuda_graphs=args.cuda_graphs)
         sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                   max_new_tokens=args.max_new_tokens, seed=args.seed)
         engine = Engine.load(config)
@@ -76,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                 printed = text
             ended = event.finish_reason == "stop"
             print("\n" + format_stats(event.stats), file=sys.stderr)
+        if isinstance(engine, parallel.Leader):  # stop the other ranks (torchrun waits for them)
+            engine.close()
     except (EngineError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

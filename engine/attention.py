@@ -9,6 +9,7 @@ GQA folds each KV head's query heads into the query length, one SDPA call on
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -33,6 +34,8 @@ def sdpa_attention(
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = H // Hkv
+    if tail is not None and T > 1 and q.device.type == "cpu" and _flash_cpu is not None:
+        return _split_attention(q, k, v, tail)
     q = q.reshape(B, Hkv, G * T, D)  # query heads of one KV head are adjacent (HF layout)
     mask = None
     if tail is not None and T > 1:
@@ -41,13 +44,46 @@ def sdpa_attention(
     return out.reshape(B, H, T, D)
 
 
-def _flash_attention(q, k, v, tail):
-    """flash-attn's kernel for causal chains; token trees go through SDPA."""
-    if tail is not None and is_tree_mask(tail):
-        return sdpa_attention(q, k, v, tail)
-    from flash_attn import flash_attn_func  # guarded by pick_attention
+# CPU: torch's own flash kernel (the one SDPA calls) returns its log-sum-exp, so the keys before
+# the tail (no mask) and the tail (causal or tree) are two calls merged exactly, and no [G*T, S]
+# mask is built per layer (that mask cost more than the attention: 2.2x slower prefill chunks).
+_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
-    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+
+def _split_attention(q, k, v, tail):
+    """Softmax over (keys before the tail) and over (the tail) as two flash calls merged by their
+    log-sum-exp: o = o_tail + (o_head - o_tail) * sigmoid(lse_head - lse_tail)."""
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    is_chain = not is_tree_mask(tail)  # O(T^2) bools per layer: negligible next to attention
+    additive = None if is_chain else torch.zeros(T, T, dtype=q.dtype, device=q.device).masked_fill(
+        ~tail, float("-inf"))  # [T, T]; the diagonal is always visible, so no row is empty
+    o_tail, lse_tail = _flash_cpu(q, k[:, :, S - T:], v[:, :, S - T:], is_causal=is_chain, attn_mask=additive)
+    if S == T:
+        return o_tail
+    q_folded = q.reshape(B, Hkv, (H // Hkv) * T, D)  # one KV head's query heads share its reads
+    o_head, lse_head = _flash_cpu(q_folded, k[:, :, :S - T], v[:, :, :S - T])
+    o_head, lse_head = o_head.reshape(B, H, T, D), lse_head.reshape(B, H, T, 1)
+    share = torch.sigmoid(lse_head - lse_tail.unsqueeze(-1))  # [B, H, T, 1] softmax mass before the tail
+    return torch.lerp(o_tail.to(share.dtype), o_head.to(share.dtype), share).to(q.dtype)
+
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_last_tail: list = [None, False]  # (tail, is it a tree): one check per forward, not per layer
+
+
+def flash_attention(q, k, v, tail):
+    """flash-attn's `flash_attn_with_kvcache` over the cache view for causal chains in fp16/bf16
+    (bottom-right causal alignment = our tail mask); token trees, float32/64 and head dims over
+    256 go through SDPA, which is exact for all of them. Shapes as `sdpa_attention`."""
+    if tail is not None and tail is not _last_tail[0]:
+        _last_tail[:] = [tail, is_tree_mask(tail)]
+    if (tail is not None and _last_tail[1]) or q.dtype not in FLASH_DTYPES or q.shape[-1] > 256:
+        return sdpa_attention(q, k, v, tail)
+    from flash_attn import flash_attn_with_kvcache  # importable: checked by pick_attention
+
+    # [B, S, H, D] views with a contiguous last dim, as flash-attn reads them: no copy
+    out = flash_attn_with_kvcache(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
     return out.transpose(1, 2)
 
 
@@ -56,13 +92,20 @@ def is_tree_mask(tail: torch.Tensor) -> bool:
     return not torch.equal(tail, torch.ones(T, T, dtype=torch.bool, device=tail.device).tril())
 
 
-def pick_attention(device: torch.device, prefer_flash: bool = True):
-    """Choose the kernel once, at construction; flash-attn only on CUDA and when importable."""
-    if prefer_flash and device.type == "cuda":
-        try:
-            import flash_attn  # noqa: F401
+@functools.cache
+def has_flash_attn() -> bool:
+    """Whether flash-attn imports here; says once per process when it does not."""
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError as error:
+        log.warning("flash-attn is not available (%s): attention runs on torch SDPA, the exact fallback; "
+                    "on a CUDA machine `pip install -r requirements-gpu.txt` enables it", error)
+        return False
+    return True
 
-            return _flash_attention
-        except ImportError:
-            log.info("flash-attn is not installed; using torch SDPA attention (exact fallback)")
+
+def pick_attention(device: torch.device, use_flash_attn: bool = True):
+    """Choose the kernel once, at construction: flash-attn on CUDA when wanted and importable."""
+    if use_flash_attn and device.type == "cuda" and has_flash_attn():
+        return flash_attention
     return sdpa_attention

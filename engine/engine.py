@@ -125,8 +125,9 @@ class Engine:
             return FullCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, capacity, self.dtype, self.device)
         n_resident = cfg.resident_kv_layers
         if n_resident is None:
-            work = Workload(self.dtype.itemsize, None, cfg.retrieval.budget_tokens, cfg.prefill_chunk_tokens)
-            n_resident = resident_kv_layers(c, capacity, self.device, work, self.draft and self.draft.config)
+            work = Workload(self.dtype.itemsize, self.draft and self.draft.config, cfg.retrieval.budget_tokens,
+                            cfg.prefill_chunk_tokens)
+            n_resident = resident_kv_layers(c, capacity, self.device, work)
         n_resident = min(n_resident, c.n_layers)
         if state is not None:
             return OffloadCache.from_state(state, capacity, self.device, n_resident)
@@ -152,6 +153,10 @@ class Engine:
             self.n_prefill_tokens += len(piece)
             if on_progress:
                 on_progress(i + len(piece), len(ids))
+
+    def restore(self, path: str | Path) -> Session:
+        """Reopen a prefill snapshot (`Session.save`) without prefilling again."""
+        return Session.restore(self, path)
 
     def check_tokens(self, ids: list[int], what: str) -> None:
         vocab = self.target.config.vocab_size
@@ -361,7 +366,7 @@ class Session:
     @classmethod
     def restore(cls, engine: Engine, path: str | Path) -> Session:
         state = torch.load(path, map_location=engine.device, weights_only=True)
-        full = FullCache.from_state(state["cache"], state["cache"]["k"].shape[3] + 1024)
+        full = engine.new_full_cache(state["cache"]["k"].shape[3] + 1024, state["cache"])
         session = cls(engine, full)
         session.query_log.queries = state["queries"]
         session.start(state["tokens"])

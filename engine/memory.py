@@ -3,8 +3,9 @@
 Pure arithmetic over `ModelConfig` shapes (ALGORITHM.md section 8): weights, full KV cache,
 retrieval cache, drafter (weights + StreamingLLM cache) and prefill activations, per GPU rank
 (tensor parallel: layer weights and KV heads split evenly; embeddings, drafter and logits
-replicated) and on the host. When the full cache does not fit on the GPUs, its last layers live
-in host memory; `n_resident_kv_layers` says how many stay. Nothing is allocated here, and only
+replicated) and on the host. When the full cache does not fit on the GPUs, it lives in host
+memory and its first `n_resident_kv_layers` layers also stay on the GPU (`resident_kv_layers`
+asks the planner for that number on this machine). Nothing is allocated here, and only
 `free_memory_bytes` asks a device. Assumes fused attention (flash / memory-efficient SDPA), which
 never materialises [T, S] scores, and a full cache allocated once at the planned length.
 """
@@ -44,7 +45,7 @@ class DevicePlan:
     name: str
     free_bytes: int
     weights_bytes: int = 0
-    full_kv_bytes: int = 0  # resident layers on a GPU; the offloaded layers on the host
+    full_kv_bytes: int = 0  # resident layers on a GPU; every layer on the host when offloaded
     kv_buffer_bytes: int = 0  # double buffer the offloaded layers stream through
     retrieval_kv_bytes: int = 0
     drafter_weights_bytes: int = 0
@@ -165,8 +166,9 @@ def _plan(target: ModelConfig, n_tokens: int, devices: list[DeviceBudget],
              for p in on_chip]
     if n_resident < 0:
         return next(_fits(p) for p in plans if _fits(p)) + " (even with the KV offloaded)"
-    host = DevicePlan(hosts[0].name, hosts[0].free_bytes,
-                      full_kv_bytes=(n_layers - n_resident) * layer_kv * n_ranks)
+    # the host holds every layer of every rank (engine/kv/offload.py): the resident layers too,
+    # as the authoritative copy that snapshots and the retrieval cache read
+    host = DevicePlan(hosts[0].name, hosts[0].free_bytes, full_kv_bytes=n_layers * layer_kv * n_ranks)
     return _fits(host) or MemoryPlan(n_tokens, n_layers, n_resident, tuple(plans) + (host,))
 
 
@@ -221,3 +223,19 @@ def free_memory_bytes(device: str | torch.device) -> int:
         free_bytes, _total_bytes = torch.cuda.mem_get_info(device)
         return free_bytes
     raise ValueError(f"cannot measure free memory on {device}: no such device here")
+
+
+def resident_kv_layers(target: ModelConfig, n_tokens: int, device: torch.device, work: Workload) -> int:
+    """Layers of an offloaded full cache that stay on `device` for `n_tokens` (0 on CPU, where
+    device and host memory are one). `target` as loaded on this rank (tensor parallel: its
+    sharded shapes); its weights and `work.draft`'s are on the device already, so the free
+    memory measured now is topped up by them, as the plan counts them."""
+    if device.type != "cuda":
+        return 0
+    loaded = weight_bytes(target, work.dtype_bytes)
+    if work.draft not in (None, target):
+        loaded += weight_bytes(work.draft, work.dtype_bytes)
+    devices = [DeviceBudget(str(device), free_memory_bytes(device) + loaded, "cuda"),
+               DeviceBudget("cpu", free_memory_bytes("cpu"), "cpu")]
+    return plan_memory(target, n_tokens, devices, work.dtype_bytes, work.draft, work.retrieval_budget_tokens,
+                       work.prefill_chunk_tokens, work.batch, True, work.draft_cache_tokens).n_resident_kv_layers

@@ -24,22 +24,40 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top
     """The distribution plain decoding samples from: [..., V] logits -> [..., V] probabilities.
 
     Order as in Hugging Face: temperature, then top-k, then top-p (nucleus, keeping at least one).
+    Ties at a cut are kept together, so the result does not depend on how a sort orders them.
     """
-    logits = logits.double()
     if temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
-    logits = logits / temperature
+        hot = torch.zeros(logits.shape, dtype=torch.promote_types(logits.dtype, torch.float64),
+                          device=logits.device)
+        return hot.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits.double() / temperature
     if 0 < top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(-1)
     if top_p < 1.0:
-        sorted_probs, order = probs.sort(-1, descending=True)
-        before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly before each token
-        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs.masked_fill(probs < nucleus_threshold(probs, top_p), 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+TOP_P_CANDIDATES = 256  # first guess at the nucleus size; grown 8x until it holds top_p mass
+
+
+def nucleus_threshold(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """[..., 1]: the smallest probability top-p keeps. Keeps x when the mass of the tokens more
+    probable than x is below top_p. Only the k largest are sorted (`topk`), which is exact once
+    they hold top_p mass: every other token has at least that much mass before it."""
+    V = probs.shape[-1]
+    k = min(TOP_P_CANDIDATES, V)
+    while True:
+        top = probs.topk(k, dim=-1).values  # [..., k] descending
+        mass = top.cumsum(-1)
+        if k == V or bool((mass[..., -1] >= top_p).all()):
+            break
+        k = min(8 * k, V)
+    n_keep = ((mass - top) < top_p).sum(-1, keepdim=True)  # >= 1: nothing comes before the first
+    return top.gather(-1, n_keep - 1)
 
 
 def sample_from(probs: torch.Tensor, u: float) -> int:

@@ -59,7 +59,7 @@ class RetrievalCache(SlotCache):
         starts = torch.empty(L, B, Hkv, n_keep, dtype=torch.long)
         for layer_idx in range(L):
             if n_keep < n_avail and queries and queries[layer_idx] is not None:
-                region = full.k[layer_idx, :, :, sinks:window_start]
+                region = full.k[layer_idx, :, :, sinks:window_start].to(queries[layer_idx].device)  # offloaded: host
                 top = score_chunks(queries[layer_idx], region, C).topk(n_keep, dim=-1).indices
             else:  # everything fits, or no queries yet: evenly spaced chunks
                 top = torch.linspace(0, n_avail - 1, n_keep).long().expand(B, Hkv, n_keep)

@@ -1,7 +1,9 @@
 """Memory planner: hand-checked bytes for real model shapes at 128K tokens (no network)."""
 
 import pytest
+import torch
 
+from engine import memory
 from engine.config import ModelConfig, OutOfMemoryPlan
 from engine.memory import (
     GIB,
@@ -12,6 +14,7 @@ from engine.memory import (
     free_memory_bytes,
     max_tokens_that_fit,
     plan_memory,
+    resident_kv_layers,
     weight_bytes,
 )
 
@@ -77,7 +80,7 @@ def test_one_4090_offloads_llama2_7b_at_128k_keeping_two_layers():
     assert gpu.weights_bytes == 13_476_831_232
     assert gpu.retrieval_kv_bytes == 512 * MIB
     assert gpu.full_kv_bytes == 2 * 2 * GIB and gpu.kv_buffer_bytes == 2 * 2 * GIB
-    assert host.name == "cpu" and host.full_kv_bytes == 30 * 2 * GIB
+    assert host.name == "cpu" and host.full_kv_bytes == 32 * 2 * GIB  # every layer: the authoritative copy
 
 
 def test_two_4090s_split_weights_and_kv_heads():
@@ -87,9 +90,9 @@ def test_two_4090s_split_weights_and_kv_heads():
     assert rank0.weights_bytes == rank1.weights_bytes == 6_476_267_520 + 524_296_192
     assert rank0.retrieval_kv_bytes == 256 * MIB  # 16 of 32 KV heads per rank
     # a layer's KV shard is 1 GiB; 22.80 - 6.52 weights - 0.25 retrieval - 0.15 activations
-    # - 2 buffers = 13.87 GiB -> 13 layers stay on each GPU, 19 layers * 2 ranks on the host
+    # - 2 buffers = 13.87 GiB -> 13 layers stay on each GPU; the host holds 32 layers * 2 ranks
     assert plan.n_resident_kv_layers == 13
-    assert rank0.full_kv_bytes == 13 * GIB and host.full_kv_bytes == 19 * 2 * GIB
+    assert rank0.full_kv_bytes == 13 * GIB and host.full_kv_bytes == 32 * 2 * GIB
 
 
 def test_gqa_models_fit_on_chip_on_two_4090s_but_not_one():
@@ -114,7 +117,7 @@ def test_refusal_names_the_largest_length_that_fits():
 
 
 def test_refusal_when_the_host_cannot_hold_the_offloaded_kv():
-    with pytest.raises(OutOfMemoryPlan, match="cpu needs 60.00 GiB"):
+    with pytest.raises(OutOfMemoryPlan, match="cpu needs 64.00 GiB"):
         plan_memory(llama2_7b(), N_128K, rtx4090s(1, host_gib=32))
 
 
@@ -142,7 +145,7 @@ def test_describe_lists_each_device_in_gib():
     lines = plan_memory(llama2_7b(), N_128K, rtx4090s(1)).describe()
     assert lines[0] == "131,072 tokens: full KV offloaded, 2 of 32 layers resident"
     assert lines[1].startswith("cuda:0: weights 12.55 GiB, full KV 4.00 GiB")
-    assert lines[2] == "cpu: full KV 60.00 GiB = 60.00 of 128.00 GiB free"
+    assert lines[2] == "cpu: full KV 64.00 GiB = 64.00 of 128.00 GiB free"
 
 
 def test_free_memory_of_cpu_is_positive():
@@ -153,3 +156,12 @@ def test_plan_is_a_memory_plan_on_chip():
     plan = plan_memory(qwen25_7b(), 4096, rtx4090s(1))
     assert isinstance(plan, MemoryPlan) and plan.n_resident_kv_layers == 28
     assert [d.name for d in plan.devices] == ["cuda:0"]
+
+
+def test_resident_layers_on_a_gpu_count_the_loaded_weights_as_available(monkeypatch):
+    # a 4090 with Llama-2-7B loaded: its weights are already out of the free memory measured now
+    free = {"cuda:0": 24 * GIB - weight_bytes(llama2_7b(), 2), "cpu": 128 * GIB}
+    monkeypatch.setattr(memory, "free_memory_bytes", lambda device: free[str(device)])
+    n_resident = resident_kv_layers(llama2_7b(), N_128K, torch.device("cuda:0"), Workload())
+    assert n_resident == plan_memory(llama2_7b(), N_128K, rtx4090s(1)).n_resident_kv_layers == 2
+    assert resident_kv_layers(llama2_7b(), N_128K, torch.device("cpu"), Workload()) == 0  # one memory

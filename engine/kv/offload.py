@@ -1,0 +1,195 @@
+"""The full KV cache offloaded to host memory (ALGORITHM.md section 8, "Offloaded").
+
+Every layer's K and V live in host memory (pinned on CUDA, so copies run asynchronously); the
+first `n_resident_layers` layers also stay on the device and are never copied. During a forward,
+the filled entries (only `length` of them) of the next offloaded layer are copied host->device into
+one half of a double buffer on a side stream while the current layer computes on the other half;
+each call's new entries are written into the device copy and back to the host. On CPU the same
+code runs with device = cpu: separate host and device tensors, and a side stream that copies
+inline, so the tests exercise every copy and count its bytes.
+Storage is token-major, [L, S_max, B, Hkv, D], so a layer's filled prefix is one contiguous block
+(one memcpy; a strided copy would stage through unpinned memory); views are permuted to the
+engine-wide [B, Hkv, S, D]. The host copy is authoritative for every layer: `k`, `v`, `entries`
+and `state` read it, so the retrieval cache and snapshots use this cache as they use FullCache.
+It does not page, quantise, or offload the retrieval cache, the drafter or any weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SideStream:
+    """Host->device copies on a CUDA side stream; on CPU a stand-in that copies at once."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor):
+        """Copy after the compute stream's work queued so far; returns what `wait` needs."""
+        if self.stream is None:
+            dst.copy_(src)
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # dst's last reader is done
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
+
+    def wait(self, done) -> None:
+        """Make the compute stream wait for a copy before it reads the destination."""
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+
+    def sync_host(self) -> None:
+        """Block until device->host write-backs queued on the compute stream have landed."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).synchronize()
+
+
+def to_heads(t: torch.Tensor) -> torch.Tensor:
+    """Token-major [..., S, B, Hkv, D] -> the engine-wide layout [..., B, Hkv, S, D] (a view)."""
+    n = t.dim()
+    return t.permute(*range(n - 4), n - 3, n - 2, n - 4, n - 1)
+
+
+class OffloadCache:
+    """Full cache in host memory, streamed to the device a layer at a time (see the module doc)."""
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device, n_resident_layers: int = 0):
+        assert 0 <= n_resident_layers <= n_layers, f"{n_resident_layers} resident of {n_layers} layers"
+        self.n_layers, self.n_resident_layers, self.device = n_layers, n_resident_layers, device
+        self.entry_shape = (batch, n_kv_heads, head_dim)
+        self.dtype, self.is_pinned = dtype, device.type == "cuda"
+        self.side = SideStream(device)
+        self.length = 0
+        self.n_copied_bytes = 0  # host->device, for tests and benchmarks
+        self.n_written_bytes = 0  # device->host write-backs of new entries
+        self._allocate(capacity)
+
+    def _new(self, n_layers: int, capacity: int, on_host: bool) -> torch.Tensor:
+        shape = (n_layers, capacity, *self.entry_shape)  # [L, S_max, B, Hkv, D]
+        if on_host:
+            return torch.empty(shape, dtype=self.dtype, pin_memory=self.is_pinned)
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def _allocate(self, capacity: int) -> None:
+        """Host K/V of every layer, device K/V of the resident ones, and the two-layer buffer."""
+        self.host_k, self.host_v = self._new(self.n_layers, capacity, True), self._new(self.n_layers, capacity, True)
+        self.resident_k = self._new(self.n_resident_layers, capacity, False)
+        self.resident_v = self._new(self.n_resident_layers, capacity, False)
+        n_buffers = min(2, self.n_layers - self.n_resident_layers)
+        self.buffer_k, self.buffer_v = self._new(n_buffers, capacity, False), self._new(n_buffers, capacity, False)
+        self.pending: dict[int, tuple] = {}  # layer -> its in-flight copies into its buffer slot
+
+    @property
+    def capacity(self) -> int:
+        return self.host_k.shape[1]
+
+    def reserve(self, n_tokens: int) -> None:
+        """Make room for `n_tokens` more entries (grows by 1.5x to amortise copies)."""
+        needed = self.length + n_tokens
+        if needed <= self.capacity:
+            return
+        self.side.sync_host()
+        old = (self.host_k, self.host_v, self.resident_k, self.resident_v)
+        self._allocate(max(needed, int(self.capacity * 1.5)))
+        for new, kept in zip((self.host_k, self.host_v, self.resident_k, self.resident_v), old):
+            new[:, :self.length] = kept[:, :self.length]
+
+    def _prefetch(self, layer_idx: int) -> None:
+        """Start copying an offloaded layer's filled entries into its half of the buffer."""
+        if layer_idx >= self.n_layers or layer_idx in self.pending:
+            return
+        n, slot = self.length, self._slot(layer_idx)
+        k_done = self.side.copy(self.buffer_k[slot, :n], self.host_k[layer_idx, :n])
+        v_done = self.side.copy(self.buffer_v[slot, :n], self.host_v[layer_idx, :n])
+        self.pending[layer_idx] = (k_done, v_done)
+        self.n_copied_bytes += 2 * self.host_k[layer_idx, :n].nbytes
+
+    def _forget_prefetches(self) -> None:
+        """Copies left over by a forward that stopped early are waited for and not trusted."""
+        for copies in self.pending.values():
+            for done in copies:
+                self.side.wait(done)
+        self.pending.clear()
+
+    def _device_layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device copy of a layer ([S_max, B, Hkv, D] each), filled up to `length`."""
+        if layer_idx < self.n_resident_layers:
+            return self.resident_k[layer_idx], self.resident_v[layer_idx]
+        self._prefetch(layer_idx)  # only the first offloaded layer of a call starts here
+        for done in self.pending.pop(layer_idx):
+            self.side.wait(done)
+        self._prefetch(layer_idx + 1)  # overlaps with this layer's attention and MLP
+        slot = self._slot(layer_idx)
+        return self.buffer_k[slot], self.buffer_v[slot]
+
+    def _slot(self, layer_idx: int) -> int:
+        return (layer_idx - self.n_resident_layers) % 2
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+        """Write this call's T entries ([B, Hkv, T, D]) after `length`; return [B, Hkv, S, D] views."""
+        assert (k.shape[0], k.shape[1], k.shape[3]) == self.entry_shape, f"KV of shape {tuple(k.shape)}"
+        if layer_idx == 0:
+            self._forget_prefetches()
+            self.reserve(k.shape[2])
+            if self.n_resident_layers > 0:
+                self._prefetch(self.n_resident_layers)  # streams while the resident layers compute
+        start, end = self.length, self.length + k.shape[2]
+        dev_k, dev_v = self._device_layer(layer_idx)
+        for dev, host, new in ((dev_k, self.host_k, k), (dev_v, self.host_v, v)):
+            dev[start:end] = new.permute(2, 0, 1, 3)
+            host[layer_idx, start:end].copy_(dev[start:end], non_blocking=self.is_pinned)
+            self.n_written_bytes += dev[start:end].nbytes
+        return to_heads(dev_k[:end]), to_heads(dev_v[:end])
+
+    def advance(self, n_tokens: int) -> None:
+        self.length += n_tokens
+
+    def truncate(self, length: int) -> None:
+        assert 0 <= length <= self.length, f"truncate({length}) of a cache holding {self.length}"
+        self.length = length
+
+    def keep_tail(self, start: int, keep_idx: torch.Tensor) -> None:
+        """Keep entries start+keep_idx (sorted, [n]) of the last call, moved to follow `start`."""
+        self.side.sync_host()
+        n = keep_idx.shape[0]
+        for t in (self.host_k, self.host_v, self.resident_k, self.resident_v):
+            src = start + keep_idx.to(t.device)
+            t[:, start:start + n] = t[:, src]
+        self.length = start + n
+
+    @property
+    def k(self) -> torch.Tensor:  # [L, B, Hkv, S_max, D] host view, as FullCache.k
+        self.side.sync_host()
+        return to_heads(self.host_k)
+
+    @property
+    def v(self) -> torch.Tensor:
+        self.side.sync_host()
+        return to_heads(self.host_v)
+
+    def entries(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions [start, end) for all layers, from host: [L, B, Hkv, end-start, D]."""
+        return self.k[:, :, :, start:end], self.v[:, :, :, start:end]
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The same snapshot as FullCache.state: {"k", "v"} of [L, B, Hkv, S, D], contiguous."""
+        k, v = self.entries(0, self.length)
+        return {"k": k.contiguous(), "v": v.contiguous()}
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor], capacity: int, device: torch.device,
+                   n_resident_layers: int = 0) -> OffloadCache:
+        L, B, Hkv, S, D = state["k"].shape
+        cache = cls(L, B, Hkv, D, max(capacity, S), state["k"].dtype, device, n_resident_layers)
+        for host, resident, saved in ((cache.host_k, cache.resident_k, state["k"]),
+                                      (cache.host_v, cache.resident_v, state["v"])):
+            host[:, :S] = saved.permute(0, 3, 1, 2, 4)
+            resident[:, :S] = host[:n_resident_layers, :S]
+        cache.length = S
+        return cache

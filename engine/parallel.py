@@ -1,0 +1,328 @@
+"""Tensor parallelism over several GPUs (ALGORITHM.md section 8, "Two GPUs"); gloo on CPU in tests.
+
+`shard` turns a loaded Transformer into one rank's part, as gpt-fast's tp.py does: query heads,
+KV heads (GQA-aware: the query heads of a KV head stay with it) and MLP columns split evenly;
+q/k/v/gate/up rows and o_proj/down_proj columns sliced; the partial outputs of o_proj and
+down_proj summed by an all-reduce (forward hooks); embeddings, norms and lm_head whole. The model
+code does not change. Every rank must take the same decisions: rank 0 draws every random
+outcome and broadcasts it (`SharedCoins`: accept or not, which token), as it does the cancel flag
+(`SharedFlag`) and the adaptive draft lengths (`SharedTuner`; they depend on timings).
+Rank 0 drives (`Leader`): each call that touches a session is broadcast first, and the other
+ranks make the same call on their shard (`follow`). `start` spawns ranks 1..N-1 or joins torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from engine.config import EngineError, SamplingConfig
+from engine.model import Transformer
+from engine.sampling import Coins, GeneratorCoins
+
+
+class HeadsNotDivisible(EngineError):
+    def __init__(self, what: str, n: int, n_ranks: int):
+        fits = [d for d in range(1, n + 1) if n % d == 0 and d <= 8]
+        super().__init__(f"Tensor parallel over {n_ranks} GPUs needs the model's {n} {what} to divide "
+                         f"evenly; use one of {fits} GPUs.")
+
+
+def _slice(linear: nn.Linear, part: slice, dim: int) -> None:
+    """Keep `part` of the output rows (dim 0) or input columns (dim 1), as new tensors."""
+    linear.weight = nn.Parameter(linear.weight.narrow(dim, part.start, part.stop - part.start).clone(),
+                                 requires_grad=False)
+    if dim == 0 and linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias[part].clone(), requires_grad=False)
+    linear.out_features, linear.in_features = linear.weight.shape
+
+
+def _all_reduce(module: nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(output)  # sum of the ranks' partial products
+    return output
+
+
+def shard(model: Transformer, rank: int, n_ranks: int) -> Transformer:
+    """Make `model` rank `rank`'s shard of `n_ranks` in place (see the module doc); its config
+    then holds this rank's head counts and MLP width, so caches built from it are per rank."""
+    c = model.config
+    for what, n in (("query heads", c.n_heads), ("KV heads", c.n_kv_heads), ("MLP columns", c.intermediate)):
+        if n % n_ranks:
+            raise HeadsNotDivisible(what, n, n_ranks)
+    H, Hkv, F, D = c.n_heads // n_ranks, c.n_kv_heads // n_ranks, c.intermediate // n_ranks, c.head_dim
+    q, kv = slice(rank * H * D, (rank + 1) * H * D), slice(rank * Hkv * D, (rank + 1) * Hkv * D)
+    f = slice(rank * F, (rank + 1) * F)  # HF layout: a KV head's query heads are adjacent, so q and kv align
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for linear, part, dim in ((attn.q_proj, q, 0), (attn.k_proj, kv, 0), (attn.v_proj, kv, 0),
+                                  (attn.o_proj, q, 1), (mlp.gate_proj, f, 0), (mlp.up_proj, f, 0),
+                                  (mlp.down_proj, f, 1)):
+            _slice(linear, part, dim)
+        attn.n_heads, attn.n_kv_heads = H, Hkv
+        attn.o_proj.register_forward_hook(_all_reduce)
+        mlp.down_proj.register_forward_hook(_all_reduce)
+    model.config = replace(c, n_heads=H, n_kv_heads=Hkv, intermediate=F)
+    return model
+
+
+def _share(value: int) -> int:
+    """Rank 0's `value`, on every rank (the others' `value` is ignored)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    dist.broadcast(t, src=0)
+    return int(t.item())
+
+
+class SharedCoins:
+    """Rank 0 draws with its coins; every rank gets the outcome, so all accept and emit alike."""
+
+    def __init__(self, coins: Coins | None):  # None on ranks > 0
+        self.coins = coins
+
+    def accept(self, p: float) -> bool:
+        return bool(_share(int(self.coins.accept(p)) if self.coins else 0))
+
+    def sample(self, probs: torch.Tensor) -> int:
+        return _share(self.coins.sample(probs) if self.coins else 0)
+
+
+class SharedFlag:
+    """Rank 0's cancel flag, read at the same points on every rank; `set` forces it."""
+
+    def __init__(self, flag=None):
+        self.flag, self.is_forced = flag, False
+
+    def set(self) -> None:
+        self.is_forced = True
+
+    def is_set(self) -> bool:
+        return bool(_share(int(self.is_forced or (self.flag is not None and self.flag.is_set()))))
+
+
+class SharedTuner:
+    """A GammaTuner whose draft lengths are rank 0's: they come from measured times."""
+
+    def __init__(self, tuner):
+        self.tuner = tuner
+
+    def gamma(self) -> int:
+        return _share(self.tuner.gamma())
+
+    def observe(self, *args) -> None:
+        self.tuner.observe(*args)
+
+
+def _share_gammas(session) -> None:
+    # TODO(#4): a hook in LevelStack/CheckingDrafter would avoid reaching into the stack
+    for level in (session.stack, session.stack.drafter):
+        tuner = getattr(level, "tuner", None)
+        if tuner is not None and not isinstance(tuner, SharedTuner):
+            level.tuner = SharedTuner(tuner)
+
+
+@dataclass
+class Ranks:
+    """What every rank holds: its engine and its sessions, by the id rank 0 gave them."""
+
+    engine: object
+    sessions: dict = field(default_factory=dict)
+
+
+# Calls made on every rank: fn(ranks, *broadcast args, **rank 0's local arguments)
+def _open(ranks: Ranks, sid: int, doc_ids: list[int], on_progress=None, cancel=None):
+    ranks.sessions[sid] = ranks.engine.open(doc_ids, on_progress, cancel or SharedFlag())
+
+
+def _ask(ranks: Ranks, sid: int, question_ids, sampling: SamplingConfig, stop_ids, cancel=None):
+    session = ranks.sessions[sid]
+    _share_gammas(session)
+    coins = GeneratorCoins(torch.Generator().manual_seed(sampling.seed)) if dist.get_rank() == 0 else None
+    return session.ask(question_ids, sampling, cancel or SharedFlag(), stop_ids, SharedCoins(coins))
+
+
+def _method(ranks: Ranks, sid: int, name: str, *args):
+    session = ranks.sessions[sid]
+    _share_gammas(session)
+    return getattr(session, name)(*args)
+
+
+def _save(ranks: Ranks, sid: int, path: str, meta: dict | None):
+    ranks.sessions[sid].save(f"{path}.rank{dist.get_rank()}", meta)
+
+
+def _restore(ranks: Ranks, sid: int, path: str):
+    ranks.sessions[sid] = ranks.engine.restore(f"{path}.rank{dist.get_rank()}")
+
+
+def _close(ranks: Ranks, sid: int):
+    del ranks.sessions[sid]
+
+
+class Leader:
+    """Rank 0's engine: calls that run the model are broadcast, then made here; reads (tokenizer,
+    config, max_context ...) go to the local engine. One call at a time across all sessions."""
+
+    def __init__(self, engine, workers: list):
+        self.engine, self.workers = engine, workers
+        self.ranks, self.lock, self.next_sid = Ranks(engine), threading.Lock(), 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def call(self, fn: Callable, *args, **local):
+        """fn(ranks, *args) on every rank; rank 0 also passes `local` (callbacks, flags)."""
+        dist.broadcast_object_list([(fn, args)], src=0)
+        return fn(self.ranks, *args, **local)
+
+    def open(self, doc_ids: list[int], on_progress=None, cancel=None) -> LeaderSession:
+        with self.lock:
+            sid, self.next_sid = self.next_sid, self.next_sid + 1
+            self.call(_open, sid, list(doc_ids), on_progress=on_progress, cancel=SharedFlag(cancel))
+            return LeaderSession(self, sid)
+
+    def restore(self, path) -> LeaderSession:
+        with self.lock:
+            sid, self.next_sid = self.next_sid, self.next_sid + 1
+            self.call(_restore, sid, str(path))
+            return LeaderSession(self, sid)
+
+    def close(self) -> None:
+        """Stop the other ranks and leave the process group."""
+        with self.lock:
+            dist.broadcast_object_list([(None, ())], src=0)
+            for worker in self.workers:
+                worker.join(timeout=60)
+            dist.destroy_process_group()
+
+
+class LeaderSession:
+    """A session on every rank, driven from rank 0; reads (tokens, length ...) are rank 0's."""
+
+    def __init__(self, leader: Leader, sid: int):
+        self.leader, self.sid = leader, sid
+
+    def __getattr__(self, name: str):
+        return getattr(self.leader.ranks.sessions[self.sid], name)
+
+    def _call(self, name: str, *args):
+        with self.leader.lock:
+            return self.leader.call(_method, self.sid, name, *args)
+
+    def truncate(self, length: int) -> None:
+        self._call("truncate", length)
+
+    def start(self, tokens: list[int]) -> None:
+        self._call("start", list(tokens))
+
+    def set_levels(self, levels: str) -> None:
+        self._call("set_levels", levels)
+
+    def probe_plain_tbt(self, n_tokens: int = 8) -> float:
+        return self._call("probe_plain_tbt", n_tokens)
+
+    def save(self, path, meta: dict | None = None) -> None:
+        """Each rank saves its shard to `path`.rank<r>; `path` itself says so (Leader.restore)."""
+        with self.leader.lock:
+            self.leader.call(_save, self.sid, str(path), meta)
+            torch.save({"tensor_parallel_shards": dist.get_world_size()}, path)
+
+    def close(self) -> None:
+        with self.leader.lock:
+            self.leader.call(_close, self.sid)
+
+    def ask(self, question_ids: list[int], sampling: SamplingConfig = SamplingConfig(), cancel=None,
+            stop_ids: set[int] | None = None) -> Iterator:
+        with self.leader.lock:
+            flag = SharedFlag(cancel)
+            events = self.leader.call(_ask, self.sid, list(question_ids), sampling, stop_ids, cancel=flag)
+            try:
+                for event in events:  # noqa: UP028 (`yield from` would close `events` on GeneratorExit)
+                    yield event
+            finally:  # a caller that stops listening must not leave the other ranks mid-answer
+                flag.set()
+                for _ in events:
+                    pass
+
+    def answer_steps(self, *args, **kwargs):
+        raise EngineError("Batching several readers (engine/batch.py) does not run under tensor parallel "
+                          "yet: ask one question at a time (session.ask), or use one GPU.")
+
+
+def follow(engine) -> None:
+    """Ranks > 0: make every call rank 0 broadcasts, until it closes."""
+    ranks = Ranks(engine)
+    while True:
+        message = [None]
+        dist.broadcast_object_list(message, src=0)
+        fn, args = message[0]
+        if fn is None:
+            return
+        try:
+            result = fn(ranks, *args)
+            for _ in result if isinstance(result, Iterator) else ():
+                pass
+        except (EngineError, ValueError):
+            pass  # rank 0 raised the same error to its caller
+
+
+def rank_device(device: torch.device) -> torch.device:
+    """This rank's device: its own GPU (LOCAL_RANK under torchrun), or the CPU for gloo."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+
+
+IDLE_TIMEOUT = timedelta(days=3650)  # ranks > 0 wait inside a collective for rank 0's next call
+START_TIMEOUT = timedelta(minutes=5)  # the ranks meet this soon after spawning, or one failed
+
+
+def _join(rank: int, n_ranks: int, store, device: torch.device) -> None:
+    """Join the group: through `store` (spawned ranks), or as torchrun's environment says."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    if store is None:  # torchrun set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+        dist.init_process_group(backend, timeout=IDLE_TIMEOUT)
+    else:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=n_ranks, timeout=IDLE_TIMEOUT)
+
+
+def _serve(make_engine: Callable, rank: int, n_ranks: int, port: int, device: torch.device, n_threads: int):
+    torch.set_num_threads(n_threads)
+    _join(rank, n_ranks, dist.TCPStore("127.0.0.1", port, n_ranks, False, timeout=START_TIMEOUT), device)
+    follow(make_engine())
+    dist.destroy_process_group()
+
+
+def start(make_engine: Callable[[], object], n_ranks: int, device: torch.device) -> Leader:
+    """Rank 0's engine over `n_ranks` processes; `make_engine()` builds one rank's engine (its
+    shard) once the process group is up, and must pickle. Under torchrun every process calls
+    this: ranks > 0 serve until rank 0 closes, then exit. Otherwise this process is rank 0 and
+    spawns ranks 1..n-1 on this machine (NCCL on CUDA, gloo on CPU)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        assert int(os.environ["WORLD_SIZE"]) == n_ranks, f"torchrun started {os.environ['WORLD_SIZE']} ranks"
+        _join(int(os.environ["RANK"]), n_ranks, None, device)
+        if dist.get_rank() > 0:
+            follow(make_engine())
+            dist.destroy_process_group()
+            sys.exit(0)
+        return Leader(make_engine(), [])
+    store = dist.TCPStore("127.0.0.1", 0, n_ranks, True, timeout=START_TIMEOUT,
+                          wait_for_workers=False)  # port 0: the system picks a free one
+    context = mp.get_context("spawn")
+    workers = [context.Process(target=_serve, daemon=True,
+                               args=(make_engine, rank, n_ranks, store.port, device, torch.get_num_threads()))
+               for rank in range(1, n_ranks)]
+    for worker in workers:
+        worker.start()
+    _join(0, n_ranks, store, device)
+    return Leader(make_engine(), workers)

@@ -1,0 +1,73 @@
+"""Kernel switches without a GPU: flash-attn absent -> torch SDPA, said once in the log; the
+flash path's own fallbacks (float32/64, token trees) are SDPA exactly; CUDA graphs wanted on CPU
+-> eager, said once; the engine's switches reach the kernels."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+import torch
+
+from engine import attention, graphs
+from engine.attention import flash_attention, pick_attention, sdpa_attention
+from tests.conftest import tiny_engine
+
+CUDA = torch.device("cuda")  # only a name here: picking a kernel does not touch the device
+
+
+@pytest.fixture
+def no_flash_attn(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # `import flash_attn` raises ImportError
+    attention.has_flash_attn.cache_clear()
+    yield
+    attention.has_flash_attn.cache_clear()
+
+
+def test_without_flash_attn_cuda_falls_back_to_sdpa_and_says_so_once(no_flash_attn, caplog):
+    with caplog.at_level(logging.INFO, logger="engine.attention"):
+        picked = [pick_attention(CUDA), pick_attention(CUDA), pick_attention(CUDA, use_flash_attn=True)]
+    assert all(p is sdpa_attention for p in picked)
+    notes = [r.getMessage() for r in caplog.records if "flash-attn" in r.getMessage()]
+    assert len(notes) == 1 and "torch SDPA" in notes[0] and "requirements-gpu.txt" in notes[0]
+
+
+def test_flash_attn_when_importable_on_cuda_only(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", type(sys)("flash_attn"))  # a stand-in module
+    attention.has_flash_attn.cache_clear()
+    try:
+        assert pick_attention(CUDA) is flash_attention
+        assert pick_attention(CUDA, use_flash_attn=False) is sdpa_attention
+        assert pick_attention(torch.device("cpu")) is sdpa_attention
+    finally:
+        attention.has_flash_attn.cache_clear()
+
+
+def test_flash_path_routes_what_flash_attn_cannot_run_to_sdpa_exactly():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 3, 8, generator=g, dtype=torch.float64)  # [B, H, T, D]
+    k, v = (torch.randn(1, 2, 10, 8, generator=g, dtype=torch.float64) for _ in "kv")
+    chain = torch.ones(3, 3, dtype=torch.bool).tril()
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # two siblings
+    for tail in (chain, tree, None):
+        q1 = q[:, :, :1] if tail is None else q
+        assert torch.equal(flash_attention(q1, k, v, tail), sdpa_attention(q1, k, v, tail))
+
+
+def test_cuda_graphs_on_cpu_run_eager_and_say_so_once(caplog):
+    graphs._say_eager.cache_clear()
+    step = torch.nn.functional.relu
+    with caplog.at_level(logging.INFO, logger="engine.graphs"):
+        assert graphs.graphed(step, torch.device("cpu"), use_cuda_graphs=True) is step
+        assert graphs.graphed(step, torch.device("cpu"), use_cuda_graphs=True) is step
+        engine = tiny_engine("plain", use_cuda_graphs=True)
+    assert not engine.uses_cuda_graphs
+    notes = [r.getMessage() for r in caplog.records if "CUDA graphs" in r.getMessage()]
+    assert len(notes) == 1 and "running eager" in notes[0]
+    assert graphs.graphed(step, torch.device("cpu"), use_cuda_graphs=False) is step
+
+
+def test_engine_switches_reach_the_kernels(no_flash_attn):
+    engine = tiny_engine("plain", use_flash_attn=True)
+    assert engine.target.model.layers[0].self_attn.attend is sdpa_attention  # CPU: always SDPA

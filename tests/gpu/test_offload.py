@@ -1,0 +1,112 @@
+"""The offloaded full cache on CPU (separate "host" and "device" tensors, prefetch on): the same
+views as the on-chip FullCache under every operation, the same greedy tokens through the
+engine, only the filled length copied, and layer i+1's copy issued before layer i attends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import sdpa_attention
+from engine.config import SamplingConfig
+from engine.kv.full import FullCache
+from engine.kv.offload import OffloadCache
+from tests.conftest import tiny_engine
+from tests.engine.test_speculative import random_ids
+
+CPU = torch.device("cpu")
+L, B, HKV, D = 3, 1, 2, 4
+
+
+def both(capacity: int, n_resident: int) -> tuple[FullCache, OffloadCache]:
+    return (FullCache(L, B, HKV, D, capacity, torch.float64, CPU),
+            OffloadCache(L, B, HKV, D, capacity, torch.float64, CPU, n_resident))
+
+
+def call(caches, n_new: int, seed: int):
+    """One forward's worth of updates (every layer, then advance); asserts equal views."""
+    g = torch.Generator().manual_seed(seed)
+    for layer_idx in range(L):
+        k, v = (torch.randn(B, HKV, n_new, D, generator=g, dtype=torch.float64) for _ in "kv")
+        views = [cache.update(layer_idx, k, v) for cache in caches]
+        for (k_ref, v_ref), (k_off, v_off) in zip(views, views[1:]):
+            assert k_off.shape == k_ref.shape == (B, HKV, caches[0].length + n_new, D)
+            assert torch.equal(k_off, k_ref) and torch.equal(v_off, v_ref)
+    for cache in caches:
+        cache.advance(n_new)
+
+
+@pytest.mark.parametrize("n_resident", [0, 1, L])
+def test_offloaded_views_equal_the_full_cache_through_growth_truncate_and_keep_tail(n_resident):
+    full, offload = both(capacity=4, n_resident=n_resident)
+    call((full, offload), 6, seed=0)  # grows past the capacity of 4
+    call((full, offload), 3, seed=1)
+    for cache in (full, offload):
+        cache.truncate(7)  # a rejected draft
+    call((full, offload), 5, seed=2)  # a token tree of 5 of which nodes 0, 2, 3 are accepted
+    for cache in (full, offload):
+        cache.keep_tail(7, torch.tensor([0, 2, 3]))
+    assert offload.length == full.length == 10
+    call((full, offload), 1, seed=3)
+    for a, b in zip(full.entries(2, 11), offload.entries(2, 11)):
+        assert torch.equal(a, b)
+    assert offload.k.shape[:3] == full.k.shape[:3]  # what the retrieval cache reads
+    assert torch.equal(offload.state()["v"], full.state()["v"])
+    restored = OffloadCache.from_state(full.state(), 16, CPU, n_resident)
+    call((full, restored), 2, seed=4)
+
+
+def test_only_the_filled_length_is_copied():
+    engine = tiny_engine("plain", offload_kv=True, resident_kv_layers=0)
+    c = engine.target.config
+    cache = engine.new_full_cache(capacity=500)
+    assert isinstance(cache, OffloadCache) and cache.capacity == 500
+    ids = torch.tensor([random_ids(37, 128, 0)])
+    engine.target(ids, torch.arange(37), cache)  # prefill: nothing is filled yet, nothing copied
+    assert cache.n_copied_bytes == 0
+    engine.target(ids[:, :3], torch.arange(37, 40), cache)
+    entry_bytes = c.n_kv_heads * c.head_dim * 8  # float64, one token, one layer, K or V
+    assert cache.n_copied_bytes == c.n_layers * 2 * 37 * entry_bytes  # not the 500 slots
+    assert cache.n_written_bytes == c.n_layers * 2 * 40 * entry_bytes  # new entries back to host
+
+
+def test_next_layer_is_copied_before_this_layer_attends():
+    engine = tiny_engine("plain", offload_kv=True, resident_kv_layers=0)
+    cache, log = engine.new_full_cache(capacity=64), []
+    engine.target(torch.tensor([random_ids(5, 128, 1)]), torch.arange(5), cache)
+    copy = cache.side.copy
+    cache.side.copy = lambda dst, src: (log.append("copy"), copy(dst, src))[1]
+    engine.target.set_attention(lambda *args: (log.append("attend"), sdpa_attention(*args))[1])
+    engine.target(torch.tensor([[1]]), torch.tensor([5]), cache)
+    # tiny model: 2 layers; each copy is K then V
+    assert log == ["copy", "copy", "copy", "copy", "attend", "attend"]
+
+
+def test_resident_layers_are_never_copied():
+    engine = tiny_engine("plain", offload_kv=True, resident_kv_layers=2)
+    cache = engine.new_full_cache(capacity=64)
+    engine.target(torch.tensor([random_ids(9, 128, 2)]), torch.arange(9), cache)
+    engine.target(torch.tensor([[3]]), torch.tensor([9]), cache)
+    assert cache.n_resident_layers == 2 and cache.n_copied_bytes == 0
+
+
+def doc_with_repeats() -> list[int]:
+    part = random_ids(30, 128, 7)
+    return part + random_ids(20, 128, 8) + part + part[:15]  # the n-gram drafter finds matches
+
+
+@pytest.mark.parametrize("levels", ["plain", "ngram>retrieval>full"])
+@pytest.mark.parametrize("n_resident", [0, 1])
+def test_offloaded_engine_gives_the_on_chip_tokens(levels, n_resident):
+    sampling = SamplingConfig(max_new_tokens=20)
+    answers = {}
+    for is_offloaded in (False, True):
+        engine = tiny_engine(levels, offload_kv=is_offloaded, resident_kv_layers=n_resident)
+        session = engine.open(doc_with_repeats())
+        assert isinstance(session.full, OffloadCache) == is_offloaded
+        first = [t for e in session.ask(random_ids(4, 128, 9), sampling) for t in e.tokens]
+        session.truncate(session.length - 5)  # regenerate the end of the answer
+        second = [t for e in session.ask(random_ids(3, 128, 10), sampling) for t in e.tokens]
+        answers[is_offloaded] = (first, second, session.tokens)
+    assert answers[True] == answers[False]
+    assert len(answers[True][0]) == 20

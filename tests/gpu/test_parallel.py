@@ -1,0 +1,142 @@
+"""Tensor parallel on CPU: two gloo processes (this one is rank 0, `parallel.start` spawns rank 1)
+against one process: the same greedy tokens for plain decoding and the default stack, logits
+within 1e-5 in float32, for Llama (tied off) and Qwen2 (q/k/v biases, tied embeddings).
+Sharding itself is checked against the unsharded weights, and its refusal when heads do not
+divide evenly."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine import parallel
+from engine.config import EngineConfig, RetrievalConfig, SamplingConfig
+from engine.engine import Engine, Session
+from engine.kv.full import FullCache
+from engine.kv.offload import OffloadCache
+from tests.conftest import ours, tiny_hf
+from tests.engine.test_loading import word_tokenizer
+from tests.engine.test_speculative import random_ids
+from tests.gpu.test_offload import doc_with_repeats
+
+RETRIEVAL = RetrievalConfig(budget_tokens=48, sink_tokens=4, window_tokens=16, chunk_tokens=4,
+                            n_score_queries=4, rebuild_every_tokens=16)
+STACKS = ("plain", "ngram>retrieval>full")
+
+
+def tiny_rank_engine(family: str, gamma: int | None = None) -> Engine:
+    """This process's engine: the tiny model in float32, sharded when a process group is up;
+    draft lengths adaptive (timing-dependent) unless `gamma` fixes them."""
+    torch.set_num_threads(1)
+    model = ours(tiny_hf(family)).float()
+    n_ranks = dist.get_world_size() if dist.is_initialized() else 1
+    if n_ranks > 1:
+        parallel.shard(model, dist.get_rank(), n_ranks)
+    config = EngineConfig(target="tiny", device="cpu", dtype="float32", retrieval=RETRIEVAL,
+                          prefill_chunk_tokens=16, n_gpus=n_ranks, gamma_bottom=gamma, gamma_middle=gamma)
+    return Engine(config, model)
+
+
+def logits_of(ranks: parallel.Ranks, ids: list[int]) -> torch.Tensor:
+    """One prefill forward over `ids` on this rank (run on every rank through Leader.call)."""
+    c = ranks.engine.target.config
+    cache = FullCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, len(ids), torch.float32, torch.device("cpu"))
+    return ranks.engine.target(torch.tensor([ids]), torch.arange(len(ids)), cache)
+
+
+def tokens_of_every_rank(ranks: parallel.Ranks, sid: int) -> list[list[int]]:
+    tokens = [None] * dist.get_world_size()
+    dist.all_gather_object(tokens, ranks.sessions[sid].tokens)
+    return tokens
+
+
+def conversation(engine, is_sampled: bool) -> dict:
+    """Greedy answers of each stack, with a regenerate in between; then a sampled one."""
+    out = {}
+    session = engine.open(doc_with_repeats())
+    for levels in STACKS:
+        session.set_levels(levels)
+        sampling = SamplingConfig(max_new_tokens=16)
+        first = [t for e in session.ask(random_ids(4, 128, 4), sampling) for t in e.tokens]
+        session.truncate(session.length - 6)
+        second = [t for e in session.ask(random_ids(3, 128, 5), sampling) for t in e.tokens]
+        out[levels] = (first, second)
+    if is_sampled:  # the same coins in the same order only when the draft lengths are fixed
+        sampling = SamplingConfig(temperature=0.8, top_p=0.9, max_new_tokens=16, seed=3)
+        out["sampled"] = [t for e in session.ask(random_ids(3, 128, 6), sampling) for t in e.tokens]
+    out["tokens"] = session.tokens
+    return out
+
+
+@pytest.mark.timeout(180)  # ranks that disagree wait for each other forever: fail, do not hang
+@pytest.mark.parametrize("family, gamma", [("llama", None), ("qwen2", 3)])
+def test_two_gloo_ranks_match_one_process(family, gamma):
+    ids = random_ids(40, 128, 3)
+    engine = tiny_rank_engine(family, gamma)
+    one, one_logits = conversation(engine, gamma is not None), logits_of(parallel.Ranks(engine), ids)
+    leader = parallel.start(functools.partial(tiny_rank_engine, family, gamma), 2, torch.device("cpu"))
+    try:
+        assert leader.target.config.n_kv_heads == 1  # this process really is a shard
+        two, two_logits = conversation(leader, gamma is not None), leader.call(logits_of, ids)
+        session = leader.open(random_ids(30, 128, 7))
+        events = session.ask(random_ids(3, 128, 8), SamplingConfig(max_new_tokens=50))
+        next(events)
+        events.close()  # the reader went away mid-answer: every rank stops at the same token
+        first, second = leader.call(tokens_of_every_rank, session.sid)
+        assert first == second and 30 + 3 < len(first) < 30 + 3 + 50
+    finally:
+        leader.close()
+    assert not dist.is_initialized()
+    for levels in STACKS:
+        assert two[levels] == one[levels], levels
+        assert len(two[levels][0]) == 16
+    assert two.get("sampled") == one.get("sampled") and two["tokens"] == one["tokens"]
+    assert (two_logits - one_logits).abs().max() <= 1e-5
+
+
+def test_shard_keeps_each_ranks_heads_and_columns():
+    whole = ours(tiny_hf("qwen2"))
+    part = parallel.shard(ours(tiny_hf("qwen2")), 1, 2)
+    a, b = whole.model.layers[0], part.model.layers[0]
+    D = whole.config.head_dim
+    assert torch.equal(b.self_attn.q_proj.weight, a.self_attn.q_proj.weight[2 * D:4 * D])  # query heads 2, 3
+    assert torch.equal(b.self_attn.k_proj.bias, a.self_attn.k_proj.bias[D:2 * D])  # their KV head 1
+    assert torch.equal(b.self_attn.o_proj.weight, a.self_attn.o_proj.weight[:, 2 * D:4 * D])
+    assert torch.equal(b.mlp.down_proj.weight, a.mlp.down_proj.weight[:, 64:128])
+    assert (part.config.n_heads, part.config.n_kv_heads, part.config.intermediate) == (2, 1, 64)
+    assert part.lm_head.weight is part.model.embed_tokens.weight  # tied, replicated
+
+
+def test_shard_refuses_heads_that_do_not_divide():
+    with pytest.raises(parallel.HeadsNotDivisible, match="2 KV heads to divide evenly; use one of"):
+        parallel.shard(ours(tiny_hf("llama")), 0, 4)  # 4 query heads divide by 4, 2 KV heads do not
+
+
+@pytest.mark.timeout(180)
+def test_engine_load_with_two_gpus_starts_the_workers_itself(tmp_path):
+    """The app's and the CLI's path: Engine.load(n_gpus=2) spawns rank 1, loads and shards the
+    saved model in both processes (offloaded KV too), and answers as one process does."""
+    tiny_hf("qwen2").float().save_pretrained(tmp_path)
+    word_tokenizer([f"w{i}" for i in range(128)]).save_pretrained(tmp_path)
+    config = EngineConfig(target=str(tmp_path), device="cpu", dtype="float32", retrieval=RETRIEVAL,
+                          offload_kv=True)
+    sampling, answers = SamplingConfig(max_new_tokens=12), []
+    for n_gpus in (1, 2):
+        engine = Engine.load(replace(config, n_gpus=n_gpus))
+        try:
+            session = engine.open(doc_with_repeats())
+            answers.append([t for e in session.ask(random_ids(4, 128, 6), sampling) for t in e.tokens])
+            assert isinstance(session.full, OffloadCache) and session.full.n_resident_layers == 0  # CPU
+            session.save(tmp_path / f"snapshot{n_gpus}.pt")  # a prefill snapshot, restored on every rank
+            restored = (engine.restore if n_gpus > 1 else functools.partial(Session.restore, engine))(
+                tmp_path / f"snapshot{n_gpus}.pt")
+            answers.append([t for e in restored.ask(random_ids(3, 128, 7), sampling) for t in e.tokens])
+        finally:
+            if n_gpus > 1:
+                assert isinstance(engine, parallel.Leader)
+                engine.close()
+    assert answers[:2] == answers[2:] and len(answers[0]) == len(answers[1]) == 12
