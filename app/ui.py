@@ -2,17 +2,21 @@
 
 Left: upload with staged progress, then the library; centre: the chat; right: live metrics and
 "where the model is reading". Each browser session (`request.session_hash`) has its own `User`:
-open book, pending document, stop flag. Stop sets that flag (UI-TESTING.md: never `cancels=`).
-Handlers catch every typed error and show it, so no Gradio error pill appears, and the open book
-and chat stay until a new book is fully ready. Book logic lives in app/session.py.
+open book, pending document, stop flag, counters. Stop sets that flag (UI-TESTING.md: never
+`cancels=`). Handlers catch every typed error and show it, so no Gradio error pill appears, and
+the open book and chat stay until a new book is fully ready. Engine jobs share one queue (its
+position shows on the status or metrics panel). With `private` (--share), a user's library lists
+only the books and chats of their own session. At most `max_open_books` books stay in memory:
+opening one more closes the least recently used other one (it reopens from its snapshot).
+Book logic lives in app/session.py, panel rendering in app/views.py, serving in app/server.py.
 """
 
 from __future__ import annotations
 
-import html
 import queue
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -23,17 +27,16 @@ import gradio as gr
 from app.documents import Limits, PasswordRequired, WrongPassword, chapters
 from app.library import Library, chat_export_json, chat_markdown, write_export
 from app.session import BookSession, Prepared, keep_first, open_book, pick_chapters, prepare, read_document
-from engine.chat import ChatFormat
+from app.storage import write_failure
+from app.tokens import PlainChatFormat
+from app.views import Counters, Stages, render_metrics, render_plot, render_reading
 from engine.config import LEVEL_STACKS, Cancelled, SamplingConfig
-from engine.engine import Engine, Stats
+from engine.engine import Engine
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 FILE_TYPES = [".pdf", ".epub", ".txt", ".md", ".markdown", ".html", ".htm", ".docx"]
 QUICK = {"Summarize the book": "Summarize the book in a few paragraphs.",
          "Who are the main characters?": "Who are the main characters? Describe each in one sentence."}
-STAGES = ("Extract", "Clean", "Tokenize", "Prefill")
-FONTS = ["ui-sans-serif", "system-ui", "Segoe UI", "Roboto", "Helvetica Neue", "Arial", "sans-serif"]  # no web fonts
-MONO = ["ui-monospace", "Menlo", "Consolas", "monospace"]
 
 
 @dataclass
@@ -43,85 +46,51 @@ class User:
     pending: Prepared | None = None  # a document too long for the context, waiting for a choice
     editing: bool = False  # the next Send replaces the last question
     file: str | None = None  # the last uploaded file, kept for a password retry
-
-
-@dataclass
-class Stages:
-    """The upload's checklist (extract → clean → tokenize → prefill) as Markdown."""
-
-    name: str
-    rows: dict[str, tuple[bool, str]] = field(default_factory=dict)  # stage -> (is done, detail)
-
-    def set(self, stage: str, detail: str = "", is_done: bool = False) -> str:  # the stages before it are done
-        stage = stage if stage in STAGES else "Extract"
-        self.rows = {s: (True, self.rows.get(s, (True, ""))[1]) for s in STAGES[:STAGES.index(stage)]}
-        self.rows[stage] = (is_done, detail)
-        return self.render()
-
-    def render(self) -> str:
-        rows = [f"- {'✓' if done else '◌'} {stage}" + (f" — {detail}" if detail else "")
-                for stage in STAGES if stage in self.rows for done, detail in [self.rows[stage]]]
-        return "\n".join([f"**{self.name}**", "", *rows])
-
-
-def render_metrics(state: str, stats: Stats | None, book: BookSession | None, engine: Engine) -> str:
-    """State pill, speed, TBT, speedup vs plain decoding, a row per checking level, engine counters."""
-    head, blocks = [f"<span class='state'>{state}</span>"], []
-    if stats is not None and stats.n_tokens:
-        speedup = ""
-        if book is not None and book.plain_ms and stats.tbt_ms_mean:
-            speedup = f" · **{book.plain_ms / stats.tbt_ms_mean:.2f}×** vs plain ({book.plain_ms:.0f} ms/token)"
-        head += [f"**{stats.tokens_per_s:.1f}** tokens/s · {stats.n_tokens:,} tokens{speedup}",
-                 f"TBT now **{stats.tbt_ms_last:.0f}** ms · mean **{stats.tbt_ms_mean:.0f}** ms · "
-                 f"first token {stats.ttft_s:.2f} s"]
-        rows = [f"| {s.name} | {100 * s.acceptance:.0f}% | {s.tokens_per_check:.2f} | {s.n_checks} |"
-                for s in stats.levels]
-        blocks.append("\n".join(["| level | accepted | tokens/check | checks |", "|:--|--:|--:|--:|", *rows]))
-    if book is not None and book.save_error:
-        blocks.append(f"⚠ {book.save_error}")
-    blocks.append(f"<small>prefills: {engine.n_prefills} · prefilled tokens: {engine.n_prefill_tokens:,}</small>")
-    return "\n\n".join(["  \n".join(head), *blocks])
-
-
-def render_plot(points: list[tuple[float, float]]) -> str:
-    """Inline SVG: time between tokens (ms) and the top level's acceptance, one point per step."""
-    if len(points) < 2:
-        return "<div class='plot-empty'>The live plot appears while an answer streams.</div>"
-    top = max(p[0] for p in points) or 1.0
-
-    def line(values: list[float], cls: str) -> str:  # x and y in [0, 1], stretched by the viewBox
-        xy = " ".join(f"{i / (len(values) - 1):.4f},{1 - min(v, 1.0):.4f}" for i, v in enumerate(values))
-        return f"<polyline class='{cls}' points='{xy}'/>"
-
-    return (f"<svg viewBox='-0.02 -0.06 1.04 1.12' preserveAspectRatio='none' class='plot' role='img'>"
-            f"{line([p[0] / top for p in points], 'tbt')}{line([p[1] for p in points], 'acc')}</svg>"
-            f"<div class='legend'><span class='tbt'>━ TBT (max {top:.0f} ms)</span>"
-            f"<span class='acc'>━ acceptance (0–100%)</span></div>")
-
-
-def render_reading(book: BookSession | None, passages) -> str:
-    if book is None:
-        return "Load a book to see which passages the model reads."
-    if "retrieval" not in book.session.levels:
-        return f"The level stack `{book.session.levels}` has no retrieval level: every check reads the whole book."
-    if not passages:
-        return "The retrieval level picks its passages when the answer starts."
-    return "\n\n".join(f"<div class='passage'><b>{p.label}</b> <span class='share'>{100 * p.share:.0f}%</span>"
-                       f"<div class='snippet'>{html.escape(p.snippet)}</div></div>" for p in passages)
+    counters: Counters = field(default_factory=Counters)  # this user's prefills only
+    book_ids: set[str] = field(default_factory=set)  # books and chats of this session (private library)
+    chat_ids: set[str] = field(default_factory=set)
+    last_active: float = field(default_factory=time.monotonic)
+    notice: str | None = None  # why the book was closed, shown at the next question
 
 
 class App:
     def __init__(self, engine: Engine, library: Library | None, limits: Limits | None = None,
-                 max_tokens: int | None = None, max_new_tokens: int = 256):
-        self.engine, self.chat, self.library = engine, ChatFormat(engine.tokenizer), library
+                 max_tokens: int | None = None, max_new_tokens: int = 256, private: bool = False,
+                 max_open_books: int = 4):
+        self.engine, self.chat, self.library = engine, PlainChatFormat(engine.tokenizer), library
         self.limits, self.max_tokens, self.max_new_tokens = limits or Limits(), max_tokens, max_new_tokens
+        self.private, self.max_open_books = private, max_open_books
         self.users: dict[str, User] = {}
 
     def user(self, request: gr.Request) -> User:
-        return self.users.setdefault(request.session_hash or "none", User())
+        user = self.users.setdefault(request.session_hash or "none", User())
+        user.last_active = time.monotonic()
+        return user
 
     def forget(self, request: gr.Request) -> None:
-        self.users.pop(request.session_hash or "none", None)
+        """The browser went away: stop its work and free its book (its KV cache) now."""
+        user = self.users.pop(request.session_hash or "none", None)
+        if user is not None:
+            user.cancel.set()
+            user.book = user.pending = None
+
+    @contextmanager
+    def _counting(self, user: User):
+        """Add the engine's prefill work during an engine job to `user` (engine jobs run one at a time)."""
+        n_prefills, n_tokens = self.engine.n_prefills, self.engine.n_prefill_tokens
+        try:
+            yield
+        finally:
+            user.counters.n_prefills += self.engine.n_prefills - n_prefills
+            user.counters.n_prefill_tokens += self.engine.n_prefill_tokens - n_tokens
+
+    def _make_room(self, user: User) -> None:
+        """Close the least recently used other books so at most `max_open_books` stay in memory."""
+        others = sorted((u for u in list(self.users.values()) if u.book is not None and u is not user),
+                        key=lambda u: u.last_active)
+        for other in others[:max(0, len(others) + 1 - self.max_open_books)]:
+            other.book, other.notice = None, ("Your book was closed to make room for other readers. Reopen it "
+                                              "from the library: it restores in seconds.")
 
     def request_stop(self, request: gr.Request) -> None:
         self.user(request).cancel.set()
@@ -195,11 +164,12 @@ class App:
         yield from self._fit_then_open(user, prepare(self.engine, self.chat, document, self.max_tokens))
 
     def open_saved(self, book_id: str | None, request: gr.Request):
-        document = self.library.document(book_id) if (self.library and book_id) else None
+        user = self.user(request)
+        is_visible = not self.private or book_id in user.book_ids
+        document = self.library.document(book_id) if (self.library and book_id and is_visible) else None
         if document is None:
             yield {self.c.status: "Pick a book from the library first."}
             return
-        user = self.user(request)
         user.cancel.clear()
         yield from self._fit_then_open(user, prepare(self.engine, self.chat, document, self.max_tokens))
 
@@ -221,9 +191,11 @@ class App:
         c, started = self.c, time.perf_counter()
         yield {c.status: stages.set("Prefill", "starting …"), c.cancel: gr.update(visible=True),
                c.fit_row: gr.update(visible=False)}
+        self._make_room(user)
         try:
-            book, restored = yield from self._progress(user, stages, partial(open_book, measure_plain=True),
-                                                       self.engine, self.chat, prepared, self.library)
+            with self._counting(user):
+                book, restored = yield from self._progress(user, stages, partial(open_book, measure_plain=True),
+                                                           self.engine, self.chat, prepared, self.library)
         except Cancelled:
             yield self._kept(user, "Loading cancelled.")
             return
@@ -233,11 +205,13 @@ class App:
         seconds, n = time.perf_counter() - started, len(prepared.doc_ids)
         how = (f"restored from the saved snapshot in {seconds:.1f} s" if restored
                else f"{n:,} tokens in {seconds:.1f} s ({n / seconds:,.0f} tokens/s)")
-        user.book, user.pending, user.editing = book, None, False
+        user.book, user.pending, user.editing, user.notice = book, None, False, None
+        user.book_ids.add(book.book_id)
         titles = [s.title for s in chapters(book.document)]
-        yield {c.status: stages.set("Prefill", how, True) + "\n\nReady: ask a question.",
+        note = "".join(f"\n\n⚠ {n}" for n in (*book.document.notes, book.save_error) if n)
+        yield {c.status: stages.set("Prefill", how, True) + "\n\nReady: ask a question." + note,
                c.cancel: gr.update(visible=False), c.password_row: gr.update(visible=False), c.chatbot: [],
-               c.metrics: render_metrics("ready", None, book, self.engine), c.plot: render_plot([]),
+               c.metrics: render_metrics("ready", None, book, user.counters), c.plot: render_plot([]),
                c.reading: render_reading(book, None), c.title: f"### {book.document.title}",
                c.chapter: gr.update(choices=titles, value=titles[0] if titles else None, visible=bool(titles)),
                c.summarize_chapter: gr.update(visible=bool(titles)), **self._library_view(user)}
@@ -259,32 +233,37 @@ class App:
     def _answer(self, user: User, question: str, replace: bool, settings: tuple):
         c, book = self.c, user.book
         if book is None or not question.strip():
-            text = "**No book yet** — upload one on the left first." if book is None else "Type a question first."
-            yield {c.metrics: render_metrics(text, None, book, self.engine)}
+            text = ("Type a question first." if book
+                    else user.notice or "**No book yet** — upload one on the left first.")
+            yield {c.metrics: render_metrics(text, None, book, user.counters)}
             return
         user.cancel.clear()
         shown = (book.messages()[:-2] if replace else book.messages()) + [{"role": "user", "content": question}]
         yield {c.msg: gr.update(value="", show_label=False), c.chatbot: shown + [{"role": "assistant", "content": "…"}],
-               c.metrics: render_metrics("thinking", None, book, self.engine), c.plot: render_plot([])}
+               c.metrics: render_metrics("thinking", None, book, user.counters), c.plot: render_plot([])}
         state, stats, points = "done", None, []
         try:
             temperature, top_p, max_new_tokens, seed, levels = settings
             sampling = SamplingConfig(float(temperature), float(top_p), 0, int(max_new_tokens), int(seed))
             book.session.set_levels(levels if levels in LEVEL_STACKS else book.session.levels)
             run = book.edit_last if replace else book.ask
-            for update in run(question, sampling, user.cancel):
-                stats = update.stats
-                points.append((stats.tbt_ms_last, stats.levels[-1].acceptance if stats.levels else 0.0))
-                state = {"cancelled": "stopped", "length": "done (length limit)"}.get(update.finish_reason, "done")
-                shown_state = "streaming" if update.finish_reason is None else state
-                out = {c.chatbot: shown + [{"role": "assistant", "content": update.answer or "…"}],
-                       c.metrics: render_metrics(shown_state, stats, book, self.engine), c.plot: render_plot(points)}
-                yield out if update.reading is None else {**out, c.reading: render_reading(book, update.reading)}
+            with self._counting(user):
+                for update in run(question, sampling, user.cancel):
+                    stats = update.stats
+                    points.append((stats.tbt_ms_last, stats.levels[-1].acceptance if stats.levels else 0.0))
+                    state = {"cancelled": "stopped", "length": "done (length limit)"}.get(update.finish_reason, "done")
+                    shown_state = "streaming" if update.finish_reason is None else state
+                    out = {c.chatbot: shown + [{"role": "assistant", "content": update.answer or "…"}],
+                           c.metrics: render_metrics(shown_state, stats, book, user.counters),
+                           c.plot: render_plot(points)}
+                    yield out if update.reading is None else {**out, c.reading: render_reading(book, update.reading)}
         except Cancelled:
             state = "stopped"
         except Exception as error:  # EngineError, bad settings, ...: the book and chat stay consistent
             state = f"error — {error}"
-        yield {c.chatbot: book.messages(), c.metrics: render_metrics(state, stats, book, self.engine),
+        if book.turns:
+            user.chat_ids.add(book.chat_id)
+        yield {c.chatbot: book.messages(), c.metrics: render_metrics(state, stats, book, user.counters),
                c.plot: render_plot(points), **self._library_view(user)}
 
     def edit_last(self, request: gr.Request):
@@ -299,7 +278,7 @@ class App:
         user.editing = False
         if user.book:
             user.book.clear()
-        return {self.c.chatbot: [], self.c.metrics: render_metrics("ready", None, user.book, self.engine),
+        return {self.c.chatbot: [], self.c.metrics: render_metrics("ready", None, user.book, user.counters),
                 self.c.plot: render_plot([]), **self._library_view(user)}
 
     def export(self, fmt: str, request: gr.Request) -> str:
@@ -309,11 +288,17 @@ class App:
 
     def export_file(self, fmt: str, request: gr.Request):
         book = self.user(request).book
-        return gr.update(value=str(write_export(book.to_json(), fmt)) if book else None, visible=bool(book))
+        try:
+            return gr.update(value=str(write_export(book.to_json(), fmt)) if book else None, visible=bool(book))
+        except OSError as error:  # e.g. a full disk: say so in a toast, not an error pill
+            gr.Warning(f"The export could not be written ({write_failure(error)}).")
+            return gr.update(value=None, visible=False)
 
     def _library_view(self, user: User) -> dict:
         book = user.book
         books, chats = self.library.choices(book.book_id if book else None) if self.library else ([], [])
+        if self.private:  # only what this session opened or wrote
+            books, chats = [b for b in books if b[1] in user.book_ids], [c for c in chats if c[1] in user.chat_ids]
         return {self.c.books: gr.update(choices=books, value=book.book_id if book else None),
                 self.c.chats: gr.update(choices=chats, value=book.chat_id if book and book.turns else None)}
 
@@ -322,16 +307,18 @@ class App:
 
     def open_chat(self, chat_id: str | None, request: gr.Request):
         user, c = self.user(request), self.c
-        if user.book is None or not chat_id or self.library is None:
+        if user.book is None or not chat_id or self.library is None or self.private and chat_id not in user.chat_ids:
             return {c.chatbot: gr.update()}
         try:
             user.book.load_chat(self.library.load_chat(user.book.book_id, chat_id))
         except (TypeError, KeyError, ValueError) as error:
-            return {c.metrics: render_metrics(f"That chat could not be opened ({error}).", None, None, self.engine)}
-        return {c.chatbot: user.book.messages(), c.metrics: render_metrics("ready", None, user.book, self.engine)}
+            return {c.metrics: render_metrics(f"That chat could not be opened ({error}).", None, None, user.counters)}
+        return {c.chatbot: user.book.messages(), c.metrics: render_metrics("ready", None, user.book, user.counters)}
 
-    def engine_counters(self) -> dict:
-        return {"n_prefills": self.engine.n_prefills, "n_prefill_tokens": self.engine.n_prefill_tokens}
+    def engine_counters(self, request: gr.Request) -> dict:
+        """This session's prefills (documents) and prefilled tokens (documents and questions)."""
+        counters = self.user(request).counters
+        return {"n_prefills": counters.n_prefills, "n_prefill_tokens": counters.n_prefill_tokens}
 
     # ---- layout ----------------------------------------------------------------------------
     def build(self) -> gr.Blocks:
@@ -364,7 +351,7 @@ class App:
                     self._centre(c)
                 with gr.Column(scale=1, min_width=330, elem_id="right"):
                     gr.Markdown("#### Live metrics", elem_classes="section-title")
-                    c.metrics = gr.Markdown(render_metrics("idle", None, None, e), elem_id="metrics")
+                    c.metrics = gr.Markdown(render_metrics("idle", None, None, Counters()), elem_id="metrics")
                     c.plot = gr.HTML(render_plot([]), elem_id="plot")
                     gr.Markdown("#### Where the model is reading", elem_classes="section-title")
                     c.reading = gr.Markdown(render_reading(None, None), elem_id="reading")
@@ -409,11 +396,14 @@ class App:
         loading = [c.status, c.upload, c.cancel, c.password_row, c.fit_row, c.first_n, c.pick, c.chatbot, c.metrics,
                    c.plot, c.reading, c.chapter, c.summarize_chapter, c.title, c.books, c.chats]
         answering = [c.msg, c.chatbot, c.metrics, c.plot, c.reading, c.books, c.chats]
-        job = dict(concurrency_id="engine", concurrency_limit=1, show_progress="hidden")  # one engine, one queue
-        c.upload.upload(self.load_book, [c.upload, c.password], loading, api_name="load_book", **job)
-        gr.on([c.unlock.click, c.password.submit], self.unlock, [c.password], loading, api_name="unlock", **job)
-        c.load_selection.click(self.load_selection, [c.first_n, c.pick], loading, api_name="load_selection", **job)
-        c.open_book.click(self.open_saved, [c.books], loading, api_name="open_book", **job)
+        # One engine, one queue: while another user's job runs, "queue: 2/3" shows on the status
+        # (loading) or the metrics (answering) panel; "minimal" adds no overlay to streamed outputs.
+        engine = dict(concurrency_id="engine", concurrency_limit=1, show_progress="minimal")
+        load, job = dict(engine, show_progress_on=[c.status]), dict(engine, show_progress_on=[c.metrics])
+        c.upload.upload(self.load_book, [c.upload, c.password], loading, api_name="load_book", **load)
+        gr.on([c.unlock.click, c.password.submit], self.unlock, [c.password], loading, api_name="unlock", **load)
+        c.load_selection.click(self.load_selection, [c.first_n, c.pick], loading, api_name="load_selection", **load)
+        c.open_book.click(self.open_saved, [c.books], loading, api_name="open_book", **load)
         c.cancel.click(self.request_stop, None, None, api_name="cancel_prefill", concurrency_limit=None)
         gr.on([c.send.click, c.msg.submit], self.ask, [c.msg, c.chatbot, *c.settings], answering, api_name="ask", **job)
         c.stop.click(self.request_stop, None, None, api_name="stop", concurrency_limit=None)
@@ -434,17 +424,3 @@ class App:
         demo.load(self.show_library, None, [c.books, c.chats], api_name=False)
         demo.unload(self.forget)
 
-
-def launch(demo: gr.Blocks, port: int, share: bool, auth: tuple[str, str] | None, max_file_mb: int) -> None:
-    """Serve on 127.0.0.1; when a share link cannot be made, say so and keep serving locally."""
-    demo.queue(default_concurrency_limit=4)
-    _, local_url, share_url = demo.launch(
-        server_name="127.0.0.1", server_port=port, share=share, auth=auth, prevent_thread_lock=True, quiet=True,
-        max_file_size=f"{max_file_mb}mb", footer_links=["api"], css_paths=[ASSETS / "style.css"],
-        theme=gr.themes.Soft(primary_hue="indigo", font=FONTS, font_mono=MONO), favicon_path=ASSETS / "icon.svg")
-    print(f"BookChat is running at {local_url}", flush=True)
-    if share and share_url is None:
-        print("Could not create a public share link (offline?); serving locally only.", flush=True)
-    elif share_url:
-        print(f"Public link: {share_url}", flush=True)
-    demo.block_thread()

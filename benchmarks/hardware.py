@@ -1,9 +1,11 @@
 """What this machine can do, measured in the benchmark's own process, and the per-token floor.
 
-`measure_hardware` times a large copy (bytes read + written per second) and a large square
-matmul in bfloat16 and float32, plus the decode-shaped matmuls ([1 or 8, dim] x [dim, 4*dim])
-that show whether a dtype reads its weights at copy speed. `token_floor_ms` turns those into the
-physical floor of one full-model forward: max(bytes read / bandwidth, FLOPs / peak matmul rate).
+`measure_hardware` times a large copy (bytes read + written per second), a large read (a sum),
+a large square matmul in bfloat16 and float32, plus the decode-shaped matmuls ([1 or 8, dim] x
+[dim, 4*dim]) that show whether a dtype costs the same for 8 rows as for one (their 8.7 MB weight
+is reused, so it stays in cache: they do not measure memory bandwidth). `token_floor` turns those
+into the physical floor of one full-model forward: max(bytes read / the better of the two
+bandwidths, FLOPs / peak matmul rate).
 A peak RSS sampler lives here too (a thread reading psutil every few milliseconds).
 """
 
@@ -30,6 +32,7 @@ def _best_s(fn, n_repeats: int) -> float:
 @dataclass
 class Hardware:
     copy_gb_s: float  # (bytes read + bytes written) / s of a 512 MiB tensor copy
+    read_gb_s: float  # bytes read / s of a sum over a 512 MiB float32 tensor (what decoding does)
     matmul_tflops: dict[str, float]  # dtype name -> best rate of a 2048^3 matmul
     decode_matmul_ms: dict[str, float]  # "bfloat16 T=1" -> ms of [T, 896] x [896, 4864]
     n_threads: int
@@ -42,6 +45,7 @@ def measure_hardware(n_repeats: int = 5, copy_mib: int = 512) -> Hardware:
     src = torch.empty(copy_mib << 20, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src)
     copy_s = _best_s(lambda: dst.copy_(src), n_repeats)
+    read_s = _best_s(lambda: src.view(torch.float32).sum(), n_repeats)
     tflops, decode_ms = {}, {}
     for dtype in (torch.bfloat16, torch.float32):
         name = str(dtype).removeprefix("torch.")
@@ -53,7 +57,8 @@ def measure_hardware(n_repeats: int = 5, copy_mib: int = 512) -> Hardware:
             x = torch.randn(1, n_rows, 896).to(dtype)
             decode_ms[f"{name} T={n_rows}"] = 1000 * _best_s(
                 lambda x=x, w=w: torch.nn.functional.linear(x, w), 20 * n_repeats)
-    return Hardware(2 * (copy_mib << 20) / copy_s / 1e9, tflops, decode_ms, torch.get_num_threads())
+    return Hardware(2 * (copy_mib << 20) / copy_s / 1e9, (copy_mib << 20) / read_s / 1e9, tflops, decode_ms,
+                    torch.get_num_threads())
 
 
 @dataclass
@@ -86,7 +91,8 @@ def token_floor(model, context_tokens: int, hw: Hardware) -> Floor:
     kv_bytes = c.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * context_tokens
     flops = 2 * matmul_params + 4 * c.n_layers * c.n_heads * c.head_dim * context_tokens
     peak = hw.matmul_tflops[str(dtype).removeprefix("torch.")] * 1e12
-    return Floor(weight_bytes, kv_bytes, flops, 1000 * (weight_bytes + kv_bytes) / (hw.copy_gb_s * 1e9),
+    bandwidth = max(hw.copy_gb_s, hw.read_gb_s) * 1e9  # the floor is a lower bound: the faster one
+    return Floor(weight_bytes, kv_bytes, flops, 1000 * (weight_bytes + kv_bytes) / bandwidth,
                  1000 * flops / peak)
 
 
@@ -96,11 +102,11 @@ class RssSampler:
     def __init__(self, interval_s: float = 0.01):
         self.interval_s = interval_s
         self.process = psutil.Process()
-        self.peak_bytes = 0
+        self.peak_bytes = self.start_bytes = 0
         self._stop = threading.Event()
 
     def __enter__(self) -> RssSampler:
-        self.peak_bytes = self.process.memory_info().rss
+        self.peak_bytes = self.start_bytes = self.process.memory_info().rss
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -109,6 +115,11 @@ class RssSampler:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.peak_bytes = max(self.peak_bytes, self.process.memory_info().rss)
+
+    @property
+    def delta_bytes(self) -> int:
+        """Peak minus the RSS when the block started: what the block itself needed."""
+        return self.peak_bytes - self.start_bytes
 
     def __exit__(self, *exc) -> None:
         self._stop.set()

@@ -4,14 +4,18 @@ One process, one run. The committed sample book (assets/persuasion.txt) is cut t
 length and wrapped exactly as the app does (engine/chat.py: `document_ids` + `question_ids`).
 Each context is prefilled ONCE per implementation: ours with `Engine.open` (then `Session.save`,
 and `Session.restore` before every method), Hugging Face with one forward into a DynamicCache
-(deep-copied before every method). Every method then answers the same questions with the same
+(deep-copied before every method; restoring and copying happen outside every measurement, after
+a warm-up of both implementations). Every method then answers the same questions with the same
 settings, greedy and sampled. Timing is wall clock around the token stream (a streamer for HF,
 the event stream for ours): TTFT covers the question's prefill and the first check; TBT is decode
-only. The floor is one plain full-model step: max(bytes read / copy bandwidth, FLOPs / peak
-matmul rate), both measured at start-up in this process (benchmarks/hardware.py).
+only. The floor is one plain full-model step: max(bytes read / memory bandwidth, FLOPs / peak
+matmul rate), both measured at start-up in this process (benchmarks/hardware.py). Answers are
+"copy-heavy" when half their tokens lie in 8-token runs of the book; the summary table groups
+runs by the regime of their own answer. Both implementations share the process, so memory is
+reported as each one's estimated peak alone (weights + cache + the increase while it ran).
 
-    python -m benchmarks.longctx --contexts 8192 --new-tokens 128            # 0.5B
-    python -m benchmarks.longctx --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --contexts 8192
+    python -m benchmarks.longctx --contexts 8192,16384,32768 --new-tokens 128     # 0.5B
+    python -m benchmarks.longctx --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --contexts 16384
     python -m benchmarks.longctx --quick                                     # CI smoke test
 """
 
@@ -19,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import json
+import math
 import platform
 import statistics
 import sys
@@ -51,6 +57,7 @@ SAMPLINGS = {"greedy": (0.0, 1.0), "sampled": (0.6, 0.9)}  # temperature, top_p
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value
 COPY_NGRAM = 8  # an answer token is "copied" when it lies in an 8-token run found in the book
 COPY_HEAVY_SHARE = 0.5
+WARM_UP_TOKENS = 700  # one full prefill chunk and a partial one
 
 
 def parse_args(argv):
@@ -178,8 +185,9 @@ def first_step_skips_cached(model) -> None:
     model.prepare_inputs_for_generation = prepare
 
 
-def hf_generate(method: str, model, draft, doc_cache, prompt: list[int], stop_ids: set[int],
+def hf_generate(method: str, model, draft, cache, prompt: list[int], stop_ids: set[int],
                 temperature: float, top_p: float, new_tokens: int, seed: int, pad_id: int) -> dict:
+    """One answer with `generate`, continuing `cache` (a copy of the prefilled document's, consumed)."""
     from transformers import GenerationConfig
 
     settings = dict(max_new_tokens=new_tokens, eos_token_id=sorted(stop_ids), pad_token_id=pad_id,
@@ -188,7 +196,6 @@ def hf_generate(method: str, model, draft, doc_cache, prompt: list[int], stop_id
         settings.update(temperature=temperature, top_p=top_p, top_k=0)  # 0: no top-k, as SamplingConfig
     if method == "hf:prompt-lookup":
         settings["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
-    cache = copy.deepcopy(doc_cache)
     streamer = TimingStreamer()
     extra = {"assistant_model": draft} if method == "hf:assisted" else {}
     torch.manual_seed(seed)
@@ -202,10 +209,16 @@ def hf_generate(method: str, model, draft, doc_cache, prompt: list[int], stop_id
 
 # ---------------------------------------------------------------- ours
 
-def ours_generate(method: str, engine: Engine, state_path: Path, q_ids: list[int], stop_ids: set[int],
-                  temperature: float, top_p: float, new_tokens: int, seed: int) -> dict:
+def ours_session(method: str, engine: Engine, state_path: Path) -> Session:
+    """The prefilled document restored from its snapshot, with the method's level stack."""
     session = Session.restore(engine, state_path)
     session.set_levels(method.removeprefix("ours:"))
+    return session
+
+
+def ours_generate(session: Session, q_ids: list[int], stop_ids: set[int],
+                  temperature: float, top_p: float, new_tokens: int, seed: int) -> dict:
+    """One answer from a restored session (consumed)."""
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=new_tokens, seed=seed)
     tokens, events, last = [], [], None
     t_start = time.perf_counter()
@@ -253,19 +266,24 @@ def run_context(args, n_ctx, engine, hf_model, hf_draft, chat, book_ids, hw, rep
     doc_ids = book_doc_ids(chat, book_ids, n_ctx)
     doc_grams = {tuple(doc_ids[i:i + COPY_NGRAM]) for i in range(len(doc_ids) - COPY_NGRAM + 1)}
     floor = token_floor(engine.target, len(doc_ids), hw)
-    ctx = {"n_doc_tokens": len(doc_ids), "floor": {**floor.__dict__, "ms": floor.ms}, "runs": []}
+    kv_mib = engine.target.config.kv_bytes_per_token(engine.dtype.itemsize) * len(doc_ids) / 2**20
+    ctx = {"n_doc_tokens": len(doc_ids), "floor": {**floor.__dict__, "ms": floor.ms}, "kv_mib": kv_mib,
+           "runs": []}
     report["contexts"].append(ctx)
     log(f"context {len(doc_ids):,} tokens; floor {floor.ms:.1f} ms/token "
         f"(bytes {floor.bytes_ms:.1f} ms, FLOPs {floor.flops_ms:.1f} ms)")
     needs_hf = any(m.startswith("hf:") for m in args.methods)
     with tempfile.TemporaryDirectory() as tmp:
         state_path = Path(tmp) / "prefill.pt"
+        gc.collect()
         with RssSampler() as rss:
             t0 = time.perf_counter()
-            engine.open(doc_ids).save(state_path)
+            session = engine.open(doc_ids)
             ours_s = time.perf_counter() - t0
+        session.save(state_path)
+        del session
         ctx["prefill"] = {"ours_s": ours_s, "ours_tokens_per_s": len(doc_ids) / ours_s,
-                          "ours_peak_rss_mib": rss.peak_bytes / 2**20}
+                          "ours_rss_delta_mib": rss.delta_bytes / 2**20}
         log(f"  ours prefill {ours_s:.1f} s ({len(doc_ids) / ours_s:.0f} tokens/s)")
         gc.collect()
         hf_cache = None
@@ -275,74 +293,136 @@ def run_context(args, n_ctx, engine, hf_model, hf_draft, chat, book_ids, hw, rep
                 hf_cache = hf_prefill(hf_model, doc_ids)
                 hf_s = time.perf_counter() - t0
             ctx["prefill"].update(hf_s=hf_s, hf_tokens_per_s=len(doc_ids) / hf_s,
-                                  hf_peak_rss_mib=rss.peak_bytes / 2**20)
+                                  hf_rss_delta_mib=rss.delta_bytes / 2**20)
             log(f"  HF prefill {hf_s:.1f} s ({len(doc_ids) / hf_s:.0f} tokens/s)")
         save()
         for q_name in args.questions.split(","):
-            question = dict(QUESTIONS)[q_name]
-            q_ids = chat.question_ids(question, is_first=True, previous_answer_ended=False)
+            q_ids = chat.question_ids(dict(QUESTIONS)[q_name], is_first=True, previous_answer_ended=False)
             for s_name in args.samplings.split(","):
                 temperature, top_p = SAMPLINGS[s_name]
-                reference = None
+                refs: dict[str, dict] = {}
                 for method in args.methods:
+                    # restoring the snapshot / copying the cache is the harness's work: not measured
+                    if method.startswith("hf:"):
+                        prepared = copy.deepcopy(hf_cache)
+                    else:
+                        prepared = ours_session(method, engine, state_path)
                     gc.collect()
+                    load_avg = psutil.getloadavg()[0]
                     with RssSampler() as rss:
                         if method.startswith("hf:"):
-                            r = hf_generate(method, hf_model, hf_draft, hf_cache, doc_ids + q_ids, chat.stop_ids,
+                            r = hf_generate(method, hf_model, hf_draft, prepared, doc_ids + q_ids, chat.stop_ids,
                                             temperature, top_p, args.new_tokens, args.seed,
                                             chat.tokenizer.pad_token_id or 0)
                         else:
-                            r = ours_generate(method, engine, state_path, q_ids, chat.stop_ids, temperature,
-                                              top_p, args.new_tokens, args.seed)
+                            r = ours_generate(prepared, q_ids, chat.stop_ids, temperature, top_p,
+                                              args.new_tokens, args.seed)
+                    del prepared
                     r.update(method=method, question=q_name, sampling=s_name, peak_rss_mib=rss.peak_bytes / 2**20,
+                             rss_delta_mib=rss.delta_bytes / 2**20, load_avg_1min=load_avg,
                              copy_share=copy_share(r["tokens"], doc_grams))
                     r["is_copy_heavy"] = r["copy_share"] >= COPY_HEAVY_SHARE
                     r["floor_ratio"] = r["tbt_ms_mean"] / floor.ms if r["tbt_ms_mean"] else None
-                    if method == "hf:plain":
-                        reference = r
-                    compare(r, reference, s_name)
+                    refs[method] = r
+                    compare(r, refs.get("hf:plain"), refs.get("hf:prompt-lookup"), s_name)
                     r["text"] = chat.tokenizer.decode(r["tokens"], skip_special_tokens=True)
                     ctx["runs"].append(r)
                     log("  " + one_line(r))
                     save()
         del hf_cache
         gc.collect()
+    ctx["memory"] = memory_estimate(report["memory_base"], ctx)
 
 
-def compare(r: dict, reference: dict | None, s_name: str) -> None:
-    if reference is None or not reference["tbt_ms_mean"]:
-        return
-    if r["tbt_ms_mean"]:
-        r["speedup_vs_hf_plain"] = reference["tbt_ms_mean"] / r["tbt_ms_mean"]
-    if s_name == "greedy":
-        a, b = r["tokens"], reference["tokens"]
+def memory_estimate(base: dict, ctx: dict) -> dict:
+    """Peak RSS each implementation would need alone: the process baseline (torch, no model) + its
+    weights + max(prefill increase, KV + largest increase while answering). Both implementations
+    share this process, so their raw peaks include each other's weights and caches; the increases
+    (peak minus RSS just before) do not."""
+    out = {}
+    for impl in ("ours", "hf"):
+        prefill = ctx["prefill"].get(f"{impl}_rss_delta_mib")
+        if prefill is None:
+            continue
+        decode = max((r["rss_delta_mib"] for r in ctx["runs"] if r["method"].startswith(impl + ":")), default=0.0)
+        work = max(prefill, ctx["kv_mib"] + decode)
+        out[impl] = {"weights_mib": base[f"{impl}_weights_mib"], "prefill_delta_mib": prefill,
+                     "answer_delta_mib": decode, "peak_mib": base["process_mib"] + base[f"{impl}_weights_mib"] + work}
+    return out
+
+
+def compare(r: dict, plain: dict | None, lookup: dict | None, s_name: str) -> None:
+    """Speedups against HF plain decoding and HF prompt lookup of the same question and sampling;
+    for greedy, where the tokens first differ from HF plain (None: identical)."""
+    for name, ref in (("speedup_vs_hf_plain", plain), ("speedup_vs_hf_prompt_lookup", lookup)):
+        if ref is not None and ref["tbt_ms_mean"] and r["tbt_ms_mean"]:
+            r[name] = ref["tbt_ms_mean"] / r["tbt_ms_mean"]
+    if s_name == "greedy" and plain is not None:
+        a, b = r["tokens"], plain["tokens"]
         n = min(len(a), len(b))
         diverge = next((i for i in range(n) if a[i] != b[i]), None if len(a) == len(b) else n)
         r["equals_hf_plain"] = diverge is None
         r["diverges_at"] = diverge
 
 
+def fmt(x, spec: str) -> str:
+    return format(x, spec) if isinstance(x, (int, float)) else "–"
+
+
 def one_line(r: dict) -> str:
-    def f(x, spec):
-        return format(x, spec) if isinstance(x, (int, float)) else "-"
     levels = " ".join(f"{lv['level']}:a={lv['acceptance']:.2f},t/c={lv['tokens_per_check']:.2f},{lv['share']:.0%}"
                       if "acceptance" in lv else f"{lv['level']}:{lv['share']:.0%}" for lv in r.get("levels", []))
     eq = {True: "same", False: f"differs@{r.get('diverges_at')}", None: ""}[r.get("equals_hf_plain")]
-    return (f"{r['question']:7} {r['sampling']:7} {r['method']:27} n={r['n_tokens']:3} ttft={f(r['ttft_s'], '.2f')}s "
-            f"tbt={f(r['tbt_ms_median'], '.1f')}/{f(r['tbt_ms_mean'], '.1f')}ms "
-            f"x{f(r.get('speedup_vs_hf_plain'), '.2f')} floor x{f(r['floor_ratio'], '.2f')} "
-            f"copy={r['copy_share']:.0%} rss={r['peak_rss_mib']:.0f}MiB {eq} {levels}")
+    return (f"{r['question']:7} {r['sampling']:7} {r['method']:27} n={r['n_tokens']:3} ttft={fmt(r['ttft_s'], '.2f')}s "
+            f"tbt={fmt(r['tbt_ms_median'], '.1f')}/{fmt(r['tbt_ms_mean'], '.1f')}ms "
+            f"x{fmt(r.get('speedup_vs_hf_plain'), '.2f')} (PLD x{fmt(r.get('speedup_vs_hf_prompt_lookup'), '.2f')}) "
+            f"floor x{fmt(r['floor_ratio'], '.2f')} copy={r['copy_share']:.0%} +rss={r['rss_delta_mib']:.0f}MiB "
+            f"load={r['load_avg_1min']:.1f} {eq} {levels}")
+
+
+def regime(r: dict) -> str:
+    """"copy-heavy" or "abstractive", judged on the run's own answer (sampled answers differ
+    between methods). HF plain's time per token does not depend on what it writes, so the
+    speedups stay comparable across regimes; HF prompt lookup's does."""
+    return "copy-heavy" if r["is_copy_heavy"] else "abstractive"
+
+
+def geomean(xs: list[float]) -> float | None:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+
+
+def summary_rows(report: dict) -> list[str]:
+    """Per context, sampling and regime: each method's mean TBT and geometric-mean speedups."""
+    rows = ["| context | sampling | answers | method | runs | TBT mean ms | vs HF plain | vs HF prompt lookup |",
+            "|---|---|---|---|---:|---:|---:|---:|"]
+    for ctx in report["contexts"]:
+        groups: dict[tuple, list[dict]] = {}
+        for r in ctx["runs"]:
+            groups.setdefault((r["sampling"], regime(r), r["method"]), []).append(r)
+        for (s_name, kind, method), runs in sorted(groups.items(), key=lambda g: g[0][:2]):  # stable: method order
+            tbts = [r["tbt_ms_mean"] for r in runs if r["tbt_ms_mean"]]
+            plain = geomean([r["speedup_vs_hf_plain"] for r in runs if r.get("speedup_vs_hf_plain")])
+            pld = geomean([r["speedup_vs_hf_prompt_lookup"] for r in runs if r.get("speedup_vs_hf_prompt_lookup")])
+            rows.append(f"| {ctx['n_doc_tokens'] / 1024:.0f}K | {s_name} | {kind} | `{method}` | {len(runs)} "
+                        f"| {fmt(sum(tbts) / len(tbts) if tbts else None, '.1f')} | {fmt(plain, '.2f')}× "
+                        f"| {fmt(pld, '.2f')}× |")
+    return rows
 
 
 def markdown(report: dict) -> str:
+    pre = ["| context | floor ms/token (bytes / FLOPs) | ours prefill tokens/s | HF prefill tokens/s "
+           "| est. peak RSS alone, ours / HF MiB |",
+           "|---:|---|---:|---:|---|"]
+    for ctx in report["contexts"]:
+        fl, p, m = ctx["floor"], ctx.get("prefill", {}), ctx.get("memory", {})
+        rss = " / ".join(fmt(m.get(impl, {}).get("peak_mib"), ".0f") for impl in ("ours", "hf"))
+        pre.append(f"| {ctx['n_doc_tokens']:,} | {fl['ms']:.1f} ({fl['bytes_ms']:.1f} / {fl['flops_ms']:.1f}) "
+                   f"| {fmt(p.get('ours_tokens_per_s'), '.0f')} | {fmt(p.get('hf_tokens_per_s'), '.0f')} | {rss} |")
     head = ("| context | question | sampling | method | tokens | copy | TTFT s | TBT median ms | TBT mean ms "
-            "| tokens/s "
-            "| vs HF plain | TBT/floor | = HF plain | levels: acceptance, tokens/check, time share | peak RSS MiB |\n"
-            "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
+            "| tokens/s | vs HF plain | vs HF PLD | TBT/floor | = HF plain "
+            "| levels: acceptance, tokens/check, time share | +RSS MiB | load |\n"
+            "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|")
     rows = [head]
-
-    def f(x, spec):
-        return format(x, spec) if isinstance(x, (int, float)) else "–"
     for ctx in report["contexts"]:
         for r in ctx["runs"]:
             levels = "; ".join(
@@ -351,18 +431,31 @@ def markdown(report: dict) -> str:
             eq = {True: "yes", False: f"no (token {r.get('diverges_at')})", None: ""}[r.get("equals_hf_plain")]
             copy_label = f"{r['copy_share']:.0%}" + (" copy-heavy" if r["is_copy_heavy"] else "")
             rows.append(f"| {ctx['n_doc_tokens']:,} | {r['question']} | {r['sampling']} | `{r['method']}` "
-                        f"| {r['n_tokens']} "
-                        f"| {copy_label} | {f(r['ttft_s'], '.2f')} | {f(r['tbt_ms_median'], '.1f')} "
-                        f"| {f(r['tbt_ms_mean'], '.1f')} | {f(r['tokens_per_s'], '.2f')} "
-                        f"| {f(r.get('speedup_vs_hf_plain'), '.2f')}× | {f(r['floor_ratio'], '.2f')} | {eq} | {levels} "
-                        f"| {r['peak_rss_mib']:.0f} |")
-    pre = ["| context | floor ms/token (bytes / FLOPs) | ours prefill tokens/s | HF prefill tokens/s |",
-           "|---:|---|---:|---:|"]
-    for ctx in report["contexts"]:
-        fl, p = ctx["floor"], ctx.get("prefill", {})
-        pre.append(f"| {ctx['n_doc_tokens']:,} | {fl['ms']:.1f} ({fl['bytes_ms']:.1f} / {fl['flops_ms']:.1f}) "
-                   f"| {f(p.get('ours_tokens_per_s'), '.0f')} | {f(p.get('hf_tokens_per_s'), '.0f')} |")
-    return "\n".join(pre) + "\n\n" + "\n".join(rows) + "\n"
+                        f"| {r['n_tokens']} | {copy_label} | {fmt(r['ttft_s'], '.2f')} "
+                        f"| {fmt(r['tbt_ms_median'], '.1f')} | {fmt(r['tbt_ms_mean'], '.1f')} "
+                        f"| {fmt(r['tokens_per_s'], '.2f')} | {fmt(r.get('speedup_vs_hf_plain'), '.2f')}× "
+                        f"| {fmt(r.get('speedup_vs_hf_prompt_lookup'), '.2f')}× | {fmt(r['floor_ratio'], '.2f')} "
+                        f"| {eq} | {levels} | {r['rss_delta_mib']:.0f} | {r['load_avg_1min']:.1f} |")
+    return "\n".join(pre) + "\n\n" + "\n".join(summary_rows(report)) + "\n\n" + "\n".join(rows) + "\n"
+
+
+def warm_up(engine: Engine, hf_model, ids: list[int]) -> None:
+    """One short prefill and a few decoding steps per implementation, so one-time costs (kernel
+    selection, oneDNN primitive creation, first allocations) fall outside every measurement."""
+    session = engine.open(ids[:-8])
+    for _ in session.ask(ids[-8:], SamplingConfig(max_new_tokens=4)):
+        pass
+    if hf_model is not None:
+        cache = hf_prefill(hf_model, ids)
+        with torch.no_grad():
+            hf_model.generate(input_ids=torch.tensor([ids + ids[:1]]), past_key_values=cache, max_new_tokens=4,
+                              do_sample=False, pad_token_id=0)
+
+
+def weights_mib(*models) -> float:
+    """Bytes of the distinct parameter tensors of the given models (tied embeddings counted once)."""
+    params = {p.data_ptr(): p for m in models if m is not None for p in m.parameters()}
+    return sum(p.numel() * p.element_size() for p in params.values()) / 2**20
 
 
 def log(message: str) -> None:
@@ -374,22 +467,29 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     hw = measure_hardware(n_repeats=1 if args.quick else 5, copy_mib=64 if args.quick else 512)
-    log(f"copy {hw.copy_gb_s:.1f} GB/s; matmul {hw.matmul_tflops}; decode matmuls {hw.decode_matmul_ms}")
+    log(f"copy {hw.copy_gb_s:.1f} GB/s; read {hw.read_gb_s:.1f} GB/s; matmul {hw.matmul_tflops}; "
+        f"decode matmuls {hw.decode_matmul_ms}")
+    gc.collect()
+    process_mib = psutil.Process().memory_info().rss / 2**20  # torch loaded, no model yet
     levels = "draft>retrieval>full" if args.draft else "ngram>retrieval>full"
     engine = Engine.load(EngineConfig(target=args.model, draft=args.draft, levels=levels, dtype=args.dtype))
     needs_hf = any(m.startswith("hf:") for m in args.methods)
     hf_model = load_hf(args.model, dtype) if needs_hf else None
     hf_draft = load_hf(args.draft, dtype) if "hf:assisted" in args.methods else None
+    memory_base = {"process_mib": process_mib, "ours_weights_mib": weights_mib(engine.target, engine.draft),
+                   "hf_weights_mib": weights_mib(hf_model, hf_draft)}
     chat = ChatFormat(engine.tokenizer)
     book_ids = chat._user_text(BOOK.read_text(encoding="utf-8-sig").strip())
+    warm_up(engine, hf_model, book_ids[:WARM_UP_TOKENS])
     report = {"command": "python -m benchmarks.longctx " + " ".join(sys.argv[1:] if argv is None else argv),
               "date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(),
               "settings": {"model": args.model, "draft": args.draft, "dtype": args.dtype, "threads": args.threads,
                            "new_tokens": args.new_tokens, "seed": args.seed, "methods": args.methods,
                            "questions": {q: dict(QUESTIONS)[q] for q in args.questions.split(",")},
                            "samplings": {s: SAMPLINGS[s] for s in args.samplings.split(",")},
-                           "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS},
-              "hardware": hw.to_json(), "contexts": []}
+                           "prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS,
+                           "engine": dataclasses.asdict(engine.config)},
+              "hardware": hw.to_json(), "memory_base": memory_base, "contexts": []}
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save():

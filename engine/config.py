@@ -136,11 +136,14 @@ class EngineConfig:
     device: str = "auto"  # "auto" picks cuda when present, else cpu
     dtype: str = "auto"  # "auto": bfloat16 on CPU with AMX or CUDA, else float32
     retrieval: RetrievalConfig = RetrievalConfig()
-    prefill_chunk_tokens: int = 512  # bigger chunks prefill faster; smaller cancel sooner
+    prefill_chunk_tokens: int = 512  # CPU: 256..4096 prefill equally fast (issue 7); smaller cancel sooner
     streaming_sink_tokens: int = 4  # StreamingLLM cache of the draft / self-speculation level
     streaming_window_tokens: int = 256
     max_ngram: int = 4  # longest suffix the context database matches
-    n_ngram_candidates: int = 3  # continuations tried per n-gram check (multi-candidate rule)
+    # continuations tried per n-gram check (multi-candidate rule); every tree node costs the full
+    # level attention over the whole context, and on real answers extra candidates bought fewer
+    # tokens than their nodes cost (benchmarks/RESULTS.md, issue 7)
+    n_ngram_candidates: int = 1
     gamma_bottom: int | None = None  # None: adaptive (ALGORITHM.md section 6)
     gamma_middle: int | None = None
     max_gamma: int = 8  # upper bound for adaptive draft lengths

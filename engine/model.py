@@ -84,10 +84,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # in float32 whatever x is (as HF: float64 models too), cast back, then the weight; torch's
+        # rms_norm is bitwise equal to the pow/mean/rsqrt chain on torch 2.13, in fewer passes
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):

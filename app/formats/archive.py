@@ -1,8 +1,9 @@
 """Zip containers (EPUB, DOCX) opened so that a zip bomb cannot exhaust memory or disk.
 
 The central directory's sizes are checked against `Limits` before anything is unpacked, and
-`zipfile` never returns more than a member's declared size, so the check bounds every read.
-Overlapping-entry bombs declare far more than the file holds and fail the ratio check.
+members are read in small chunks up to their declared size, so the check bounds every read
+(and its memory) even when a header lies. Overlapping-entry bombs declare far more than the
+file holds and fail the ratio check.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from app.formats.errors import CorruptDocument, TooLarge
 from app.formats.limits import MB, Limits, human_bytes
 
 _MIN_RATIO_CHECK_BYTES = 1 * MB  # tiny archives may compress well without being bombs
+_READ_CHUNK_BYTES = 1 * MB  # inflated per read: bounds memory whatever a member's header claims
 _ZIP_FAILURES = (zipfile.BadZipFile, zlib.error, OSError, EOFError, NotImplementedError,
                  RuntimeError)  # RuntimeError: a member encrypted with a zip password
 
@@ -35,9 +37,14 @@ def open_archive(path: str, what: str, limits: Limits) -> zipfile.ZipFile:
 
 
 def read_member(archive: zipfile.ZipFile, name: str, what: str) -> bytes:
-    """The bytes of one member; a missing or damaged member is a CorruptDocument."""
+    """The bytes of one member; a missing or damaged member is a CorruptDocument.
+
+    Read in bounded chunks: `ZipFile.read` inflates up to 2 GB in one call before cutting to the
+    declared size, so a member that lies about its size would spike memory by gigabytes.
+    """
     try:
-        return archive.read(name)
+        with archive.open(name) as member:
+            return b"".join(iter(lambda: member.read(_READ_CHUNK_BYTES), b""))
     except KeyError as error:
         raise CorruptDocument(f"This {what} is malformed: it has no '{name}'. "
                               "Export it again from the program that made it.") from error

@@ -39,6 +39,7 @@ class Document:
     text: str
     source_format: SourceFormat
     sections: list[Section] = field(default_factory=list)
+    notes: tuple[str, ...] = field(default=(), compare=False)  # for the user: e.g. how the file was decoded
 
     def locate(self, char_offset: int) -> str:
         """A human label for one offset: 'p. 12' when pages are known, else the chapter title."""

@@ -146,7 +146,8 @@ def _check_text_layer(reader: PdfReader, raw_pages: list[str]) -> None:
                          f"{n_textless} of its {n_pages} pages). Run OCR on it first (for example "
                          "`ocrmypdf in.pdf out.pdf`) and load the result.")
     if n_textless == n_pages:
-        raise EmptyDocument("This PDF contains no text.")
+        raise EmptyDocument("This PDF contains no text: its pages are blank, or the file is damaged. If a PDF "
+                            "viewer shows text, re-save it from there (or print it to a new PDF) and load that.")
 
 
 def _has_image(node: PageObject | Any, depth: int = 0) -> bool:

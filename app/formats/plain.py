@@ -1,8 +1,9 @@
 """Plain text and Markdown: decoding bytes to text, and finding chapters and headings.
 
-Decoding: a BOM decides; else UTF-8; else, when the bytes are mostly valid UTF-8, UTF-8 with the
-few bad bytes replaced; else Windows-1252 (then Latin-1, which never fails). Binary data named
-.txt is refused. Chapters in TXT come from lines like "Chapter 1" / "CHAPTER I" after a blank
+Decoding: a BOM decides; else UTF-16 when every other byte is NUL; else UTF-8; else, when the
+bytes are mostly valid UTF-8, UTF-8 with the few bad bytes replaced; else Windows-1252 (then
+Latin-1, which never fails). Every fallback leaves a note on the Document that the UI shows.
+Binary data named .txt is refused. Chapters in TXT come from lines like "Chapter 1" / "CHAPTER I" after a blank
 line; Markdown sections from its headings. HTML is `markup.py`.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import codecs
 import os
 import re
+from dataclasses import replace
 
 from app.formats.cleaning import clean_text
 from app.formats.document import Document, DocumentBuilder, heading_kinds
@@ -38,29 +40,47 @@ _FENCE = re.compile(r"^[ \t]*(```|~~~)")
 
 def decode_text(data: bytes, path: str) -> str:
     """Bytes of a text file -> str (see the module docstring for the order of attempts)."""
+    return decode_text_noted(data, path)[0]
+
+
+def decode_text_noted(data: bytes, path: str) -> tuple[str, str | None]:
+    """(text, a note for the user when the bytes were not clean UTF-8, else None)."""
     for bom, encoding in _BOMS:
         if data.startswith(bom):
-            return data.decode(encoding, errors="replace")
-    _refuse_binary(data[:_BINARY_PROBE_BYTES], path)
+            return _replaced(data.decode(encoding, errors="replace"), encoding.upper())
+    sample = data[:_BINARY_PROBE_BYTES]
+    for encoding, zeros in (("utf-16-le", sample[1::2]), ("utf-16-be", sample[0::2])):
+        if len(sample) >= 4 and not zeros.strip(b"\x00"):  # ASCII-range UTF-16 without a BOM
+            return _replaced(data.decode(encoding, errors="replace"), "UTF-16")
+    _refuse_binary(sample, path)
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8"), None
     except UnicodeDecodeError:
         pass
     replaced = data.decode("utf-8", errors="replace")
     n_bad = replaced.count("\ufffd")
     n_multibyte = sum(1 for char in replaced if ord(char) > 127) - n_bad
     if n_multibyte >= _MIN_MULTIBYTE_PER_ERROR * n_bad:
-        return replaced
+        return _replaced(replaced, "UTF-8")
+    note = "This file is not UTF-8; it was read as Windows-1252. If letters look wrong, save it as UTF-8."
     try:
-        return data.decode("cp1252")
+        return data.decode("cp1252"), note
     except UnicodeDecodeError:
-        return data.decode("latin-1")
+        return data.decode("latin-1"), note.replace("Windows-1252", "Latin-1")
+
+
+def _replaced(text: str, encoding: str) -> tuple[str, str | None]:
+    n_bad = text.count("\ufffd")
+    if not n_bad:
+        return text, None
+    return text, (f"{n_bad:,} byte sequence{'s' * (n_bad != 1)} in this file {'are' if n_bad != 1 else 'is'} "
+                  f"not valid {encoding} and show{'s' * (n_bad == 1)} as \ufffd.")
 
 
 def load_text(path: str, kind: str, limits: Limits) -> Document:
     """A .txt (chapters from 'Chapter N' lines) or Markdown (sections from headings) file."""
     with open(path, "rb") as file:
-        text = decode_text(file.read(), path)
+        text, note = decode_text_noted(file.read(), path)
     check_chars(len(text), limits)  # before cleaning: a 200 MB file is refused in a second
     text = clean_text(text)
     stem = os.path.splitext(os.path.basename(path))[0]
@@ -75,7 +95,8 @@ def load_text(path: str, kind: str, limits: Limits) -> Document:
         for heading, offset in _txt_chapters(text):
             builder.mark(heading, "chapter", offset)
     builder.add(text)
-    return builder.build(title, "markdown" if kind == "markdown" else "txt")
+    document = builder.build(title, "markdown" if kind == "markdown" else "txt")
+    return replace(document, notes=(note,)) if note else document
 
 
 def _refuse_binary(sample: bytes, path: str) -> None:

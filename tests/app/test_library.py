@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from app.documents import Document, Section
-from app.library import Library, atomic_write, model_fingerprint, read_json, text_sha256
+from app.library import Library, atomic_write, read_json, text_sha256
 
 BOOK = Document("A Short Book", "Chapter 1\n\nIt was a dark night.\n\nChapter 2\n\nMorning came.", "txt",
                 [Section("Chapter 1", 0, "chapter"), Section("Chapter 2", 33, "chapter")])
@@ -93,26 +93,30 @@ def test_chats_round_trip_and_bad_files_or_ids_are_ignored(library):
 
 def test_snapshot_restores_only_for_the_same_model_document_and_tokens(library, engine):
     doc_ids = engine.tokenizer("It was a dark and stormy night; the rain fell in torrents.")["input_ids"]
-    model = model_fingerprint(engine)
-    book_id = library.add_book(BOOK, model, len(doc_ids))
+    identity, sha = library.model_identity(engine), text_sha256(BOOK.text)
+    assert identity["model_sha256"].startswith("file:")  # the weight files' hash, not just the name
+    book_id = library.add_book(BOOK, identity["model"], len(doc_ids))
     session = engine.open(doc_ids)
-    library.save_snapshot(book_id, session, model)
+    library.save_snapshot(book_id, session, identity, sha)
     n_prefills = engine.n_prefills
 
-    restored = library.restore_snapshot(book_id, engine, model, doc_ids)
+    restored = library.restore_snapshot(book_id, engine, identity, sha, doc_ids)
     assert restored is not None and restored.tokens == doc_ids and engine.n_prefills == n_prefills
     assert torch.equal(restored.full.k[:, :, :, :len(doc_ids)], session.full.k[:, :, :, :len(doc_ids)])
-    assert library.restore_snapshot(book_id, engine, "another-model", doc_ids) is None
-    assert library.restore_snapshot(book_id, engine, model, doc_ids[:-1]) is None
-    assert library.restore_snapshot(book_id, engine, model, doc_ids[:-1] + [doc_ids[0]]) is None
-    assert json.loads((library.book_dir(book_id) / "meta.json").read_text())["snapshot"]["model"] == model
+    assert library.restore_snapshot(book_id, engine, {**identity, "model": "another-model"}, sha, doc_ids) is None
+    assert library.restore_snapshot(book_id, engine, {**identity, "model_sha256": "file:0"}, sha, doc_ids) is None
+    assert library.restore_snapshot(book_id, engine, identity, text_sha256("another text"), doc_ids) is None
+    assert library.restore_snapshot(book_id, engine, identity, sha, doc_ids[:-1]) is None
+    assert library.restore_snapshot(book_id, engine, identity, sha, doc_ids[:-1] + [doc_ids[0]]) is None
+    saved = json.loads((library.book_dir(book_id) / "meta.json").read_text())["snapshot"]
+    assert saved["model"] == identity["model"] and saved["model_sha256"] == identity["model_sha256"]
 
 
 def test_a_truncated_snapshot_means_a_new_prefill_not_an_error(library, engine):
     doc_ids = engine.tokenizer("Call me Ishmael. Some years ago, never mind how long.")["input_ids"]
-    model = model_fingerprint(engine)
-    book_id = library.add_book(BOOK, model, len(doc_ids))
-    library.save_snapshot(book_id, engine.open(doc_ids), model)
+    identity, sha = library.model_identity(engine), text_sha256(BOOK.text)
+    book_id = library.add_book(BOOK, identity["model"], len(doc_ids))
+    library.save_snapshot(book_id, engine.open(doc_ids), identity, sha)
     path = library.book_dir(book_id) / "snapshot.pt"
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    assert library.restore_snapshot(book_id, engine, model, doc_ids) is None
+    assert library.restore_snapshot(book_id, engine, identity, sha, doc_ids) is None

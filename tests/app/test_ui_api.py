@@ -1,7 +1,7 @@
 """The app's API through gradio_client, against `python app.py --model smollm2-135m` started here.
 
 Upload and prefill a few pages of Persuasion, a streamed answer with metrics and reading
-passages, Stop, Regenerate, Edit, a second question that reuses the prefill (engine counters),
+passages, Stop, Regenerate, Edit, a second question that reuses the prefill (the session's engine counters),
 a bad file that leaves the open book alone, a too-long book that waits for the user's choice,
 per-client isolation, and reopening a saved book from its snapshot.
 """
@@ -213,9 +213,9 @@ def test_clients_are_isolated_and_a_saved_book_reopens_from_its_snapshot(loaded,
     book_id = text_sha256(load_document(small_book).text)[:16]  # the library's id of that text
     other = Client(app_url, verbose=False)
     assert other.predict("md", api_name="/export") == ""  # another session sees no book, no chat
-    n_prefills = counters(client)["n_prefills"]
+    assert counters(other) == {"n_prefills": 0, "n_prefill_tokens": 0}  # nor the first one's counters
     reopened = other.predict(book_id, api_name="/open_book")
-    assert "restored from the saved snapshot" in reopened[0] and counters(client)["n_prefills"] == n_prefills
+    assert "restored from the saved snapshot" in reopened[0] and counters(other)["n_prefills"] == 0
     assert "**You:**" not in other.predict("md", api_name="/export")  # a fresh chat, not the other user's
     chats = reopened[-1]["choices"]
     assert chats, "the first client's autosaved chats are listed with the book"

@@ -31,7 +31,18 @@ def test_quick_run_reports_every_method(quick_report):
         assert r["ttft_s"] > 0 and r["peak_rss_mib"] > 0
     assert ctx["prefill"]["ours_tokens_per_s"] > 0 and ctx["prefill"]["hf_tokens_per_s"] > 0
     assert ctx["floor"]["ms"] > 0 and report["hardware"]["copy_gb_s"] > 0
-    assert out.with_suffix(".md").read_text().count("| 1,0") == 1 + len(methods)
+    assert ctx["memory"]["ours"]["peak_mib"] > ctx["memory"]["ours"]["weights_mib"] > 0
+    assert ctx["memory"]["hf"]["peak_mib"] > ctx["memory"]["hf"]["weights_mib"] > 0
+    md = out.with_suffix(".md").read_text()
+    assert md.count("| 1,0") == 1 + len(methods)  # the prefill row and one row per run
+    assert md.count("| 1K | greedy |") == len(methods)  # the summary: one row per method
+
+
+def test_ours_are_compared_with_both_hf_baselines(quick_report):
+    report, _ = quick_report
+    for r in report["contexts"][0]["runs"]:
+        if r["method"].startswith("ours:"):
+            assert r["speedup_vs_hf_plain"] > 0 and r["speedup_vs_hf_prompt_lookup"] > 0
 
 
 def test_greedy_runs_are_compared_with_hf_plain(quick_report):

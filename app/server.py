@@ -1,0 +1,99 @@
+"""Serving the UI: who may log in, the queue, the upload limit, and the public share link.
+
+`login` turns --auth / --share / --share-without-auth into Gradio's login: --share without
+--auth gets a generated password printed on the console, unless --share-without-auth says
+otherwise (then a warning is printed). `serve` starts the local server first, then asks for a
+share link in a background thread with a deadline: offline, the link fails within
+`share_timeout_s`, the console says so, and the app keeps serving locally. The layout is
+app/ui.py; this module only launches it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import secrets
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import urlparse, urlunparse
+
+import gradio as gr
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+FONTS = ["ui-sans-serif", "system-ui", "Segoe UI", "Roboto", "Helvetica Neue", "Arial", "sans-serif"]  # no web fonts
+MONO = ["ui-monospace", "Menlo", "Consolas", "monospace"]
+MAX_QUEUE = 64  # waiting requests; more are refused at once rather than left waiting for minutes
+Say = Callable[[str], None]
+
+
+def say(message: str) -> None:
+    print(message, flush=True)
+
+
+def login(args: argparse.Namespace, say: Say = say) -> tuple[str, str] | None:
+    """--auth, or for --share without it a generated password (unless --share-without-auth)."""
+    if args.auth:
+        user, _, password = args.auth.partition(":")
+        return (user, password) if user and password else sys.exit("--auth needs USER:PASS")
+    if not args.share or args.share_without_auth:
+        if args.share:
+            say("WARNING: --share-without-auth: anyone with the link can use this app and its library.")
+        return None
+    password = secrets.token_urlsafe(12)
+    say(f"--share without --auth: log in as user 'reader' with password {password}")
+    return "reader", password
+
+
+def serve(demo: gr.Blocks, port: int, share: bool, auth: tuple[str, str] | None, max_file_mb: int,
+          share_timeout_s: float = 10.0, say: Say = say) -> tuple[str, str | None]:
+    """Start serving on 127.0.0.1 (returns at once); (local URL, public URL or None)."""
+    demo.queue(default_concurrency_limit=4, max_size=MAX_QUEUE)
+    _, local_url, _ = demo.launch(
+        server_name="127.0.0.1", server_port=port, share=False, auth=auth, prevent_thread_lock=True, quiet=True,
+        max_file_size=f"{max_file_mb}mb", footer_links=["api"], css_paths=[ASSETS / "style.css"],
+        theme=gr.themes.Soft(primary_hue="indigo", font=FONTS, font_mono=MONO), favicon_path=ASSETS / "icon.svg")
+    say(f"BookChat is running at {local_url}")
+    return local_url, open_share_link(demo, share_timeout_s, say) if share else None
+
+
+def launch(demo: gr.Blocks, port: int, share: bool, auth: tuple[str, str] | None, max_file_mb: int,
+           share_timeout_s: float = 10.0) -> None:
+    """`serve`, then block until the process is stopped."""
+    serve(demo, port, share, auth, max_file_mb, share_timeout_s)
+    demo.block_thread()
+
+
+def open_share_link(demo: gr.Blocks, timeout_s: float, say: Say = say) -> str | None:
+    """A public link to the running `demo`, or None (said on the console) when the tunnel is not up
+    within `timeout_s`; a link that comes up later is announced then."""
+    from gradio import networking
+
+    results: queue.Queue = queue.Queue()
+    gave_up = threading.Event()
+
+    def run() -> None:
+        try:
+            address = networking.setup_tunnel(demo.server_name, demo.server_port, demo.share_token, None, None)
+            url = urlunparse(("https",) + tuple(urlparse(address)[1:]))
+            demo.share, demo.share_url = True, url
+            results.put(url)
+            if gave_up.is_set():
+                say(f"The public link came up after all: {url}")
+        except Exception as error:  # offline, blocked, or the share server refused: all mean "local only"
+            results.put(error)
+
+    threading.Thread(target=run, name="share-link", daemon=True).start()
+    try:
+        result = results.get(timeout=timeout_s)
+    except queue.Empty:
+        gave_up.set()
+        result = TimeoutError(f"no answer from the share server in {timeout_s:.0f} s")
+    if isinstance(result, BaseException):
+        reason = str(result) or type(result).__name__
+        say(f"Could not create a public share link ({reason}); is this machine offline? "
+            f"Serving locally only, at {demo.local_url}")
+        return None
+    say(f"Public link: {result}")
+    return result

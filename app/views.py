@@ -1,0 +1,88 @@
+"""What the panels show, as Markdown/HTML: the upload checklist, live metrics, the plot, the reading.
+
+Pure functions of the state they are given (no Gradio, no engine calls), so app/ui.py stays
+layout and wiring. Counters shown are the viewer's own (a user never sees another's numbers).
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+
+from app.session import BookSession
+from engine.engine import Stats
+
+STAGES = ("Extract", "Clean", "Tokenize", "Prefill")
+
+
+@dataclass
+class Stages:
+    """The upload's checklist (extract → clean → tokenize → prefill) as Markdown."""
+
+    name: str
+    rows: dict[str, tuple[bool, str]] = field(default_factory=dict)  # stage -> (is done, detail)
+
+    def set(self, stage: str, detail: str = "", is_done: bool = False) -> str:  # the stages before it are done
+        stage = stage if stage in STAGES else "Extract"
+        self.rows = {s: (True, self.rows.get(s, (True, ""))[1]) for s in STAGES[:STAGES.index(stage)]}
+        self.rows[stage] = (is_done, detail)
+        return self.render()
+
+    def render(self) -> str:
+        rows = [f"- {'✓' if done else '◌'} {stage}" + (f" — {detail}" if detail else "")
+                for stage in STAGES if stage in self.rows for done, detail in [self.rows[stage]]]
+        return "\n".join([f"**{self.name}**", "", *rows])
+
+
+@dataclass
+class Counters:
+    """One user's engine work: documents prefilled and tokens prefilled (books and questions)."""
+
+    n_prefills: int = 0
+    n_prefill_tokens: int = 0
+
+
+def render_metrics(state: str, stats: Stats | None, book: BookSession | None, counters: Counters) -> str:
+    """State pill, speed, TBT, speedup vs plain decoding, a row per checking level, the user's counters."""
+    head, blocks = [f"<span class='state'>{state}</span>"], []
+    if stats is not None and stats.n_tokens:
+        speedup = ""
+        if book is not None and book.plain_ms and stats.tbt_ms_mean:
+            speedup = f" · **{book.plain_ms / stats.tbt_ms_mean:.2f}×** vs plain ({book.plain_ms:.0f} ms/token)"
+        head += [f"**{stats.tokens_per_s:.1f}** tokens/s · {stats.n_tokens:,} tokens{speedup}",
+                 f"TBT now **{stats.tbt_ms_last:.0f}** ms · mean **{stats.tbt_ms_mean:.0f}** ms · "
+                 f"first token {stats.ttft_s:.2f} s"]
+        rows = [f"| {s.name} | {100 * s.acceptance:.0f}% | {s.tokens_per_check:.2f} | {s.n_checks} |"
+                for s in stats.levels]
+        blocks.append("\n".join(["| level | accepted | tokens/check | checks |", "|:--|--:|--:|--:|", *rows]))
+    if book is not None and book.save_error:
+        blocks.append(f"⚠ {book.save_error}")
+    blocks.append(f"<small>prefills: {counters.n_prefills} · prefilled tokens: {counters.n_prefill_tokens:,}</small>")
+    return "\n\n".join(["  \n".join(head), *blocks])
+
+
+def render_plot(points: list[tuple[float, float]]) -> str:
+    """Inline SVG: time between tokens (ms) and the top level's acceptance, one point per step."""
+    if len(points) < 2:
+        return "<div class='plot-empty'>The live plot appears while an answer streams.</div>"
+    top = max(p[0] for p in points) or 1.0
+
+    def line(values: list[float], cls: str) -> str:  # x and y in [0, 1], stretched by the viewBox
+        xy = " ".join(f"{i / (len(values) - 1):.4f},{1 - min(v, 1.0):.4f}" for i, v in enumerate(values))
+        return f"<polyline class='{cls}' points='{xy}'/>"
+
+    return (f"<svg viewBox='-0.02 -0.06 1.04 1.12' preserveAspectRatio='none' class='plot' role='img'>"
+            f"{line([p[0] / top for p in points], 'tbt')}{line([p[1] for p in points], 'acc')}</svg>"
+            f"<div class='legend'><span class='tbt'>━ TBT (max {top:.0f} ms)</span>"
+            f"<span class='acc'>━ acceptance (0–100%)</span></div>")
+
+
+def render_reading(book: BookSession | None, passages) -> str:
+    if book is None:
+        return "Load a book to see which passages the model reads."
+    if "retrieval" not in book.session.levels:
+        return f"The level stack `{book.session.levels}` has no retrieval level: every check reads the whole book."
+    if not passages:
+        return "The retrieval level picks its passages when the answer starts."
+    return "\n\n".join(f"<div class='passage'><b>{p.label}</b> <span class='share'>{100 * p.share:.0f}%</span>"
+                       f"<div class='snippet'>{html.escape(p.snippet)}</div></div>" for p in passages)

@@ -1,0 +1,213 @@
+"""CPU kernel micro-benchmarks behind issue 7, each alternative timed side by side in one process.
+
+Alternatives are interleaved (A, B, A, B, ...) and repeated; the report gives the median and the
+minimum (on a shared machine the minimum is the better estimate of the work itself). Caches hold
+random keys and values at the context length (costs do not depend on the values).
+- attention: one layer, T new tokens over S keys (Qwen-0.5B shapes): the single SDPA call with
+  a [G*T, S] boolean mask (the previous kernel, still the non-CPU fallback) vs `sdpa_attention`.
+- prefill: one 512-token chunk after S cached tokens, our model vs Hugging Face's.
+- decode: one token after S cached tokens, ours vs Hugging Face's; and our check of 1 + 8
+  (chain) and 1 + 3x8 (tree) tokens, as the full level verifies n-gram drafts.
+- sampling: `sampling_probs` at T = 0.6, top-p 0.9 on 1 / 9 / 25 rows of 151,936 logits vs a
+  full sort of the vocabulary (the previous top-p).
+
+    python -m benchmarks.kernels --contexts 8192,32768 --repeats 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import sdpa_attention, tail_mask
+from engine.kv.full import FullCache
+from engine.loading import load_model, resolve_model
+from engine.sampling import Draft, sampling_probs
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def side_by_side(fns: dict, repeats: int) -> dict[str, dict[str, float]]:
+    """{name: {"median_ms", "min_ms"}} of interleaved calls, after one warm-up call each."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(1000 * (time.perf_counter() - t0))
+    return {name: {"median_ms": statistics.median(t), "min_ms": min(t)} for name, t in times.items()}
+
+
+def masked_sdpa(q, k, v, tail):
+    """The previous kernel: one SDPA call, GQA folded into the query length, a [G*T, S] mask."""
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = H // Hkv
+    mask = tail_mask(S, tail).repeat(G, 1) if tail is not None and T > 1 else None
+    return F.scaled_dot_product_attention(q.reshape(B, Hkv, G * T, D), k, v, attn_mask=mask).reshape(B, H, T, D)
+
+
+def full_sort_top_p(logits, temperature, top_p):
+    """The previous top-p: sort the whole vocabulary of every row."""
+    probs = (logits.double() / temperature).softmax(-1)
+    sorted_probs, order = probs.sort(-1, descending=True)
+    before = sorted_probs.cumsum(-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+    probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def bench_attention(S: int, repeats: int) -> dict:
+    out = {}
+    for T in (1, 9, 25, 512):
+        q = torch.randn(1, 14, T, 64).bfloat16()
+        k, v = torch.randn(1, 2, S + T, 64).bfloat16(), torch.randn(1, 2, S + T, 64).bfloat16()
+        tail = torch.ones(T, T, dtype=torch.bool).tril() if T > 1 else None
+        out[f"T={T}"] = side_by_side({"masked SDPA (before)": lambda q=q, k=k, v=v, t=tail: masked_sdpa(q, k, v, t),
+                                      "sdpa_attention": lambda q=q, k=k, v=v, t=tail: sdpa_attention(q, k, v, t)},
+                                     repeats)
+    return out
+
+
+class Models:
+    """Our model and Hugging Face's, with caches holding the same random S entries."""
+
+    def __init__(self, name: str, dtype: torch.dtype):
+        from transformers import AutoModelForCausalLM
+
+        self.ours, _ = load_model(name, dtype, torch.device("cpu"))
+        self.hf = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype, attn_implementation="sdpa",
+                                                       local_files_only=True).eval()
+        self.dtype = dtype
+
+    def caches(self, S: int, extra: int):
+        from transformers import DynamicCache
+
+        c = self.ours.config
+        full = FullCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, S + extra, self.dtype, torch.device("cpu"))
+        full.k.normal_()
+        full.v.normal_()
+        full.length = S
+        hf = DynamicCache(config=self.hf.config)
+        for layer_idx in range(c.n_layers):
+            hf.update(full.k[layer_idx, :, :, :S].clone(), full.v[layer_idx, :, :, :S].clone(), layer_idx)
+        return full, hf
+
+    def ours_step(self, full: FullCache, S: int, draft: Draft | None, n_logits: int = 0):
+        n = len(draft) if draft is not None else 0
+        ids = torch.tensor([[11] + (draft.tokens.tolist() if n else [])])
+        pos = torch.cat([torch.tensor([S]), S + 1 + draft.depths()]) if n else torch.tensor([S])
+        tail = None
+        if n:
+            tail = torch.ones(n + 1, n + 1, dtype=torch.bool).tril()
+            tail[1:, 1:] = draft.ancestor_mask()[1:, 1:]
+
+        def step():
+            full.truncate(S)
+            self.ours(ids, pos, full, tail, None, n_logits=n_logits or n + 1)
+        return step
+
+    def hf_step(self, cache, S: int, T: int):
+        ids = torch.full((1, T), 11)
+
+        def step():
+            extra = cache.get_seq_length() - S
+            if extra:
+                cache.crop(-extra)
+            with torch.no_grad():
+                self.hf(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                        position_ids=torch.arange(S, S + T)[None])
+        return step
+
+
+def tree(n_candidates: int, depth: int) -> Draft:
+    tokens, parents = [], []
+    for c in range(n_candidates):
+        for d in range(depth):
+            parents.append(-1 if d == 0 else len(tokens) - 1)
+            tokens.append(100 + 10 * c + d)
+    return Draft(torch.tensor(tokens), torch.tensor(parents), None)
+
+
+def bench_prefill(models: Models, S: int, repeats: int, chunk: int = 512) -> dict:
+    full, hf = models.caches(S, chunk)
+    ids = torch.randint(0, 150_000, (1, chunk), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(S, S + chunk)
+
+    def ours():
+        full.truncate(S)
+        models.ours(ids, pos, full, None, None, n_logits=1)
+
+    def hf_chunk():
+        extra = hf.get_seq_length() - S
+        if extra:
+            hf.crop(-extra)
+        with torch.no_grad():
+            models.hf(input_ids=ids, past_key_values=hf, use_cache=True, logits_to_keep=1, position_ids=pos[None])
+    out = side_by_side({"ours": ours, "hf": hf_chunk}, repeats)
+    for r in out.values():
+        r["tokens_per_s"] = 1000 * chunk / r["min_ms"]
+    return out
+
+
+def bench_decode(models: Models, S: int, repeats: int) -> dict:
+    full, hf = models.caches(S, 32)
+    return side_by_side({"ours T=1": models.ours_step(full, S, None, 1), "hf T=1": models.hf_step(hf, S, 1),
+                         "ours check 1+8 chain": models.ours_step(full, S, tree(1, 8)),
+                         "ours check 1+3x8 tree": models.ours_step(full, S, tree(3, 8))}, repeats)
+
+
+def bench_sampling(repeats: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for rows in (1, 9, 25):
+        # LM-like logits: a few strong candidates over a long tail, bf16-rounded as a bf16 model's
+        logits = (torch.randn(rows, 151_936, generator=gen) * 2.5).bfloat16().float()
+        logits[:, :64] += 12 * torch.rand(rows, 64, generator=gen)
+        out[f"rows={rows}"] = side_by_side(
+            {"full sort (before)": lambda x=logits: full_sort_top_p(x, 0.6, 0.9),
+             "sampling_probs": lambda x=logits: sampling_probs(x, 0.6, 0, 0.9)}, repeats)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-coder-0.5b")
+    p.add_argument("--contexts", default="8192,32768")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--only", default="attention,prefill,decode,sampling")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kernels.json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    only = set(args.only.split(","))
+    report = {"command": "python -m benchmarks.kernels " + " ".join(sys.argv[1:] if argv is None else argv),
+              "threads": args.threads, "load_avg_at_start": list(__import__("os").getloadavg()), "results": {}}
+    models = Models(args.model, torch.bfloat16) if only & {"prefill", "decode"} else None
+    for S in (int(s) for s in args.contexts.split(",")):
+        for name, bench in (("attention", lambda S: bench_attention(S, args.repeats)),
+                            ("prefill", lambda S: bench_prefill(models, S, args.repeats)),
+                            ("decode", lambda S: bench_decode(models, S, args.repeats))):
+            if name in only:
+                report["results"][f"{name} S={S}"] = result = bench(S)
+                print(f"{name} S={S}: {json.dumps(result, indent=None, default=lambda x: round(x, 2))}", flush=True)
+    if "sampling" in only:
+        report["results"]["sampling"] = bench_sampling(args.repeats)
+        print(f"sampling: {json.dumps(report['results']['sampling'], default=lambda x: round(x, 2))}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
