@@ -110,6 +110,8 @@ class BookSession:
         self.chat_id, self.created = uuid.uuid4().hex[:12], time.time()
         self.plain_ms: float | None = None  # plain decoding ms/token at this context (the speedup's base)
         self.save_error: str | None = None
+        self.batcher = None  # engine.batch.Batcher: answers decoded together with other readers'
+
 
     def ask(self, question: str, sampling: SamplingConfig, cancel=None) -> Iterator[Update]:
         if not (question := question.strip()):
@@ -118,7 +120,10 @@ class BookSession:
         ended = last is not None and last.ids[-1:] == [self.chat.end_of_turn_id]
         q_ids = self.chat.question_ids(question, is_first=last is None, previous_answer_ended=ended)
         turn, answer_ids = Turn(question, start=s.length, answer_start=s.length + len(q_ids)), []
-        events = s.ask(q_ids, sampling, cancel=cancel, stop_ids=self.chat.stop_ids)
+        if self.batcher is not None:
+            events = self.batcher.ask(s, q_ids, sampling, cancel=cancel, stop_ids=self.chat.stop_ids)
+        else:
+            events = s.ask(q_ids, sampling, cancel=cancel, stop_ids=self.chat.stop_ids)
         try:
             for event in events:
                 answer_ids += event.tokens

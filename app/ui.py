@@ -16,7 +16,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -30,6 +29,7 @@ from app.session import BookSession, Prepared, keep_first, open_book, pick_chapt
 from app.storage import write_failure
 from app.tokens import PlainChatFormat
 from app.views import Counters, Stages, render_metrics, render_plot, render_reading
+from engine.batch import Batcher
 from engine.config import LEVEL_STACKS, Cancelled, SamplingConfig
 from engine.engine import Engine
 
@@ -61,6 +61,9 @@ class App:
         self.limits, self.max_tokens, self.max_new_tokens = limits or Limits(), max_tokens, max_new_tokens
         self.private, self.max_open_books = private, max_open_books
         self.users: dict[str, User] = {}
+        # Readers' answers are decoded together, one packed forward per step (engine/batch.py);
+        # every open book is already in memory, so as many answer at once as books may be open.
+        self.batcher = Batcher(max_active=max_open_books)
 
     def user(self, request: gr.Request) -> User:
         user = self.users.setdefault(request.session_hash or "none", User())
@@ -73,16 +76,6 @@ class App:
         if user is not None:
             user.cancel.set()
             user.book = user.pending = None
-
-    @contextmanager
-    def _counting(self, user: User):
-        """Add the engine's prefill work during an engine job to `user` (engine jobs run one at a time)."""
-        n_prefills, n_tokens = self.engine.n_prefills, self.engine.n_prefill_tokens
-        try:
-            yield
-        finally:
-            user.counters.n_prefills += self.engine.n_prefills - n_prefills
-            user.counters.n_prefill_tokens += self.engine.n_prefill_tokens - n_tokens
 
     def _make_room(self, user: User) -> None:
         """Close the least recently used other books so at most `max_open_books` stay in memory."""
@@ -193,15 +186,18 @@ class App:
                c.fit_row: gr.update(visible=False)}
         self._make_room(user)
         try:
-            with self._counting(user):
-                book, restored = yield from self._progress(user, stages, partial(open_book, measure_plain=True),
-                                                           self.engine, self.chat, prepared, self.library)
+            book, restored = yield from self._progress(user, stages, partial(open_book, measure_plain=True),
+                                                       self.engine, self.chat, prepared, self.library)
         except Cancelled:
             yield self._kept(user, "Loading cancelled.")
             return
         except Exception as error:  # EngineError (too long...) or e.g. out of memory: the open book stays
             yield self._kept(user, f"⚠ {error}")
             return
+        book.batcher = self.batcher
+        if not restored:  # counted here, not from the engine's totals: other readers' work goes on meanwhile
+            user.counters.n_prefills += 1
+            user.counters.n_prefill_tokens += len(prepared.doc_ids)
         seconds, n = time.perf_counter() - started, len(prepared.doc_ids)
         how = (f"restored from the saved snapshot in {seconds:.1f} s" if restored
                else f"{n:,} tokens in {seconds:.1f} s ({n / seconds:,.0f} tokens/s)")
@@ -247,7 +243,8 @@ class App:
             sampling = SamplingConfig(float(temperature), float(top_p), 0, int(max_new_tokens), int(seed))
             book.session.set_levels(levels if levels in LEVEL_STACKS else book.session.levels)
             run = book.edit_last if replace else book.ask
-            with self._counting(user):
+            last_turn = book.turns[-1] if book.turns else None
+            try:
                 for update in run(question, sampling, user.cancel):
                     stats = update.stats
                     points.append((stats.tbt_ms_last, stats.levels[-1].acceptance if stats.levels else 0.0))
@@ -257,6 +254,9 @@ class App:
                            c.metrics: render_metrics(shown_state, stats, book, user.counters),
                            c.plot: render_plot(points)}
                     yield out if update.reading is None else {**out, c.reading: render_reading(book, update.reading)}
+            finally:
+                if book.turns and book.turns[-1] is not last_turn:  # this reader's question went in
+                    user.counters.n_prefill_tokens += book.turns[-1].answer_start - book.turns[-1].start
         except Cancelled:
             state = "stopped"
         except Exception as error:  # EngineError, bad settings, ...: the book and chat stay consistent
@@ -396,23 +396,26 @@ class App:
         loading = [c.status, c.upload, c.cancel, c.password_row, c.fit_row, c.first_n, c.pick, c.chatbot, c.metrics,
                    c.plot, c.reading, c.chapter, c.summarize_chapter, c.title, c.books, c.chats]
         answering = [c.msg, c.chatbot, c.metrics, c.plot, c.reading, c.books, c.chats]
-        # One engine, one queue: while another user's job runs, "queue: 2/3" shows on the status
+        # Loading is one at a time: while another user's load runs, "queue: 2/3" shows on the status
         # (loading) or the metrics (answering) panel; "minimal" adds no overlay to streamed outputs.
         engine = dict(concurrency_id="engine", concurrency_limit=1, show_progress="minimal")
         load, job = dict(engine, show_progress_on=[c.status]), dict(engine, show_progress_on=[c.metrics])
+        # Answers run side by side, batched by the engine (engine/batch.py); loading stays one at a time.
+        answer = dict(job, concurrency_id="answer", concurrency_limit=self.batcher.max_active)
         c.upload.upload(self.load_book, [c.upload, c.password], loading, api_name="load_book", **load)
         gr.on([c.unlock.click, c.password.submit], self.unlock, [c.password], loading, api_name="unlock", **load)
         c.load_selection.click(self.load_selection, [c.first_n, c.pick], loading, api_name="load_selection", **load)
         c.open_book.click(self.open_saved, [c.books], loading, api_name="open_book", **load)
         c.cancel.click(self.request_stop, None, None, api_name="cancel_prefill", concurrency_limit=None)
-        gr.on([c.send.click, c.msg.submit], self.ask, [c.msg, c.chatbot, *c.settings], answering, api_name="ask", **job)
+        gr.on([c.send.click, c.msg.submit], self.ask, [c.msg, c.chatbot, *c.settings], answering, api_name="ask",
+              **answer)
         c.stop.click(self.request_stop, None, None, api_name="stop", concurrency_limit=None)
-        c.regenerate.click(self.regenerate, c.settings, answering, api_name="regenerate", **job)
+        c.regenerate.click(self.regenerate, c.settings, answering, api_name="regenerate", **answer)
         quick = [(b, lambda q=q: q, None) for b, q in zip(c.quick, QUICK.values(), strict=True)]
         quick.append((c.summarize_chapter, lambda chapter: f"Summarize {chapter}." if chapter else "", c.chapter))
         for button, question, source in quick:  # fill the box, then ask as if typed
             button.click(question, source, c.msg, api_name=False).then(
-                self.ask, [c.msg, c.chatbot, *c.settings], answering, api_name=False, **job)
+                self.ask, [c.msg, c.chatbot, *c.settings], answering, api_name=False, **answer)
         c.edit.click(self.edit_last, None, [c.msg], api_name="edit_last")
         gr.on([c.clear.click, c.chatbot.clear], self.clear, None, [c.chatbot, c.metrics, c.plot, c.books, c.chats],
               api_name="clear", **job)  # the chatbot's own trash button starts a new chat too

@@ -30,8 +30,10 @@ _DONE = object()
 class Job:
     """One answer in the batch: its generator, the logits owed to it, and its consumer's queue."""
 
-    def __init__(self, steps: Generator):
+    def __init__(self, steps: Generator, wait_on_close: bool):
         self.steps, self.request, self.result = steps, None, None
+        self.wait_on_close = wait_on_close  # a background batcher: the consumer waits for the close
+        self.ended = threading.Event()
         self.out: queue.Queue = queue.Queue()
         self.abandoned = False  # the consumer went away: close at the next event boundary
         self.value = None  # the generator's return value
@@ -62,6 +64,7 @@ class Job:
     def _end(self, last) -> None:
         self.request = None
         self.out.put(last)
+        self.ended.set()
         return None
 
     def stream(self) -> Iterator:
@@ -71,8 +74,10 @@ class Job:
                 if isinstance(item, Exception):
                     raise item
                 yield item
-        finally:
+        finally:  # on an early close: the session is consistent again once the batcher let it go
             self.abandoned = True
+            if self.wait_on_close:
+                self.ended.wait()
 
 
 class Batcher:
@@ -89,7 +94,7 @@ class Batcher:
         self.n_segments = 0  # segments served: n_segments / n_forwards is the mean batch
 
     def submit(self, steps: Generator) -> Job:
-        job = Job(steps)
+        job = Job(steps, wait_on_close=self.background)
         with self.cond:
             self.waiting.append(job)
             self.cond.notify()
@@ -121,6 +126,7 @@ class Batcher:
                 job = self.waiting.popleft()
                 if job.abandoned:  # stopped before it started
                     job.steps.close()
+                    job._end(_DONE)
                     continue
                 self.active.append(job)
             jobs = list(self.active)

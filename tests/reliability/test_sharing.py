@@ -188,22 +188,30 @@ def test_two_users_at_once_never_see_each_others_book_chat_library_or_metrics(se
 
 
 def test_a_waiting_user_sees_their_place_in_the_queue(served, engine, tmp_path):
+    """Answers are decoded side by side (engine/batch.py); loading a book is one at a time, so a
+    second reader who uploads while the first one's book is being read waits, and sees where."""
+    from gradio_client import handle_file
     from gradio_client.utils import Status
 
-    dependency = next(d for d in served.app.demo.config["dependencies"] if d["api_name"] == "ask")
-    assert dependency["show_progress"] == "minimal" and dependency["show_progress_on"] == [served.app.c.metrics._id]
-    first, second = load_and_ask(served.url, write_book(tmp_path), "Hello?")[0], client(served.url)
-    slow = SlowForwards(engine, delay_s=0.05)
+    for name in ("ask", "load_book"):
+        dependency = next(d for d in served.app.demo.config["dependencies"] if d["api_name"] == name)
+        assert dependency["show_progress"] == "minimal"
+    ask = next(d for d in served.app.demo.config["dependencies"] if d["api_name"] == "ask")
+    assert ask["show_progress_on"] == [served.app.c.metrics._id]
+    first, second = client(served.url), client(served.url)
+    slow = SlowForwards(engine, delay_s=0.3)
     try:
-        long_job = first.submit("Tell me everything.", [], 0.0, 1.0, 400, 0, LEVELS, api_name="/ask")
-        wait_until(lambda: len(long_job.outputs()) >= 2, 30, "the first answer to stream")
-        waiting = second.submit("And me?", [], 0.0, 1.0, 4, 0, LEVELS, api_name="/ask")
+        loading = first.submit(handle_file(str(write_book(tmp_path, "queue-a.txt", start=90_000))), "",
+                               api_name="/load_book")
+        wait_until(lambda: slow.n_calls >= 1, 30, "the first book's prefill to start")
+        waiting = second.submit(handle_file(str(write_book(tmp_path, "queue-b.txt", start=95_000))), "",
+                                api_name="/load_book")
         status = wait_until(lambda: (s := waiting.status()).code == Status.IN_QUEUE and s, 10, "a queue position")
         assert status.rank == 0 and status.queue_size >= 1  # first in line (the UI shows "queue: 1/1")
         assert not waiting.done()
-        first.predict(api_name="/stop")
-        assert "stopped" in long_job.result()[2]
-        assert "No book yet" in waiting.result()[2]  # it ran once the engine was free
+        slow.delay_s = 0.0
+        assert "Ready" in str(loading.result()[0])
+        assert "Ready" in str(waiting.result()[0])  # it ran once the first load was done
     finally:
         slow.remove()
         first.close()
