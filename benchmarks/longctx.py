@@ -263,6 +263,10 @@ def machine() -> dict:
 
 
 def run_context(args, n_ctx, engine, hf_model, hf_draft, chat, book_ids, hw, report, save):
+    room = 64 + args.new_tokens  # the question and the answer must fit in the model's context too
+    if n_ctx + room > engine.max_context:
+        log(f"context {n_ctx:,} leaves no room for the question and answer: using {engine.max_context - room:,}")
+        n_ctx = engine.max_context - room
     doc_ids = book_doc_ids(chat, book_ids, n_ctx)
     doc_grams = {tuple(doc_ids[i:i + COPY_NGRAM]) for i in range(len(doc_ids) - COPY_NGRAM + 1)}
     floor = token_floor(engine.target, len(doc_ids), hw)
