@@ -41,13 +41,16 @@ class Hardware:
         return asdict(self)
 
 
-def measure_hardware(n_repeats: int = 5, copy_mib: int = 512) -> Hardware:
+def measure_hardware(n_repeats: int = 5, copy_mib: int = 512,
+                     dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)) -> Hardware:
+    """Bandwidths, and matmul rates of `dtypes` (a bf16 matmul without AMX or AVX512-BF16 takes
+    seconds: measure only the dtypes a run uses)."""
     src = torch.empty(copy_mib << 20, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src)
     copy_s = _best_s(lambda: dst.copy_(src), n_repeats)
     read_s = _best_s(lambda: src.view(torch.float32).sum(), n_repeats)
     tflops, decode_ms = {}, {}
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in dtypes:
         name = str(dtype).removeprefix("torch.")
         a = torch.randn(2048, 2048).to(dtype)
         b = torch.randn(2048, 2048).to(dtype)

@@ -8,6 +8,8 @@ random keys and values at the context length (costs do not depend on the values)
 - prefill: one 512-token chunk after S cached tokens, our model vs Hugging Face's.
 - decode: one token after S cached tokens, ours vs Hugging Face's; and our check of 1 + 8
   (chain) and 1 + 3x8 (tree) tokens, as the full level verifies n-gram drafts.
+- weights: the matmuls of one forward of T = 1, 2, 5, 9 tokens over every linear weight of the
+  model, stored as loaded vs input-major (what `Transformer.store_weights_input_major` does).
 - sampling: `sampling_probs` at T = 0.6, top-p 0.9 on 1 / 9 / 25 rows of 151,936 logits vs a
   full sort of the vocabulary (the previous top-p).
 
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import sdpa_attention, tail_mask
+from engine.device import pick_dtype, prefers_input_major_weights
 from engine.kv.full import FullCache
 from engine.loading import load_model, resolve_model
 from engine.sampling import Draft, sampling_probs
@@ -85,6 +88,8 @@ class Models:
         from transformers import AutoModelForCausalLM
 
         self.ours, _ = load_model(name, dtype, torch.device("cpu"))
+        if prefers_input_major_weights(torch.device("cpu"), dtype):  # as Engine does
+            self.ours.store_weights_input_major()
         self.hf = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype, attn_implementation="sdpa",
                                                        local_files_only=True).eval()
         self.dtype = dtype
@@ -166,6 +171,21 @@ def bench_decode(models: Models, S: int, repeats: int) -> dict:
                          "ours check 1+3x8 tree": models.ours_step(full, S, tree(3, 8))}, repeats)
 
 
+def bench_weights(source: str, dtype: torch.dtype, repeats: int) -> dict:
+    """The matmuls of one forward of T tokens (every linear weight of the model, no attention),
+    weights as loaded ([out, in], rows contiguous) vs input-major (engine/device.py)."""
+    model, _ = load_model(resolve_model(source), dtype, torch.device("cpu"))
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    input_major = [w.t().contiguous().t() for w in weights]
+    out = {}
+    for T in (1, 2, 5, 9):
+        x = {n: torch.randn(T, n, dtype=dtype) for n in {w.shape[1] for w in weights}}
+        out[f"T={T}"] = side_by_side({layout: lambda ws=ws, x=x: [F.linear(x[w.shape[1]], w) for w in ws]
+                                      for layout, ws in (("as loaded", weights), ("input-major", input_major))},
+                                     repeats)
+    return out
+
+
 def bench_sampling(repeats: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     out = {}
@@ -186,14 +206,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", default="8192,32768")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--only", default="attention,prefill,decode,sampling")
+    p.add_argument("--only", default="attention,prefill,decode,sampling,weights")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                   help="model dtype; auto = the engine's choice (bf16 with AMX, else float32)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kernels.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     only = set(args.only.split(","))
     report = {"command": "python -m benchmarks.kernels " + " ".join(sys.argv[1:] if argv is None else argv),
               "threads": args.threads, "load_avg_at_start": list(__import__("os").getloadavg()), "results": {}}
-    models = Models(args.model, torch.bfloat16) if only & {"prefill", "decode"} else None
+    dtype = pick_dtype(args.dtype, torch.device("cpu"))
+    report["dtype"] = str(dtype).removeprefix("torch.")
+    models = Models(args.model, dtype) if only & {"prefill", "decode"} else None
     for S in (int(s) for s in args.contexts.split(",")):
         for name, bench in (("attention", lambda S: bench_attention(S, args.repeats)),
                             ("prefill", lambda S: bench_prefill(models, S, args.repeats)),
@@ -201,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
             if name in only:
                 report["results"][f"{name} S={S}"] = result = bench(S)
                 print(f"{name} S={S}: {json.dumps(result, indent=None, default=lambda x: round(x, 2))}", flush=True)
+    if "weights" in only:
+        report["results"]["weights"] = bench_weights(args.model, dtype, args.repeats)
+        print(f"weights: {json.dumps(report['results']['weights'], default=lambda x: round(x, 2))}", flush=True)
     if "sampling" in only:
         report["results"]["sampling"] = bench_sampling(args.repeats)
         print(f"sampling: {json.dumps(report['results']['sampling'], default=lambda x: round(x, 2))}")

@@ -41,6 +41,7 @@ import torch
 from benchmarks.hardware import RssSampler, measure_hardware, token_floor
 from engine.chat import ChatFormat
 from engine.config import EngineConfig, SamplingConfig
+from engine.device import pick_dtype
 from engine.engine import Engine, Session
 from engine.loading import resolve_model
 
@@ -71,7 +72,8 @@ def parse_args(argv):
     p.add_argument("--questions", default="summary,fact")
     p.add_argument("--methods", default=None, help="comma-separated subset (default: all that apply)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                   help="both implementations; auto = the engine's choice (bf16 with AMX, else float32)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "longctx.json")
     p.add_argument("--quick", action="store_true", help="CI smoke test: SmolLM2, ~1K context, 16 tokens")
@@ -469,14 +471,15 @@ def log(message: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
-    hw = measure_hardware(n_repeats=1 if args.quick else 5, copy_mib=64 if args.quick else 512)
+    hw = measure_hardware(n_repeats=1 if args.quick else 5, copy_mib=64 if args.quick else 512,
+                          dtypes=(pick_dtype(args.dtype, torch.device("cpu")),))
     log(f"copy {hw.copy_gb_s:.1f} GB/s; read {hw.read_gb_s:.1f} GB/s; matmul {hw.matmul_tflops}; "
         f"decode matmuls {hw.decode_matmul_ms}")
     gc.collect()
     process_mib = psutil.Process().memory_info().rss / 2**20  # torch loaded, no model yet
     levels = "draft>retrieval>full" if args.draft else "ngram>retrieval>full"
     engine = Engine.load(EngineConfig(target=args.model, draft=args.draft, levels=levels, dtype=args.dtype))
+    dtype, args.dtype = engine.dtype, str(engine.dtype).removeprefix("torch.")
     needs_hf = any(m.startswith("hf:") for m in args.methods)
     hf_model = load_hf(args.model, dtype) if needs_hf else None
     hf_draft = load_hf(args.draft, dtype) if "hf:assisted" in args.methods else None

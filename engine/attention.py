@@ -111,3 +111,18 @@ def pick_attention(device: torch.device, use_flash_attn: bool = True):
     if use_flash_attn and device.type == "cuda" and has_flash_attn():
         return flash_attention
     return sdpa_attention
+
+
+def masked_attention(
+    q: torch.Tensor,  # [B, H, T, D]
+    k: torch.Tensor,  # [B, Hkv, S_max, D] a whole fixed-capacity cache
+    v: torch.Tensor,  # [B, Hkv, S_max, D]
+    key_mask: torch.Tensor,  # [T, S_max] bool: the keys each query sees (built from positions)
+) -> torch.Tensor:  # [B, H, T, D]
+    """Attention of the static-shape steps (engine/graphs.py): the mask, not a slice, hides the
+    slots past the cache's length, so the shapes do not change between calls."""
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(B, Hkv, (H // Hkv) * T, D), k, v,
+                                         attn_mask=key_mask.repeat(H // Hkv, 1))  # GQA fold as sdpa_attention
+    return out.reshape(B, H, T, D)

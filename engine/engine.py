@@ -28,10 +28,10 @@ from engine.config import (
     EngineConfig,
     SamplingConfig,
 )
-from engine.device import now, pick_device, pick_dtype
+from engine.device import now, pick_device, pick_dtype, prefers_input_major_weights
 from engine.drafters.model import ModelDrafter
 from engine.drafters.ngram import NgramDrafter
-from engine.graphs import graphs_available
+from engine.graphs import graphs_available, static_decode_step
 from engine.kv.full import FullCache
 from engine.kv.offload import OffloadCache
 from engine.kv.retrieval import RetrievalCache
@@ -80,10 +80,14 @@ class Engine:
         self.device = target.lm_head.weight.device
         self.dtype = target.lm_head.weight.dtype
         attend = pick_attention(self.device, config.use_flash_attn)
-        self.uses_cuda_graphs = graphs_available(self.device, config.use_cuda_graphs)  # nothing captured yet
+        # one-token drafter and middle-level steps (engine/graphs.py); one process only: tensor
+        # parallel's all-reduces (NCCL) inside a captured graph are not attempted
+        self.uses_cuda_graphs = graphs_available(self.device, config.use_cuda_graphs and config.n_gpus == 1)
         for model in (target, draft):
             if model is not None:
                 model.set_attention(attend)
+                if prefers_input_major_weights(self.device, self.dtype):
+                    model.store_weights_input_major()
         self.n_prefills = 0  # documents prefilled (the app asserts a question does not add one)
         self.n_prefill_tokens = 0
 
@@ -194,8 +198,10 @@ class Engine:
             scratch = 2 + cfg.max_gamma * (cfg.n_ngram_candidates + 1)
             retrieval = RetrievalCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, r.budget_tokens, r.sink_tokens,
                                        r.window_tokens, r.chunk_tokens, scratch, self.dtype, self.device)
+            one_token = static_decode_step(self.target, retrieval, self.uses_cuda_graphs)
+            middle = Scorer(self.target, retrieval, None, one_token)
             drafter = CheckingDrafter(
-                Scorer(self.target, retrieval), bottom, stats[0], GammaTuner(cfg.gamma_bottom, cfg.max_gamma),
+                middle, bottom, stats[0], GammaTuner(cfg.gamma_bottom, cfg.max_gamma),
                 synced_length=lambda: retrieval.synced,
                 sync=lambda: retrieval.append(full, retrieval.synced, full.length),
                 rebuild=lambda: retrieval.build(full, query_log.queries),
@@ -214,7 +220,7 @@ class Engine:
         cache = StreamingCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, cfg.streaming_sink_tokens,
                                cfg.streaming_window_tokens, cfg.prefill_chunk_tokens + cfg.max_gamma,
                                model.rotate, self.dtype, self.device)
-        return ModelDrafter(model, cache)
+        return ModelDrafter(model, cache, static_decode_step(model, cache, self.uses_cuda_graphs))
 
 
 class Session:

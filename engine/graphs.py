@@ -1,14 +1,14 @@
-"""CUDA graphs for fixed-shape steps, wrapped from outside and off by default (STYLE.md section 5).
+"""CUDA graphs for the one-token steps over fixed-capacity caches, off by default (STYLE.md 5).
 
-`graphed(step, device, use_cuda_graphs)` returns `step` itself (eager, the reference the tests
-run) unless graphs are wanted and the device is CUDA; on any other device it says once in the log
-that it runs eager. On CUDA, `CudaGraphStep` captures `step` once per signature of its tensor
-arguments (shapes, dtypes) into static input buffers, then replays it: new inputs are copied in,
-the static outputs come back (valid until the next call).
-A step qualifies only if every tensor it reads that changes between calls is an argument and
-its Python side effects do not depend on the call: the drafter and retrieval-level forwards of
-today's caches do not qualify yet (their KV views grow every step), so the engine records the
-switch but routes nothing through it; see README "Running on GPUs". Never run on a GPU.
+`StaticDecodeStep` is a one-token forward of a model over a StreamingLLM cache (the model
+drafter's steps) or the retrieval cache (the middle level's single-token chains) whose shapes
+never change: the token, its position and its slot arrive as device tensors, the new K/V are
+written at the slot (`kv.StaticSlots`), and attention runs over the cache's whole capacity with
+a [1, S_max] key mask built from the slot. On CUDA with `use_cuda_graphs`, `CudaGraphStep`
+captures it once and replays it; anywhere else nothing is built and the forwards go through the
+eager `Forward` path as before (the reference). Tests run the static step uncaptured on CPU
+(`force_static_steps`) against that path. Multi-token forwards and the full cache stay eager.
+The capture (`CudaGraphStep`) has never run on a GPU; see README "Running on GPUs".
 """
 
 from __future__ import annotations
@@ -19,7 +19,14 @@ from collections.abc import Callable
 
 import torch
 
+from engine.kv import SlotCache, StaticSlots
+from engine.model import Segment, Transformer
+
 log = logging.getLogger(__name__)
+
+# Tests set this to build the static steps on any device and run them uncaptured: the exact
+# check of the code CUDA captures (as nanochat's flash-attention override).
+force_static_steps = False
 
 
 @functools.cache
@@ -36,7 +43,11 @@ def graphs_available(device: torch.device, use_cuda_graphs: bool) -> bool:
 
 
 class CudaGraphStep:
-    """`step(*tensors) -> tensor` captured per input signature and replayed (CUDA only)."""
+    """`step(*tensors) -> tensor` captured per input signature and replayed (CUDA only).
+
+    The step must read everything that changes between calls from its tensor arguments, and its
+    Python side effects must not depend on the call: a replay runs no Python.
+    """
 
     def __init__(self, step: Callable[..., torch.Tensor], max_graphs: int = 16):
         self.step, self.max_graphs = step, max_graphs
@@ -53,7 +64,7 @@ class CudaGraphStep:
         for buffer, t in zip(static_inputs, inputs):
             buffer.copy_(t)
         graph.replay()
-        return static_output
+        return static_output.clone()  # the static buffer is overwritten by the next replay
 
     def _capture(self, inputs):
         static_inputs = [t.clone() for t in inputs]
@@ -63,12 +74,47 @@ class CudaGraphStep:
             self.step(*static_inputs)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: other threads may serve other readers' eager forwards meanwhile
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             static_output = self.step(*static_inputs)
         self.pool = graph.pool()
         return graph, static_inputs, static_output
 
 
-def graphed(step: Callable[..., torch.Tensor], device: torch.device, use_cuda_graphs: bool):
-    """`step` captured as CUDA graphs when wanted and possible, else `step` itself (eager)."""
-    return CudaGraphStep(step) if graphs_available(device, use_cuda_graphs) else step
+class StaticDecodeStep:
+    """`step(token, pos) -> logits [1, 1, V]` of `model` over `cache`, at slot `cache.length`.
+
+    The cache's buffers must never be reallocated (a graph holds their addresses): true of the
+    streaming and retrieval caches, whose capacity is fixed at construction.
+    """
+
+    def __init__(self, model: Transformer, cache: SlotCache, is_captured: bool):
+        self.model, self.cache = model, cache
+        for t in (cache.k, cache.v):  # never-written slots may hold NaN, which a masked key's
+            t[:, :, :, cache.length:].zero_()  # weight 0 does not cancel (0 * NaN); stale ones are finite
+        self.step = CudaGraphStep(self.forward) if is_captured else self.forward
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, slot_idx: torch.Tensor) -> torch.Tensor:
+        """ids: [1, 1]; pos: [1] absolute (RoPE); slot_idx: [1], the cache's length."""
+        capacity = self.cache.k.shape[3]
+        key_mask = (torch.arange(capacity, device=slot_idx.device) <= slot_idx)[None]  # [T=1, S_max]
+        segment = Segment(ids, pos, StaticSlots(self.cache, slot_idx), key_mask=key_mask)
+        return self.model.forward_packed([segment])[0]
+
+    def __call__(self, token: int, pos: int) -> torch.Tensor:  # [1, 1, V]
+        c = self.cache
+        assert c.length < c.k.shape[3], f"no free slot: {c.length} of {c.k.shape[3]} used"
+        inputs = torch.tensor([token, pos, c.length], device=c.k.device)  # one host->device copy
+        logits = self.step(inputs[:1].view(1, 1), inputs[1:2], inputs[2:])
+        c.advance(1)
+        return logits
+
+
+def static_decode_step(model: Transformer, cache: SlotCache, use_cuda_graphs: bool) -> StaticDecodeStep | None:
+    """The captured one-token step over `cache` when CUDA graphs are on and possible, else None
+    (the caller keeps its eager `Forward` path). Dynamic RoPE picks its frequencies on the host
+    from the positions (a device sync, which a capture forbids), so it stays eager."""
+    is_dynamic_rope = "dynamic" in str(model.model.rotary_emb.rope_type)
+    if graphs_available(cache.k.device, use_cuda_graphs) and not is_dynamic_rope:
+        return StaticDecodeStep(model, cache, is_captured=True)
+    return StaticDecodeStep(model, cache, is_captured=False) if force_static_steps else None

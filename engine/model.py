@@ -22,7 +22,7 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
-from engine.attention import sdpa_attention
+from engine.attention import masked_attention, sdpa_attention
 from engine.config import ModelConfig
 from engine.kv import KVCache
 
@@ -52,6 +52,7 @@ class Segment:
     tail: torch.Tensor | None = None  # [T, T] bool; None = causal chain
     query_log: QueryLog | None = None
     n_logits: int = 1  # logits of the last n tokens
+    key_mask: torch.Tensor | None = None  # [T, S_max] bool: a static-shape step (engine/graphs.py)
 
 
 @dataclass
@@ -111,7 +112,8 @@ class Attention(nn.Module):
             if seg.query_log is not None:
                 seg.query_log.record(layer_idx, q[:, :, a:b])
             k_all, v_all = seg.cache.update(layer_idx, k[:, :, a:b], v[:, :, a:b])  # this call's keys last
-            outs.append(self.attend(q[:, :, a:b], k_all, v_all, seg.tail))
+            outs.append(self.attend(q[:, :, a:b], k_all, v_all, seg.tail) if seg.key_mask is None
+                        else masked_attention(q[:, :, a:b], k_all, v_all, seg.key_mask))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
@@ -157,6 +159,17 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.has_tied_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def store_weights_input_major(self) -> None:
+        """Store every linear weight input-major: same [out, in] shape, names and values, strides
+        (1, out), so F.linear hands BLAS a plain x @ W_t (engine/device.py says when it pays).
+        A tied embedding moves with the LM head and stays one tensor."""
+        tied = self.lm_head.weight is self.model.embed_tokens.weight
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight = nn.Parameter(module.weight.t().contiguous().t(), requires_grad=False)
+        if tied:
+            self.model.embed_tokens.weight = self.lm_head.weight
 
     def set_attention(self, attend) -> None:
         for layer in self.model.layers:

@@ -64,14 +64,21 @@ class GammaTuner:
     """Draft length that maximises expected tokens per second (ALGORITHM.md section 6).
 
     Expected tokens per check with per-token acceptance a and draft length g: (1 - a^(g+1)) / (1 - a);
-    cost: g * drafter seconds per token + check seconds, modelled as c0 + c1 * tokens checked.
+    cost: g * drafter seconds per token + check seconds, interpolated between the measured numbers
+    of tokens checked; beyond them, a line c0 + c1 * tokens fitted to the measurements.
+    g = 0 (no draft: plain decoding) when no g >= 1 is expected to beat it; then every
+    `retry_every`-th check drafts 1 token to keep measuring acceptance.
     """
 
-    def __init__(self, fixed: int | None, max_gamma: int, decay: float = 0.8):
+    def __init__(self, fixed: int | None, max_gamma: int, decay: float = 0.8, retry_every: int = 16):
         self.fixed, self.max_gamma, self.decay = fixed, max_gamma, decay
         self.acceptance = 0.7  # prior before the first check
         self.draft_s_per_token = 0.0
         self.check_s: dict[int, float] = {}  # tokens checked -> seconds (moving average)
+        # where no draft pays (a CPU whose multi-token forwards cost far more than one, low
+        # acceptance), checks run undrafted, i.e. plain decoding; every `retry_every`-th drafts
+        # one token, the cheapest way to keep measuring acceptance as the text changes
+        self.retry_every, self.n_undrafted = retry_every, 0
 
     def gamma(self) -> int:
         if self.fixed is not None:
@@ -81,11 +88,27 @@ class GammaTuner:
         a = min(self.acceptance, 0.999)
         c0, c1 = self._check_cost_line()
 
+        def check_s(n: int) -> float:  # costs are not linear in n on every CPU (AVX2: 2 ~ 2x 1)
+            lower = [m for m in self.check_s if m <= n]
+            upper = [m for m in self.check_s if m >= n]
+            if not (lower and upper):
+                return c0 + c1 * n
+            lo, hi = max(lower), min(upper)
+            return self.check_s[lo] + (self.check_s[hi] - self.check_s[lo]) * (n - lo) / max(hi - lo, 1)
+
         def rate(g: int) -> float:
             tokens = (1 - a ** (g + 1)) / (1 - a)
-            return tokens / (g * self.draft_s_per_token + c0 + c1 * (g + 1))
+            return tokens / (g * self.draft_s_per_token + check_s(g + 1))
 
-        return max(range(1, self.max_gamma + 1), key=rate)
+        best = max(range(1, self.max_gamma + 1), key=rate)
+        if rate(best) * check_s(1) >= 1:
+            self.n_undrafted = 0
+            return best
+        self.n_undrafted += 1
+        if self.n_undrafted >= self.retry_every:
+            self.n_undrafted = 0
+            return 1
+        return 0  # checking the last token alone is expected to be faster
 
     def _check_cost_line(self) -> tuple[float, float]:
         xs, ys = zip(*self.check_s.items())
@@ -107,8 +130,10 @@ class GammaTuner:
 class Scorer:
     """A checking level: the target weights with one cache (full at the top, retrieval in the middle)."""
 
-    def __init__(self, model: Transformer, cache: KVCache, query_log: QueryLog | None = None):
+    def __init__(self, model: Transformer, cache: KVCache, query_log: QueryLog | None = None,
+                 decode_step: Callable[[int, int], torch.Tensor] | None = None):
         self.model, self.cache, self.query_log = model, cache, query_log
+        self.decode_step = decode_step  # (token, pos) -> logits [1, 1, V] at a fixed shape (CUDA graphs)
 
     def score(self, pending: list[int], start_pos: int, draft: Draft, sampling: SamplingConfig) -> Steps[torch.Tensor]:
         """q after the last pending token and after each draft node: [N+1, V] (float64).
@@ -116,14 +141,20 @@ class Scorer:
         pending: committed tokens this cache has not seen (at least the last committed token),
         the first at absolute position `start_pos` (a retrieval cache holds fewer slots than that).
         """
+        if len(pending) + len(draft) == 1 and self.decode_step and self.query_log is None:
+            logits = self.decode_step(pending[0], start_pos)  # a one-token chain at a fixed shape
+        else:
+            logits = yield self._request(pending, start_pos, draft)
+        return sampling_probs(logits[0], sampling.temperature, sampling.top_k, sampling.top_p)
+
+    def _request(self, pending: list[int], start_pos: int, draft: Draft) -> Forward:
         P, N = len(pending), len(draft)
         base, device = start_pos, self.model.lm_head.weight.device
         ids = torch.tensor([pending + draft.tokens.tolist()], device=device)
         pos = torch.cat([torch.arange(base, base + P), base + P + draft.depths()]).to(device)
         tail = torch.ones(P + N, P + N, dtype=torch.bool).tril()
         tail[P:, P:] = draft.ancestor_mask()[1:, 1:]
-        logits = yield Forward(self.model, Segment(ids, pos, self.cache, tail.to(device), self.query_log, N + 1))
-        return sampling_probs(logits[0], sampling.temperature, sampling.top_k, sampling.top_p)
+        return Forward(self.model, Segment(ids, pos, self.cache, tail.to(device), self.query_log, N + 1))
 
     def keep(self, n_pending: int, n_draft: int, path: list[int]) -> None:
         """Keep the pending tokens and the accepted path of the last `score` call."""
@@ -161,12 +192,14 @@ class CheckingDrafter:
         self.synced_length, self.sync, self.rebuild = synced_length, sync, rebuild
         self.rebuild_every_tokens, self.rebuild_below = rebuild_every_tokens, rebuild_below
         self.tokens: list[int] = []
-        self.drafted: list[int] = []  # what the level below was told after `tokens`
+        # what this level drafted after `tokens` at the top's request; None: no request since
+        # the last extend, so the next extension is a prompt (a question), not checked tokens
+        self.drafted: list[int] | None = None
         self.n_since_rebuild = 0
         self.window = LevelStats("window")  # acceptance since the last rebuild
 
     def reset(self, tokens: list[int]) -> None:
-        self.tokens, self.drafted = list(tokens), []
+        self.tokens, self.drafted = list(tokens), None
         if self.below:
             self.below.reset(tokens)
         self._rebuild()
@@ -176,15 +209,15 @@ class CheckingDrafter:
         self.n_since_rebuild, self.window = 0, LevelStats("window")
 
     def extend(self, tokens: list[int]) -> None:
-        is_prompt = not self.drafted  # a question, not tokens the top accepted from our draft
+        is_prompt, drafted = self.drafted is None, self.drafted or []
         n_same = 0
-        while n_same < min(len(tokens), len(self.drafted)) and tokens[n_same] == self.drafted[n_same]:
+        while n_same < min(len(tokens), len(drafted)) and tokens[n_same] == drafted[n_same]:
             n_same += 1
         if self.below:
             self.below.truncate(len(self.tokens) + n_same)
             self.below.extend(tokens[n_same:])
         self.tokens += tokens
-        self.drafted = []
+        self.drafted = None
         self.n_since_rebuild += len(tokens)
         if is_prompt:
             self.n_since_rebuild = self.rebuild_every_tokens  # re-select for the new question
@@ -193,7 +226,7 @@ class CheckingDrafter:
 
     def truncate(self, length: int) -> None:
         del self.tokens[length:]
-        self.drafted = []
+        self.drafted = None
         if self.below:
             self.below.truncate(length)
         self._rebuild()
@@ -226,6 +259,8 @@ class CheckingDrafter:
                 self.below.extend(new)
             pending = [verdict.token]
         self.drafted = drafted
+        if not gamma:
+            return EMPTY_DRAFT
         probs = None if sampling.is_greedy else torch.stack(qs[:gamma])
         return Draft.chain(drafted[:gamma], probs)
 

@@ -39,19 +39,21 @@ def ours(hf) -> Transformer:
 
 
 def tiny_engine(levels: str, family: str = "llama", seed: int = 0, vocab: int = 128, **overrides) -> Engine:
-    target = ours(tiny_hf(family, seed, vocab))
+    dtype = overrides.pop("dtype", "float64")
+    target = ours(tiny_hf(family, seed, vocab)).to(getattr(torch, dtype))
     sharpen_draft = overrides.pop("sharpen_draft", False)
     draft = ours(tiny_hf(family, seed + 1, vocab)) if "draft" in levels else None
     if sharpen_draft:  # the target itself, sharpened towards its argmax (ALGORITHM.md section 1)
         draft = ours(tiny_hf(family, seed, vocab))
         draft.lm_head.weight.data = draft.lm_head.weight.data.clone() * 3
+    draft = draft and draft.to(getattr(torch, dtype))
     retrieval = overrides.pop("retrieval", RetrievalConfig(budget_tokens=64, sink_tokens=4, window_tokens=16,
                                                             chunk_tokens=4, n_score_queries=4,
                                                             rebuild_every_tokens=16))
     settings = dict(prefill_chunk_tokens=7, streaming_sink_tokens=2, streaming_window_tokens=12,
                     n_ngram_candidates=3) | overrides  # 3 candidates: n-gram drafts are token trees
     config = EngineConfig(target="tiny", draft="tiny-draft" if draft else None, levels=levels,
-                          device="cpu", dtype="float64", retrieval=retrieval, **settings)
+                          device="cpu", dtype=dtype, retrieval=retrieval, **settings)
     return Engine(config, target, None, draft)
 
 

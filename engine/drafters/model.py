@@ -13,14 +13,16 @@ from __future__ import annotations
 import torch
 
 from engine.config import SamplingConfig
+from engine.graphs import StaticDecodeStep
 from engine.kv.streaming import StreamingCache
 from engine.model import Forward, Segment, Steps, Transformer
 from engine.sampling import Coins, Draft, sampling_probs
 
 
 class ModelDrafter:
-    def __init__(self, model: Transformer, cache: StreamingCache):
+    def __init__(self, model: Transformer, cache: StreamingCache, decode_step: StaticDecodeStep | None = None):
         self.model, self.cache = model, cache
+        self.decode_step = decode_step  # one-token steps at a fixed shape (CUDA graphs), else None
         self.tokens: list[int] = []
         self.n_fed = 0  # committed tokens whose KV is in the cache (the last ones, contiguously)
 
@@ -56,6 +58,9 @@ class ModelDrafter:
             piece = tokens[i:i + step]
             self.cache.make_room(len(piece))
             start = self.cache.length
+            if len(piece) == 1 and self.decode_step:
+                logits = self.decode_step(piece[0], start)[0, -1]
+                continue
             ids = torch.tensor([piece], device=self.device)
             pos = torch.arange(start, start + len(piece), device=self.device)
             logits = (yield Forward(self.model, Segment(ids, pos, self.cache)))[0, -1]
@@ -70,6 +75,8 @@ class ModelDrafter:
             self.n_fed = len(self.tokens) - c.window_tokens - 1
 
     def propose(self, gamma: int, sampling: SamplingConfig, coins: Coins) -> Steps[Draft]:
+        if gamma == 0:  # no forward: the committed tokens are fed with the next real draft
+            return Draft.chain([])
         yield from self._start()
         if self.n_fed == len(self.tokens) and not self._unfeed(1):
             self.reset(self.tokens)  # the last token must be fed again to get its logits

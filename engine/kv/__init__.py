@@ -50,3 +50,22 @@ class SlotCache:
         for t in (self.k, self.v):
             t[:, :, :, start:start + n] = t[:, :, :, src]
         self.length = start + n
+
+
+class StaticSlots:
+    """A SlotCache seen by a static-shape step (engine/graphs.py): this call's entries are written
+    at the slots in `slot_idx` (a device tensor, so a captured graph reads it at replay) and the
+    view is the whole capacity; the step's key mask hides the slots past them. `advance` is a
+    no-op: the caller advances the cache's Python length outside the step (a graph replays no Python).
+    """
+
+    def __init__(self, cache: SlotCache, slot_idx: torch.Tensor):  # slot_idx: [T] long
+        self.cache, self.slot_idx = cache, slot_idx
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+        self.cache.k[layer_idx].index_copy_(2, self.slot_idx, k)  # [B, Hkv, S_max, D] <- [B, Hkv, T, D]
+        self.cache.v[layer_idx].index_copy_(2, self.slot_idx, v)
+        return self.cache.k[layer_idx], self.cache.v[layer_idx]
+
+    def advance(self, n_tokens: int) -> None:
+        pass

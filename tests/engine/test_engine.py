@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from engine.config import Cancelled, DocumentTooLong, EmptyPrompt, EngineConfig, SamplingConfig
 from engine.engine import Session
@@ -120,3 +121,20 @@ def test_middle_level_equals_the_top_when_the_document_fits_its_budget():
     events = list(session.ask(random_ids(5, 128, 15), SamplingConfig(max_new_tokens=30)))
     full = events[-1].stats.levels[-1]
     assert full.n_tested > 0 and full.acceptance == 1.0
+
+
+@pytest.mark.parametrize("levels", ["ngram>retrieval>full", "draft>retrieval>full"])
+def test_float32_on_cpu_stores_weights_input_major_and_stays_lossless(levels):
+    """float32 on CPU takes the input-major weight layout (engine/device.py) for the target and
+    the draft; speculation over it still gives plain decoding's greedy answer."""
+    doc, question = random_ids(123, 128, 1), random_ids(6, 128, 2)
+    answers = []
+    for stack in ("plain", levels):
+        engine = tiny_engine(stack, dtype="float32")
+        for model in (engine.target, engine.draft):
+            if model is not None:
+                w = model.model.layers[0].mlp.up_proj.weight
+                assert w.dtype == torch.float32 and w.stride() == (1, w.shape[0])
+        session = engine.open(doc)
+        answers.append([t for e in session.ask(question, SamplingConfig(max_new_tokens=20)) for t in e.tokens])
+    assert len(answers[0]) == 20 and answers[1] == answers[0]

@@ -181,3 +181,58 @@ def test_chi_square_fails_on_a_wrong_rule(monkeypatch):
     monkeypatch.setattr(sampling_module, "acceptance", wrong_acceptance)
     wrong = token_counts(engine, doc, q, sampling, CHI_SAMPLES, CHI_VOCAB, 0)
     assert chi_square_pvalue(right, probs) > 1e-3 and chi_square_pvalue(wrong, probs) < 1e-4
+
+
+def observed_tuner(check_s: dict[int, float], acceptance: float, draft_s_per_token: float = 0.0):
+    from engine.speculative import GammaTuner
+
+    tuner = GammaTuner(None, max_gamma=8)
+    tuner.check_s, tuner.acceptance, tuner.draft_s_per_token = dict(check_s), acceptance, draft_s_per_token
+    return tuner
+
+
+def test_tuner_drafts_long_when_checking_more_tokens_is_nearly_free():
+    # a check of 9 tokens costs 10% more than 1 (AMX-like); 90% acceptance: the longest draft
+    assert observed_tuner({1: 0.100, 9: 0.110}, acceptance=0.9).gamma() == 8
+
+
+def test_tuner_checks_undrafted_when_no_draft_pays_and_retries_now_and_then():
+    # each extra checked token costs half a plain step and drafts are accepted 20% of the time:
+    # g = 1 gives 1.2 tokens per 1.5 steps, worse than 1 token per step
+    tuner = observed_tuner({1: 0.100, 3: 0.200}, acceptance=0.2)
+    choices = [tuner.gamma() for _ in range(32)]
+    assert choices == ([0] * 15 + [1]) * 2  # every 16th check drafts one token to re-measure
+    tuner.acceptance = 0.9  # the text turned repetitive: drafting pays again at once
+    assert tuner.gamma() > 0
+
+
+def test_tuner_uses_measured_costs_where_a_line_would_mislead():
+    # AVX2-like: checking 2 tokens costs nearly 2 single steps, 9 tokens only 2.5; the fitted line
+    # would price 2 tokens at ~0.13 s and draft; measured, no draft length beats 10 tokens/s
+    tuner = observed_tuner({1: 0.10, 2: 0.19, 9: 0.25}, acceptance=0.5)
+    assert tuner.gamma() == 0
+
+
+@pytest.mark.parametrize("levels", ["ngram>full", "draft>full", "ngram>retrieval>full", "draft>retrieval>full"])
+def test_undrafted_checks_mixed_with_drafts_stay_lossless(levels, monkeypatch):
+    """Draft lengths 0 (plain decoding) and > 0 in turn at every level, over three turns:
+    greedy output still equals plain decoding, sampling runs, and an undrafted check is not
+    mistaken for a new question (which would re-select the retrieval cache every time)."""
+    from engine.speculative import CheckingDrafter, GammaTuner
+
+    doc = random_ids(123, 128, 1)
+    questions = [random_ids(n, 128, 20 + n) for n in (5, 9, 3)]
+    _, plain = chat(tiny_engine("plain"), doc, questions)
+    cycle = iter([0, 2, 0, 0, 3, 1] * 400)
+    monkeypatch.setattr(GammaTuner, "gamma", lambda self: next(cycle))
+    n_rebuilds = [0]
+    rebuild = CheckingDrafter._rebuild
+    monkeypatch.setattr(CheckingDrafter, "_rebuild", lambda self: (n_rebuilds.__setitem__(0, n_rebuilds[0] + 1),
+                                                                   rebuild(self)))
+    _, got = chat(tiny_engine(levels), doc, questions)
+    assert got == plain
+    if "retrieval" in levels:  # open + one per question + one per 16 tokens (tiny_engine's schedule)
+        assert n_rebuilds[0] <= 1 + 3 + sum(map(len, got)) // 16
+    sampled = SamplingConfig(temperature=1.0, max_new_tokens=14, seed=3)
+    _, answers = chat(tiny_engine(levels), doc, questions, sampled)
+    assert all(answers)

@@ -57,15 +57,13 @@ def test_flash_path_routes_what_flash_attn_cannot_run_to_sdpa_exactly():
 
 def test_cuda_graphs_on_cpu_run_eager_and_say_so_once(caplog):
     graphs._say_eager.cache_clear()
-    step = torch.nn.functional.relu
     with caplog.at_level(logging.INFO, logger="engine.graphs"):
-        assert graphs.graphed(step, torch.device("cpu"), use_cuda_graphs=True) is step
-        assert graphs.graphed(step, torch.device("cpu"), use_cuda_graphs=True) is step
-        engine = tiny_engine("plain", use_cuda_graphs=True)
-    assert not engine.uses_cuda_graphs
+        engine = tiny_engine("selfspec>full", use_cuda_graphs=True)
+        drafter = engine.build_stack(engine.new_full_cache(8), None, "selfspec>full")[0].drafter
+        assert not graphs.graphs_available(torch.device("cpu"), use_cuda_graphs=True)
+    assert not engine.uses_cuda_graphs and drafter.decode_step is None  # the eager path, unchanged
     notes = [r.getMessage() for r in caplog.records if "CUDA graphs" in r.getMessage()]
     assert len(notes) == 1 and "running eager" in notes[0]
-    assert graphs.graphed(step, torch.device("cpu"), use_cuda_graphs=False) is step
 
 
 def test_engine_switches_reach_the_kernels(no_flash_attn):
