@@ -471,15 +471,15 @@ def log(message: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    hw = measure_hardware(n_repeats=1 if args.quick else 5, copy_mib=64 if args.quick else 512,
-                          dtypes=(pick_dtype(args.dtype, torch.device("cpu")),))
+    dtype = pick_dtype(args.dtype, torch.device("cpu"))  # what the engine picks for "auto"
+    args.dtype = str(dtype).removeprefix("torch.")
+    hw = measure_hardware(n_repeats=1 if args.quick else 5, copy_mib=64 if args.quick else 512, dtypes=(dtype,))
     log(f"copy {hw.copy_gb_s:.1f} GB/s; read {hw.read_gb_s:.1f} GB/s; matmul {hw.matmul_tflops}; "
         f"decode matmuls {hw.decode_matmul_ms}")
     gc.collect()
     process_mib = psutil.Process().memory_info().rss / 2**20  # torch loaded, no model yet
     levels = "draft>retrieval>full" if args.draft else "ngram>retrieval>full"
     engine = Engine.load(EngineConfig(target=args.model, draft=args.draft, levels=levels, dtype=args.dtype))
-    dtype, args.dtype = engine.dtype, str(engine.dtype).removeprefix("torch.")
     needs_hf = any(m.startswith("hf:") for m in args.methods)
     hf_model = load_hf(args.model, dtype) if needs_hf else None
     hf_draft = load_hf(args.draft, dtype) if "hf:assisted" in args.methods else None

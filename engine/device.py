@@ -35,9 +35,9 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def prefers_input_major_weights(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether linear weights should be stored input-major ([in, out] contiguous) here: float32 on
-    CPU, where MKL streams a one-row matmul's weights at ~21 GB/s that way and ~14 GB/s row-major
-    (whole 0.5B model, AVX2 EPYC: 77 vs 121 ms per token; benchmarks/RESULTS.md). bf16 keeps the
-    loaded layout: oneDNN's bf16 kernels want it (50x slower input-major without AMX)."""
+    CPU, where MKL multiplies them faster that way (every linear of the 0.5B, AVX2 EPYC, 2 threads:
+    99 vs 125 ms for one token, 171 vs 249 for two, never slower; benchmarks/RESULTS.md). bf16
+    keeps the loaded layout: its kernels want it (8x slower input-major without AMX)."""
     return device.type == "cpu" and dtype == torch.float32
 
 
