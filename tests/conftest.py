@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -11,6 +13,9 @@ from engine.engine import Engine
 from engine.model import Transformer
 
 torch.set_num_threads(1)  # tiny models: one thread is faster, and immune to a busy second core
+XDIST = "PYTEST_XDIST_WORKER" in os.environ  # scripts/test.sh runs one worker per core
+if XDIST:  # so do the processes tests start (the app, gloo ranks): spinning OpenMP threads on busy cores
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def tiny_hf(family: str = "llama", seed: int = 0, vocab: int = 128, n_layers: int = 2, rope=None,

@@ -165,7 +165,9 @@ right_acceptance = sampling_module.acceptance
 
 @pytest.mark.parametrize("levels", ["draft>full", "ngram>retrieval>full"])
 def test_exact_enumeration_fails_on_a_wrong_rule(levels, monkeypatch):
-    sampling = SAMPLINGS[0]
+    """One token is enough to see it; the wrong rule's full-support resamples also make a second
+    token's paths many times more numerous than the right rule's (~15 minutes for three levels)."""
+    sampling = replace(SAMPLINGS[0], max_new_tokens=1)
     want, _ = exact_answers("plain", sampling)
     monkeypatch.setattr(sampling_module, "acceptance", wrong_acceptance)
     got, _ = exact_answers(levels, sampling)
