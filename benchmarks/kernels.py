@@ -10,6 +10,9 @@ random keys and values at the context length (costs do not depend on the values)
   (chain) and 1 + 3x8 (tree) tokens, as the full level verifies n-gram drafts.
 - weights: the matmuls of one forward of T = 1, 2, 5, 9 tokens over every linear weight of the
   model, stored as loaded vs input-major (what `Transformer.store_weights_input_major` does).
+- compiled: the same matmuls (T = 1, 2, 5, 9, 16), input-major under MKL (what the engine runs)
+  vs `torch.compile` with freezing and Inductor's C++ GEMM template (weights prepacked at compile
+  time; needs a C++ compiler). Not used by the engine yet: this measures what it would give.
 - sampling: `sampling_probs` at T = 0.6, top-p 0.9 on 1 / 9 / 25 rows of 151,936 logits vs a
   full sort of the vocabulary (the previous top-p).
 
@@ -186,6 +189,52 @@ def bench_weights(source: str, dtype: torch.dtype, repeats: int) -> dict:
     return out
 
 
+INDUCTOR_CPU_GEMM = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+
+
+def bench_compiled(source: str, dtype: torch.dtype, repeats: int) -> dict:
+    """Every linear of the model at T tokens: eager input-major vs compiled (one graph, T dynamic)."""
+    model, _ = load_model(resolve_model(source), dtype, torch.device("cpu"))
+    linears = torch.nn.ModuleList()
+    for m in (m for m in model.modules() if isinstance(m, torch.nn.Linear)):  # plain copies, out of
+        copy = torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, dtype=dtype)
+        with torch.no_grad():  # inference mode, which freezing mishandles (outputs off by 211)
+            copy.weight.copy_(m.weight)
+            if m.bias is not None:
+                copy.bias.copy_(m.bias)
+        linears.append(copy.requires_grad_(False))
+    dims = sorted({m.in_features for m in linears})
+
+    class Dense(torch.nn.Module):  # x per input width -> every linear's output
+        def __init__(self):
+            super().__init__()
+            self.linears = linears
+
+        def forward(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [m(xs[dims.index(m.in_features)]) for m in self.linears]
+
+    eager = [(m.weight.t().contiguous().t(), m.bias) for m in linears]  # weights as the engine stores them
+    dense = Dense().eval()
+    compiled = torch.compile(dense)  # T dynamic (below), widths static
+    out = {}
+    with torch.no_grad(), torch._inductor.config.patch(INDUCTOR_CPU_GEMM):  # read when compiling
+        for T in (1, 2, 5, 9, 16):
+            xs = [torch.randn(T, d, dtype=dtype) for d in dims]
+            for x in xs if T > 1 else ():
+                torch._dynamo.mark_dynamic(x, 0)  # one graph for every T >= 2 (T = 1 gets its own)
+            t0 = time.perf_counter()
+            got = compiled(xs)
+            first_call_s = time.perf_counter() - t0
+            want = [F.linear(xs[dims.index(w.shape[1])], w, b) for w, b in eager]
+            out[f"T={T}"] = side_by_side(
+                {"eager input-major": lambda xs=xs: [F.linear(xs[dims.index(w.shape[1])], w, b) for w, b in eager],
+                 "compiled": lambda xs=xs: compiled(xs)}, repeats)
+            out[f"T={T}"]["first_call_s"] = first_call_s
+            out[f"T={T}"]["max_abs_diff"] = max(float((a - b).abs().max()) for a, b in zip(got, want))
+            print(f"compiled T={T}: {json.dumps(out[f'T={T}'], default=lambda x: round(x, 6))}", flush=True)
+    return out
+
+
 def bench_sampling(repeats: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     out = {}
@@ -206,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", default="8192,32768")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--only", default="attention,prefill,decode,sampling,weights")
+    p.add_argument("--only", default="attention,prefill,decode,sampling,weights",
+                   help="comma-separated; also: compiled")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="model dtype; auto = the engine's choice (bf16 with AMX, else float32)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kernels.json")
@@ -228,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     if "weights" in only:
         report["results"]["weights"] = bench_weights(args.model, dtype, args.repeats)
         print(f"weights: {json.dumps(report['results']['weights'], default=lambda x: round(x, 2))}", flush=True)
+    if "compiled" in only:  # not in the default set: it compiles for a minute or two
+        report["results"]["compiled"] = bench_compiled(args.model, dtype, args.repeats)
     if "sampling" in only:
         report["results"]["sampling"] = bench_sampling(args.repeats)
         print(f"sampling: {json.dumps(report['results']['sampling'], default=lambda x: round(x, 2))}")

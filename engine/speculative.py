@@ -67,13 +67,14 @@ class GammaTuner:
     cost: g * drafter seconds per token + check seconds, interpolated between the measured numbers
     of tokens checked; beyond them, a line c0 + c1 * tokens fitted to the measurements.
     g = 0 (no draft: plain decoding) when no g >= 1 is expected to beat it; then every
-    `retry_every`-th check drafts 1 token to keep measuring acceptance.
+    `retry_every`-th check drafts 1 token to keep measuring acceptance. Start: 4, then one
+    undrafted check (the cost of checking 1 token, below every count a draft checks).
     """
 
     def __init__(self, fixed: int | None, max_gamma: int, decay: float = 0.8, retry_every: int = 16):
         self.fixed, self.max_gamma, self.decay = fixed, max_gamma, decay
         self.acceptance = 0.7  # prior before the first check
-        self.draft_s_per_token = 0.0
+        self.draft_s_per_token: float | None = None  # set by the first drafted check
         self.check_s: dict[int, float] = {}  # tokens checked -> seconds (moving average)
         # where no draft pays (a CPU whose multi-token forwards cost far more than one, low
         # acceptance), checks run undrafted, i.e. plain decoding; every `retry_every`-th drafts
@@ -83,6 +84,8 @@ class GammaTuner:
     def gamma(self) -> int:
         if self.fixed is not None:
             return self.fixed
+        if self.check_s and 1 not in self.check_s:  # measure the plain step every draft length is
+            return 0  # compared with; drafts of one length all accepted would never measure it
         if len(self.check_s) < 2:
             return min(4, self.max_gamma)
         a = min(self.acceptance, 0.999)
@@ -98,7 +101,7 @@ class GammaTuner:
 
         def rate(g: int) -> float:
             tokens = (1 - a ** (g + 1)) / (1 - a)
-            return tokens / (g * self.draft_s_per_token + check_s(g + 1))
+            return tokens / (g * (self.draft_s_per_token or 0.0) + check_s(g + 1))
 
         best = max(range(1, self.max_gamma + 1), key=rate)
         if rate(best) * check_s(1) >= 1:
@@ -121,8 +124,9 @@ class GammaTuner:
         d = self.decay
         if verdict.n_tested:
             self.acceptance = d * self.acceptance + (1 - d) * len(verdict.path) / verdict.n_tested
-        if gamma:
-            self.draft_s_per_token = d * self.draft_s_per_token + (1 - d) * draft_s / gamma
+        if gamma:  # the first measurement replaces the prior (an average from 0 would take ~10 checks)
+            old = self.draft_s_per_token
+            self.draft_s_per_token = draft_s / gamma if old is None else d * old + (1 - d) * draft_s / gamma
         old = self.check_s.get(n_checked)
         self.check_s[n_checked] = check_s if old is None else d * old + (1 - d) * check_s
 

@@ -218,6 +218,29 @@ def test_tuner_uses_measured_costs_where_a_line_would_mislead():
     assert tuner.gamma() == 0
 
 
+def test_tuner_measures_the_undrafted_check_even_when_every_draft_is_accepted():
+    """A retrieval level whose 4-token drafts are always accepted checks 5 tokens every time:
+    without measuring a 1-token check, the cost of plain decoding was extrapolated from the
+    question's check and 5-token checks, and the tuner drafted 4 forever (AVX2, 8K: 250 ms per
+    token against 175 undrafted). The first drafted check also sets the drafting cost at once."""
+    from engine.sampling import Verdict
+    from engine.speculative import GammaTuner
+
+    def start(question_check_s: float, draft_s_per_token: float, step_s: float) -> GammaTuner:
+        tuner, all_accepted = GammaTuner(None, max_gamma=8), Verdict([0, 1, 2, 3], 7, 4)
+        assert tuner.gamma() == 4  # the question: 30 tokens + a draft of 4, all accepted
+        tuner.observe(4, 4 * draft_s_per_token, all_accepted, 34, question_check_s)
+        assert tuner.gamma() == 0  # then one check of the last token alone
+        tuner.observe(0, 0.0, Verdict([], 7, 0), 1, step_s)
+        return tuner
+
+    # AVX2, 8K: a retrieval draft costs 3/4 of a plain step, 34 tokens 3.4 steps: no draft pays
+    assert start(question_check_s=0.60, draft_s_per_token=0.13, step_s=0.175).gamma() == 0
+    # AMX-like: drafts cost 1/5 of a step and 34 tokens cost 2 steps: it drafts (3 at the
+    # acceptance estimated from one check)
+    assert start(question_check_s=0.20, draft_s_per_token=0.02, step_s=0.10).gamma() == 3
+
+
 @pytest.mark.parametrize("levels", ["ngram>full", "draft>full", "ngram>retrieval>full", "draft>retrieval>full"])
 def test_undrafted_checks_mixed_with_drafts_stay_lossless(levels, monkeypatch):
     """Draft lengths 0 (plain decoding) and > 0 in turn at every level, over three turns:
