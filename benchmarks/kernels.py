@@ -174,11 +174,16 @@ def bench_decode(models: Models, S: int, repeats: int) -> dict:
                          "ours check 1+3x8 tree": models.ours_step(full, S, tree(3, 8))}, repeats)
 
 
+def model_linears(source: str, dtype: torch.dtype) -> list[torch.nn.Linear]:
+    """Every linear layer of the model, as loaded."""
+    model, _ = load_model(resolve_model(source), dtype, torch.device("cpu"))
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+
 def bench_weights(source: str, dtype: torch.dtype, repeats: int) -> dict:
     """The matmuls of one forward of T tokens (every linear weight of the model, no attention),
     weights as loaded ([out, in], rows contiguous) vs input-major (engine/device.py)."""
-    model, _ = load_model(resolve_model(source), dtype, torch.device("cpu"))
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    weights = [m.weight for m in model_linears(source, dtype)]
     input_major = [w.t().contiguous().t() for w in weights]
     out = {}
     for T in (1, 2, 5, 9):
@@ -194,11 +199,12 @@ INDUCTOR_CPU_GEMM = {"freezing": True, "max_autotune": True, "max_autotune_gemm_
 
 def bench_compiled(source: str, dtype: torch.dtype, repeats: int) -> dict:
     """Every linear of the model at T tokens: eager input-major vs compiled (one graph, T dynamic)."""
-    model, _ = load_model(resolve_model(source), dtype, torch.device("cpu"))
+    # plain nn.Linear copies of the weights, as measured (compiling the loaded modules themselves
+    # was not tried: they may hold inference-mode tensors)
     linears = torch.nn.ModuleList()
-    for m in (m for m in model.modules() if isinstance(m, torch.nn.Linear)):  # plain copies, out of
+    for m in model_linears(source, dtype):
         copy = torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, dtype=dtype)
-        with torch.no_grad():  # inference mode, which freezing mishandles (outputs off by 211)
+        with torch.no_grad():
             copy.weight.copy_(m.weight)
             if m.bias is not None:
                 copy.bias.copy_(m.bias)

@@ -125,10 +125,10 @@ class GammaTuner:
         if verdict.n_tested:
             self.acceptance = d * self.acceptance + (1 - d) * len(verdict.path) / verdict.n_tested
         if gamma:  # the first measurement replaces the prior (an average from 0 would take ~10 checks)
-            old = self.draft_s_per_token
-            self.draft_s_per_token = draft_s / gamma if old is None else d * old + (1 - d) * draft_s / gamma
-        old = self.check_s.get(n_checked)
-        self.check_s[n_checked] = check_s if old is None else d * old + (1 - d) * check_s
+            per_token, prev = draft_s / gamma, self.draft_s_per_token
+            self.draft_s_per_token = per_token if prev is None else d * prev + (1 - d) * per_token
+        prev = self.check_s.get(n_checked)
+        self.check_s[n_checked] = check_s if prev is None else d * prev + (1 - d) * check_s
 
 
 class Scorer:
