@@ -48,7 +48,6 @@ def measure_hardware(n_repeats: int = 5, copy_mib: int = 512,
     src = torch.empty(copy_mib << 20, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src)
     copy_s = _best_s(lambda: dst.copy_(src), n_repeats)
-    read_s = _best_s(lambda: src.view(torch.float32).sum(), n_repeats)
     tflops, decode_ms = {}, {}
     for dtype in dtypes:
         name = str(dtype).removeprefix("torch.")
@@ -60,8 +59,16 @@ def measure_hardware(n_repeats: int = 5, copy_mib: int = 512,
             x = torch.randn(1, n_rows, 896).to(dtype)
             decode_ms[f"{name} T={n_rows}"] = 1000 * _best_s(
                 lambda x=x, w=w: torch.nn.functional.linear(x, w), 20 * n_repeats)
-    return Hardware(2 * (copy_mib << 20) / copy_s / 1e9, (copy_mib << 20) / read_s / 1e9, tflops, decode_ms,
-                    torch.get_num_threads())
+    return Hardware(2 * (copy_mib << 20) / copy_s / 1e9, read_gb_s(src.view(torch.float32), n_repeats), tflops,
+                    decode_ms, torch.get_num_threads())
+
+
+def read_gb_s(src: torch.Tensor | None = None, n_repeats: int = 3) -> float:
+    """Bytes read / s of a sum over `src` (default 256 MiB of float32). Cheap enough (~50 ms) to
+    run before every measured answer: this machine's host changes its memory bandwidth between
+    phases (17-33 GB/s within one day) without it showing in the load average."""
+    src = torch.ones(64 << 20) if src is None else src
+    return src.numel() * src.element_size() / _best_s(lambda: src.sum(), n_repeats) / 1e9
 
 
 @dataclass

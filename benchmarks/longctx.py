@@ -9,7 +9,9 @@ a warm-up of both implementations). Every method then answers the same questions
 settings, greedy and sampled. Timing is wall clock around the token stream (a streamer for HF,
 the event stream for ours): TTFT covers the question's prefill and the first check; TBT is decode
 only. The floor is one plain full-model step: max(bytes read / memory bandwidth, FLOPs / peak
-matmul rate), both measured at start-up in this process (benchmarks/hardware.py). Answers are
+matmul rate), both measured at start-up in this process (benchmarks/hardware.py); each answer
+also records the load average and the read bandwidth just before it, since a shared host's
+bandwidth changes between runs without showing in the load. Answers are
 "copy-heavy" when half their tokens lie in 8-token runs of the book; the summary table groups
 runs by the regime of their own answer. Both implementations share the process, so memory is
 reported as each one's estimated peak alone (weights + cache + the increase while it ran).
@@ -38,7 +40,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from benchmarks.hardware import RssSampler, measure_hardware, token_floor
+from benchmarks.hardware import RssSampler, measure_hardware, read_gb_s, token_floor
 from engine.chat import ChatFormat
 from engine.config import EngineConfig, SamplingConfig
 from engine.device import pick_dtype
@@ -53,7 +55,7 @@ QUESTIONS = (
 )
 HF_METHODS = ("hf:plain", "hf:prompt-lookup", "hf:assisted")
 OUR_METHODS = ("ours:plain", "ours:ngram>full", "ours:retrieval>full", "ours:ngram>retrieval>full",
-               "ours:draft>retrieval>full")
+               "ours:draft>full", "ours:draft>retrieval>full")
 SAMPLINGS = {"greedy": (0.0, 1.0), "sampled": (0.6, 0.9)}  # temperature, top_p
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value
 COPY_NGRAM = 8  # an answer token is "copied" when it lies in an 8-token run found in the book
@@ -88,7 +90,7 @@ def parse_args(argv):
     if unknown:
         p.error(f"unknown methods {sorted(unknown)}; choose from {HF_METHODS + OUR_METHODS}")
     if not args.draft and any("draft" in m or "assisted" in m for m in args.methods):
-        p.error("hf:assisted and ours:draft>retrieval>full need --draft")
+        p.error("hf:assisted and ours:draft>... need --draft")
     args.contexts = [int(n) for n in args.contexts.split(",")]
     return args
 
@@ -314,7 +316,7 @@ def run_context(args, n_ctx, engine, hf_model, hf_draft, chat, book_ids, hw, rep
                     else:
                         prepared = ours_session(method, engine, state_path)
                     gc.collect()
-                    load_avg = psutil.getloadavg()[0]
+                    load_avg, bandwidth = psutil.getloadavg()[0], read_gb_s()
                     with RssSampler() as rss:
                         if method.startswith("hf:"):
                             r = hf_generate(method, hf_model, hf_draft, prepared, doc_ids + q_ids, chat.stop_ids,
@@ -326,6 +328,7 @@ def run_context(args, n_ctx, engine, hf_model, hf_draft, chat, book_ids, hw, rep
                     del prepared
                     r.update(method=method, question=q_name, sampling=s_name, peak_rss_mib=rss.peak_bytes / 2**20,
                              rss_delta_mib=rss.delta_bytes / 2**20, load_avg_1min=load_avg,
+                             read_gb_s=bandwidth,
                              copy_share=copy_share(r["tokens"], doc_grams))
                     r["is_copy_heavy"] = r["copy_share"] >= COPY_HEAVY_SHARE
                     r["floor_ratio"] = r["tbt_ms_mean"] / floor.ms if r["tbt_ms_mean"] else None
@@ -383,7 +386,7 @@ def one_line(r: dict) -> str:
             f"tbt={fmt(r['tbt_ms_median'], '.1f')}/{fmt(r['tbt_ms_mean'], '.1f')}ms "
             f"x{fmt(r.get('speedup_vs_hf_plain'), '.2f')} (PLD x{fmt(r.get('speedup_vs_hf_prompt_lookup'), '.2f')}) "
             f"floor x{fmt(r['floor_ratio'], '.2f')} copy={r['copy_share']:.0%} +rss={r['rss_delta_mib']:.0f}MiB "
-            f"load={r['load_avg_1min']:.1f} {eq} {levels}")
+            f"load={r['load_avg_1min']:.1f} read={r['read_gb_s']:.1f}GB/s {eq} {levels}")
 
 
 def regime(r: dict) -> str:
@@ -426,8 +429,8 @@ def markdown(report: dict) -> str:
                    f"| {fmt(p.get('ours_tokens_per_s'), '.0f')} | {fmt(p.get('hf_tokens_per_s'), '.0f')} | {rss} |")
     head = ("| context | question | sampling | method | tokens | copy | TTFT s | TBT median ms | TBT mean ms "
             "| tokens/s | vs HF plain | vs HF PLD | TBT/floor | = HF plain "
-            "| levels: acceptance, tokens/check, time share | +RSS MiB | load |\n"
-            "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|")
+            "| levels: acceptance, tokens/check, time share | +RSS MiB | load | read GB/s |\n"
+            "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|")
     rows = [head]
     for ctx in report["contexts"]:
         for r in ctx["runs"]:
@@ -441,7 +444,8 @@ def markdown(report: dict) -> str:
                         f"| {fmt(r['tbt_ms_median'], '.1f')} | {fmt(r['tbt_ms_mean'], '.1f')} "
                         f"| {fmt(r['tokens_per_s'], '.2f')} | {fmt(r.get('speedup_vs_hf_plain'), '.2f')}× "
                         f"| {fmt(r.get('speedup_vs_hf_prompt_lookup'), '.2f')}× | {fmt(r['floor_ratio'], '.2f')} "
-                        f"| {eq} | {levels} | {r['rss_delta_mib']:.0f} | {r['load_avg_1min']:.1f} |")
+                        f"| {eq} | {levels} | {r['rss_delta_mib']:.0f} | {r['load_avg_1min']:.1f} "
+                        f"| {r['read_gb_s']:.1f} |")
     return "\n".join(pre) + "\n\n" + "\n".join(summary_rows(report)) + "\n\n" + "\n".join(rows) + "\n"
 
 

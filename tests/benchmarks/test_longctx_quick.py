@@ -28,7 +28,7 @@ def test_quick_run_reports_every_method(quick_report):
     assert methods == ["hf:plain", "hf:prompt-lookup", "ours:plain", "ours:ngram>retrieval>full"]
     for r in ctx["runs"]:
         assert 1 <= r["n_tokens"] <= 16 and r["tokens"]
-        assert r["ttft_s"] > 0 and r["peak_rss_mib"] > 0
+        assert r["ttft_s"] > 0 and r["peak_rss_mib"] > 0 and r["read_gb_s"] > 0
     assert ctx["prefill"]["ours_tokens_per_s"] > 0 and ctx["prefill"]["hf_tokens_per_s"] > 0
     assert ctx["floor"]["ms"] > 0 and report["hardware"]["copy_gb_s"] > 0
     assert ctx["memory"]["ours"]["peak_mib"] > ctx["memory"]["ours"]["weights_mib"] > 0
@@ -63,3 +63,11 @@ def test_copy_share_counts_tokens_in_book_runs():
     assert longctx.copy_share(list(range(10, 26)), grams) == 1.0  # a 16-token quote
     assert longctx.copy_share([500 + i for i in range(16)], grams) == 0.0  # nothing from the book
     assert longctx.copy_share(list(range(8)) + [999] * 8, grams) == 0.5  # half quoted
+
+
+def test_draft_methods_come_with_a_draft_model():
+    with_draft = longctx.parse_args(["--draft", "qwen2.5-coder-0.5b"]).methods
+    assert {"hf:assisted", "ours:draft>full", "ours:draft>retrieval>full"} <= set(with_draft)
+    assert not [m for m in longctx.parse_args([]).methods if "draft" in m or "assisted" in m]
+    with pytest.raises(SystemExit):
+        longctx.parse_args(["--methods", "ours:plain,ours:draft>full"])
