@@ -63,6 +63,10 @@ COPY_HEAVY_SHARE = 0.5
 WARM_UP_TOKENS = 700  # one full prefill chunk and a partial one
 
 
+def needs_draft(method: str) -> bool:
+    return "draft" in method or "assisted" in method
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks.longctx", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -84,12 +88,12 @@ def parse_args(argv):
         args.model, args.draft, args.contexts, args.new_tokens = "smollm2-135m", None, "1024", 16
         args.samplings, args.questions = "greedy", "summary"
         args.methods = args.methods or "hf:plain,hf:prompt-lookup,ours:plain,ours:ngram>retrieval>full"
-    all_methods = [m for m in HF_METHODS + OUR_METHODS if args.draft or "draft" not in m and "assisted" not in m]
+    all_methods = [m for m in HF_METHODS + OUR_METHODS if args.draft or not needs_draft(m)]
     args.methods = args.methods.split(",") if args.methods else all_methods
     unknown = set(args.methods) - set(HF_METHODS + OUR_METHODS)
     if unknown:
         p.error(f"unknown methods {sorted(unknown)}; choose from {HF_METHODS + OUR_METHODS}")
-    if not args.draft and any("draft" in m or "assisted" in m for m in args.methods):
+    if not args.draft and any(needs_draft(m) for m in args.methods):
         p.error("hf:assisted and ours:draft>... need --draft")
     args.contexts = [int(n) for n in args.contexts.split(",")]
     return args
