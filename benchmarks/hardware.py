@@ -87,19 +87,16 @@ class Floor:
 def token_floor(model, context_tokens: int, hw: Hardware) -> Floor:
     """Floor of one plain decoding step of `model` (our Transformer) over `context_tokens`.
 
-    Every weight is read once (the tied embedding once, as the LM head); the embedding lookup's
-    FLOPs are not matmuls, the LM head's are.
+    Every matmul weight is read once: the layers' and the LM head (a tied one too, or its packed
+    copy, engine/model.py `PackedLinear`); the embedding lookup reads a row, not the table.
     """
     c = model.config
     dtype = model.lm_head.weight.dtype
-    params = {p.data_ptr(): p for p in model.parameters()}.values()
-    weight_bytes = sum(p.numel() * p.element_size() for p in params)
-    matmul_params = sum(p.numel() for n, p in model.named_parameters()
-                        if p.dim() == 2 and "embed_tokens" not in n)
-    if c.has_tied_embeddings:
-        matmul_params += model.lm_head.weight.numel()
+    matmul_params = [p for n, p in model.named_parameters(remove_duplicate=False) if "embed_tokens" not in n]
+    weight_bytes = sum(p.numel() * p.element_size() for p in matmul_params)
     kv_bytes = c.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * context_tokens
-    flops = 2 * matmul_params + 4 * c.n_layers * c.n_heads * c.head_dim * context_tokens
+    attention_flops = 4 * c.n_layers * c.n_heads * c.head_dim * context_tokens
+    flops = 2 * sum(p.numel() for p in matmul_params if p.dim() == 2) + attention_flops
     peak = hw.matmul_tflops[str(dtype).removeprefix("torch.")] * 1e12
     bandwidth = max(hw.copy_gb_s, hw.read_gb_s) * 1e9  # the floor is a lower bound: the faster one
     return Floor(weight_bytes, kv_bytes, flops, 1000 * (weight_bytes + kv_bytes) / bandwidth,

@@ -6,11 +6,12 @@ random keys and values at the context length (costs do not depend on the values)
 - attention: one layer, T new tokens over S keys (Qwen-0.5B shapes): the single SDPA call with
   a [G*T, S] boolean mask (the previous kernel, still the non-CPU fallback) vs `sdpa_attention`.
 - prefill: one 512-token chunk after S cached tokens, our model vs Hugging Face's.
-- decode: one token after S cached tokens, ours vs Hugging Face's; and our check of 1 + 8
-  (chain) and 1 + 3x8 (tree) tokens, as the full level verifies n-gram drafts.
-- weights: the matmuls of one forward of T = 1, 2, 5, 9 tokens over every linear weight of the
-  model, stored as loaded vs input-major (what `Transformer.store_weights_input_major` does).
-- compiled: the same matmuls (T = 1, 2, 5, 9, 16), input-major under MKL (what the engine runs)
+- decode: one token after S cached tokens, ours vs Hugging Face's; and our check of 1 + 4,
+  1 + 8 (chains) and 1 + 3x8 (tree) tokens, as the full level verifies n-gram drafts.
+  Prefill and decode also run ours with MKL input-major weights where the engine packs them.
+- weights: the matmuls of one forward of T = 1, 2, 5, 9, 16, 512 tokens over every linear weight
+  of the model, stored as loaded, input-major and oneDNN-packed (engine/device.py `linear_layout`).
+- compiled: the same matmuls (T = 1, 2, 5, 9, 16), input-major under MKL (the engine's fallback)
   vs `torch.compile` with freezing and Inductor's C++ GEMM template (weights prepacked at compile
   time; needs a C++ compiler). Not used by the engine yet: this measures what it would give.
 - sampling: `sampling_probs` at T = 0.6, top-p 0.9 on 1 / 9 / 25 rows of 151,936 logits vs a
@@ -32,9 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import sdpa_attention, tail_mask
-from engine.device import pick_dtype, prefers_input_major_weights
+from engine.device import can_pack_linear_weights, linear_layout, pick_dtype
 from engine.kv.full import FullCache
 from engine.loading import load_model, resolve_model
+from engine.model import PackedLinear
 from engine.sampling import Draft, sampling_probs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,14 +87,20 @@ def bench_attention(S: int, repeats: int) -> dict:
 
 
 class Models:
-    """Our model and Hugging Face's, with caches holding the same random S entries."""
+    """Our model and Hugging Face's, with caches holding the same random S entries. Where the
+    engine packs its linears, a second copy of ours keeps MKL's input-major layout (the fallback,
+    and the engine's layout before oneDNN packing) to time the two side by side."""
 
     def __init__(self, name: str, dtype: torch.dtype):
         from transformers import AutoModelForCausalLM
 
         self.ours, _ = load_model(name, dtype, torch.device("cpu"))
-        if prefers_input_major_weights(torch.device("cpu"), dtype):  # as Engine does
-            self.ours.store_weights_input_major()
+        layout = linear_layout(torch.device("cpu"), dtype)
+        self.ours.lay_out_linears(layout)  # as Engine does
+        self.ours_input_major = None
+        if layout == "packed":
+            self.ours_input_major, _ = load_model(name, dtype, torch.device("cpu"))
+            self.ours_input_major.lay_out_linears("input-major")
         self.hf = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype, attn_implementation="sdpa",
                                                        local_files_only=True).eval()
         self.dtype = dtype
@@ -110,7 +118,8 @@ class Models:
             hf.update(full.k[layer_idx, :, :, :S].clone(), full.v[layer_idx, :, :, :S].clone(), layer_idx)
         return full, hf
 
-    def ours_step(self, full: FullCache, S: int, draft: Draft | None, n_logits: int = 0):
+    def ours_step(self, full: FullCache, S: int, draft: Draft | None, n_logits: int = 0, model=None):
+        model = model or self.ours
         n = len(draft) if draft is not None else 0
         ids = torch.tensor([[11] + (draft.tokens.tolist() if n else [])])
         pos = torch.cat([torch.tensor([S]), S + 1 + draft.depths()]) if n else torch.tensor([S])
@@ -121,7 +130,7 @@ class Models:
 
         def step():
             full.truncate(S)
-            self.ours(ids, pos, full, tail, None, n_logits=n_logits or n + 1)
+            model(ids, pos, full, tail, None, n_logits=n_logits or n + 1)
         return step
 
     def hf_step(self, cache, S: int, T: int):
@@ -151,9 +160,9 @@ def bench_prefill(models: Models, S: int, repeats: int, chunk: int = 512) -> dic
     ids = torch.randint(0, 150_000, (1, chunk), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(S, S + chunk)
 
-    def ours():
+    def ours(model):
         full.truncate(S)
-        models.ours(ids, pos, full, None, None, n_logits=1)
+        model(ids, pos, full, None, None, n_logits=1)
 
     def hf_chunk():
         extra = hf.get_seq_length() - S
@@ -161,7 +170,10 @@ def bench_prefill(models: Models, S: int, repeats: int, chunk: int = 512) -> dic
             hf.crop(-extra)
         with torch.no_grad():
             models.hf(input_ids=ids, past_key_values=hf, use_cache=True, logits_to_keep=1, position_ids=pos[None])
-    out = side_by_side({"ours": ours, "hf": hf_chunk}, repeats)
+    fns = {"ours": lambda: ours(models.ours), "hf": hf_chunk}
+    if models.ours_input_major is not None:
+        fns["ours input-major"] = lambda: ours(models.ours_input_major)
+    out = side_by_side(fns, repeats)
     for r in out.values():
         r["tokens_per_s"] = 1000 * chunk / r["min_ms"]
     return out
@@ -169,9 +181,14 @@ def bench_prefill(models: Models, S: int, repeats: int, chunk: int = 512) -> dic
 
 def bench_decode(models: Models, S: int, repeats: int) -> dict:
     full, hf = models.caches(S, 32)
-    return side_by_side({"ours T=1": models.ours_step(full, S, None, 1), "hf T=1": models.hf_step(hf, S, 1),
-                         "ours check 1+8 chain": models.ours_step(full, S, tree(1, 8)),
-                         "ours check 1+3x8 tree": models.ours_step(full, S, tree(3, 8))}, repeats)
+    fns = {"hf T=1": models.hf_step(hf, S, 1)}
+    for name, model in (("ours", models.ours), ("ours input-major", models.ours_input_major)):
+        if model is not None:
+            fns |= {f"{name} T=1": models.ours_step(full, S, None, 1, model),
+                    f"{name} check 1+4 chain": models.ours_step(full, S, tree(1, 4), model=model),
+                    f"{name} check 1+8 chain": models.ours_step(full, S, tree(1, 8), model=model),
+                    f"{name} check 1+3x8 tree": models.ours_step(full, S, tree(3, 8), model=model)}
+    return side_by_side(fns, repeats)
 
 
 def model_linears(source: str, dtype: torch.dtype) -> list[torch.nn.Linear]:
@@ -182,15 +199,23 @@ def model_linears(source: str, dtype: torch.dtype) -> list[torch.nn.Linear]:
 
 def bench_weights(source: str, dtype: torch.dtype, repeats: int) -> dict:
     """The matmuls of one forward of T tokens (every linear weight of the model, no attention),
-    weights as loaded ([out, in], rows contiguous) vs input-major (engine/device.py)."""
-    weights = [m.weight for m in model_linears(source, dtype)]
+    weights as loaded ([out, in], rows contiguous), input-major and oneDNN-packed (the layouts
+    of engine/device.py `linear_layout`); T = 512 is a prefill chunk."""
+    linears = model_linears(source, dtype)
+    weights = [m.weight for m in linears]
     input_major = [w.t().contiguous().t() for w in weights]
+    layouts = {"as loaded": lambda x: [F.linear(x[w.shape[1]], w) for w in weights],
+               "input-major": lambda x: [F.linear(x[w.shape[1]], w) for w in input_major]}
+    if can_pack_linear_weights(dtype):
+        packed = [PackedLinear(m) for m in linears]
+        layouts["packed"] = lambda x: [m(x[m.in_features]) for m in packed]
     out = {}
-    for T in (1, 2, 5, 9):
+    for T in (1, 2, 5, 9, 16, 512):
         x = {n: torch.randn(T, n, dtype=dtype) for n in {w.shape[1] for w in weights}}
-        out[f"T={T}"] = side_by_side({layout: lambda ws=ws, x=x: [F.linear(x[w.shape[1]], w) for w in ws]
-                                      for layout, ws in (("as loaded", weights), ("input-major", input_major))},
-                                     repeats)
+        with torch.inference_mode():  # as the engine's forward runs
+            out[f"T={T}"] = side_by_side({name: lambda f=f, x=x: f(x) for name, f in layouts.items()},
+                                         repeats if T < 512 else max(2, repeats // 3))
+        print(f"weights T={T}: {json.dumps(out[f'T={T}'], default=lambda v: round(v, 2))}", flush=True)
     return out
 
 

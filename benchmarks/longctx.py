@@ -467,8 +467,9 @@ def warm_up(engine: Engine, hf_model, ids: list[int]) -> None:
 
 
 def weights_mib(*models) -> float:
-    """Bytes of the distinct parameter tensors of the given models (tied embeddings counted once)."""
-    params = {p.data_ptr(): p for m in models if m is not None for p in m.parameters()}
+    """Bytes of the distinct parameter tensors of the given models (tied embeddings counted once;
+    a packed LM head is a copy, engine/model.py `PackedLinear`)."""
+    params = {id(p): p for m in models if m is not None for p in m.parameters()}
     return sum(p.numel() * p.element_size() for p in params.values()) / 2**20
 
 

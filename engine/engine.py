@@ -28,7 +28,7 @@ from engine.config import (
     EngineConfig,
     SamplingConfig,
 )
-from engine.device import now, pick_device, pick_dtype, prefers_input_major_weights
+from engine.device import linear_layout, now, pick_device, pick_dtype
 from engine.drafters.model import ModelDrafter
 from engine.drafters.ngram import NgramDrafter
 from engine.graphs import graphs_available, static_decode_step
@@ -86,8 +86,7 @@ class Engine:
         for model in (target, draft):
             if model is not None:
                 model.set_attention(attend)
-                if prefers_input_major_weights(self.device, self.dtype):
-                    model.store_weights_input_major()
+                model.lay_out_linears(linear_layout(self.device, self.dtype))
         self.n_prefills = 0  # documents prefilled (the app asserts a question does not add one)
         self.n_prefill_tokens = 0
 

@@ -1,14 +1,15 @@
 """Tensor parallelism over several GPUs (ALGORITHM.md section 8, "Two GPUs"); gloo on CPU in tests.
 
-`shard` turns a loaded Transformer into one rank's part, as gpt-fast's tp.py does: query heads,
-KV heads (GQA-aware: the query heads of a KV head stay with it) and MLP columns split evenly;
-q/k/v/gate/up rows and o_proj/down_proj columns sliced; the partial outputs of o_proj and
-down_proj summed by an all-reduce (forward hooks); embeddings, norms and lm_head whole. The model
-code does not change. Every rank must take the same decisions: rank 0 draws every random
-outcome and broadcasts it (`SharedCoins`: accept or not, which token), as it does the cancel flag
-(`SharedFlag`) and the adaptive draft lengths (`SharedTuner`; they depend on timings).
-Rank 0 drives (`Leader`): each call that touches a session is broadcast first, and the other
-ranks make the same call on their shard (`follow`). `start` spawns ranks 1..N-1 or joins torchrun.
+`shard` turns a loaded Transformer into one rank's part, as gpt-fast's tp.py does: query heads, KV
+heads (GQA-aware: the query heads of a KV head stay with it) and MLP columns split evenly;
+q/k/v/gate/up rows and o_proj/down_proj columns sliced; the partial outputs of attention and the
+MLP (o_proj's and down_proj's) summed by an all-reduce (forward hooks on the blocks); embeddings,
+norms and lm_head whole. The model code does not change. Every rank must take the same decisions:
+rank 0 draws every random outcome and broadcasts it (`SharedCoins`: accept or not, which token), as
+it does the cancel flag (`SharedFlag`) and the adaptive draft lengths (`SharedTuner`; they depend
+on timings). Rank 0 drives (`Leader`): each call that touches a session is broadcast first, and the
+other ranks make the same call on their shard (`follow`). `start` spawns ranks 1..N-1 or joins
+torchrun.
 """
 
 from __future__ import annotations
@@ -68,8 +69,10 @@ def shard(model: Transformer, rank: int, n_ranks: int) -> Transformer:
                                   (mlp.down_proj, f, 1)):
             _slice(linear, part, dim)
         attn.n_heads, attn.n_kv_heads = H, Hkv
-        attn.o_proj.register_forward_hook(_all_reduce)
-        mlp.down_proj.register_forward_hook(_all_reduce)
+        # on the blocks, not on o_proj/down_proj (their outputs are the blocks'): the engine may
+        # swap the linears for packed ones afterwards (engine/model.py `pack_linear_weights`)
+        attn.register_forward_hook(_all_reduce)
+        mlp.register_forward_hook(_all_reduce)
     model.config = replace(c, n_heads=H, n_kv_heads=Hkv, intermediate=F)
     return model
 

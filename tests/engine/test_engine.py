@@ -123,18 +123,30 @@ def test_middle_level_equals_the_top_when_the_document_fits_its_budget():
     assert full.n_tested > 0 and full.acceptance == 1.0
 
 
+@pytest.mark.parametrize("layout", ["packed", "input-major"])
 @pytest.mark.parametrize("levels", ["ngram>retrieval>full", "draft>retrieval>full"])
-def test_float32_on_cpu_stores_weights_input_major_and_stays_lossless(levels):
-    """float32 on CPU takes the input-major weight layout (engine/device.py) for the target and
-    the draft; speculation over it still gives plain decoding's greedy answer."""
+def test_float32_on_cpu_lays_weights_out_for_the_cpu_and_stays_lossless(levels, layout, monkeypatch):
+    """float32 on CPU takes oneDNN-packed linears (engine/device.py), or input-major weights
+    where oneDNN cannot pack, for the target and the draft; speculation over either still gives
+    plain decoding's greedy answer."""
+    from engine import engine as engine_module
+    from engine.device import can_pack_linear_weights
+    from engine.model import PackedLinear
+
+    if layout == "packed" and not can_pack_linear_weights(torch.float32):
+        pytest.skip("this torch cannot prepack float32 linears with oneDNN")
+    monkeypatch.setattr(engine_module, "linear_layout", lambda device, dtype: layout)
     doc, question = random_ids(123, 128, 1), random_ids(6, 128, 2)
     answers = []
     for stack in ("plain", levels):
         engine = tiny_engine(stack, dtype="float32")
         for model in (engine.target, engine.draft):
             if model is not None:
-                w = model.model.layers[0].mlp.up_proj.weight
-                assert w.dtype == torch.float32 and w.stride() == (1, w.shape[0])
+                up_proj = model.model.layers[0].mlp.up_proj
+                if layout == "packed":
+                    assert isinstance(up_proj, PackedLinear) and isinstance(model.lm_head, PackedLinear)
+                else:
+                    assert up_proj.weight.stride() == (1, up_proj.weight.shape[0])
         session = engine.open(doc)
         answers.append([t for e in session.ask(question, SamplingConfig(max_new_tokens=20)) for t in e.tokens])
     assert len(answers[0]) == 20 and answers[1] == answers[0]

@@ -75,3 +75,35 @@ def test_input_major_weights_keep_logits_names_and_ties(family, tie):
     cache = FullCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, 64, torch.float64, torch.device("cpu"))
     got = torch.cat([model(ids[:, :33], torch.arange(33), cache), model(ids[:, 33:], torch.arange(33, 40), cache)], 1)
     assert torch.allclose(got, hf(ids).logits, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize(("family", "tie"), [("llama", False), ("qwen2", True)])
+def test_packed_linears_keep_logits_names_and_the_embedding(family, tie):
+    """oneDNN-packed linears (engine/device.py, float32 on CPU) change the layout only: same
+    parameter names and shapes, the embedding keeps its own rows (a tied LM head gets a packed
+    copy), logits equal the unpacked model's to float32 rounding, also across chunks."""
+    from engine.device import can_pack_linear_weights
+    from engine.model import PackedLinear
+
+    if not can_pack_linear_weights(torch.float32):
+        pytest.skip("this torch cannot prepack float32 linears with oneDNN")
+    model = ours(tiny_hf(family, seed=5, tie=tie)).float()
+    names = {k: v.shape for k, v in model.state_dict().items()}
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    c = model.config
+
+    def logits():
+        cache = FullCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, 64, torch.float32, torch.device("cpu"))
+        return torch.cat([model(ids[:, :33], torch.arange(33), cache),
+                          model(ids[:, 33:], torch.arange(33, 40), cache)], 1)
+
+    want = logits()
+    embedding = model.model.embed_tokens.weight
+    model.pack_linear_weights()
+    assert {k: v.shape for k, v in model.state_dict().items()} == names
+    assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 7 * c.n_layers + 1
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert model.model.embed_tokens.weight is embedding and model.lm_head.weight.is_mkldnn
+    got = logits()
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
