@@ -52,8 +52,10 @@ def render_metrics(state: str, stats: Stats | None, book: BookSession | None, co
         head += [f"**{stats.tokens_per_s:.1f}** tokens/s · {stats.n_tokens:,} tokens{speedup}",
                  f"TBT now **{stats.tbt_ms_last:.0f}** ms · mean **{stats.tbt_ms_mean:.0f}** ms · "
                  f"first token {stats.ttft_s:.2f} s"]
-        rows = [f"| {s.name} | {100 * s.acceptance:.0f}% | {s.tokens_per_check:.2f} | {s.n_checks} |"
-                for s in stats.levels]
+        # a level that tested nothing shows "–", not 0%: on CPUs the middle level is often skipped
+        # (the top checks the bottom drafter's drafts itself, engine/speculative.py `LevelStack`)
+        rows = [f"| {s.name} | {f'{100 * s.acceptance:.0f}%' if s.n_tested else '–'} | "
+                f"{f'{s.tokens_per_check:.2f}' if s.n_checks else '–'} | {s.n_checks} |" for s in stats.levels]
         blocks.append("\n".join(["| level | accepted | tokens/check | checks |", "|:--|--:|--:|--:|", *rows]))
     if book is not None and book.save_error:
         blocks.append(f"⚠ {book.save_error}")

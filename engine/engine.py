@@ -206,8 +206,11 @@ class Engine:
                 rebuild=lambda: retrieval.build(full, query_log.queries),
                 rebuild_every_tokens=r.rebuild_every_tokens, rebuild_below=r.rebuild_below_acceptance)
         top_gamma = cfg.gamma_middle if "retrieval" in names else cfg.gamma_bottom
-        stack = LevelStack(Scorer(self.target, full, query_log), drafter, stats[-1],
-                           GammaTuner(top_gamma, cfg.max_gamma))
+        tuner = GammaTuner(top_gamma, cfg.max_gamma)
+        direct = None  # the bottom drafter proposing to the top while the middle does not pay
+        if retrieval is not None and bottom is not None:
+            direct = GammaTuner(cfg.gamma_bottom, cfg.max_gamma, check_s=tuner.check_s)
+        stack = LevelStack(Scorer(self.target, full, query_log), drafter, stats[-1], tuner, direct)
         return stack, stats, retrieval
 
     def _bottom_drafter(self, name: str):

@@ -126,10 +126,10 @@ class SharedTuner:
 
 def _share_gammas(session) -> None:
     # TODO(#4): a hook in LevelStack/CheckingDrafter would avoid reaching into the stack
-    for level in (session.stack, session.stack.drafter):
-        tuner = getattr(level, "tuner", None)
+    for level, name in ((session.stack, "tuner"), (session.stack, "direct_tuner"), (session.stack.drafter, "tuner")):
+        tuner = getattr(level, name, None)
         if tuner is not None and not isinstance(tuner, SharedTuner):
-            level.tuner = SharedTuner(tuner)
+            setattr(level, name, SharedTuner(tuner))
 
 
 @dataclass

@@ -71,11 +71,14 @@ class GammaTuner:
     undrafted check (the cost of checking 1 token, below every count a draft checks).
     """
 
-    def __init__(self, fixed: int | None, max_gamma: int, decay: float = 0.8, retry_every: int = 16):
+    def __init__(self, fixed: int | None, max_gamma: int, decay: float = 0.8, retry_every: int = 16,
+                 check_s: dict[int, float] | None = None):
         self.fixed, self.max_gamma, self.decay = fixed, max_gamma, decay
         self.acceptance = 0.7  # prior before the first check
         self.draft_s_per_token: float | None = None  # set by the first drafted check
-        self.check_s: dict[int, float] = {}  # tokens checked -> seconds (moving average)
+        # tokens checked -> seconds (moving average): the checking level's costs, so the tuners
+        # of two drafters that propose to the same level share them (LevelStack `direct_tuner`)
+        self.check_s: dict[int, float] = {} if check_s is None else check_s
         # where no draft pays (a CPU whose multi-token forwards cost far more than one, low
         # acceptance), checks run undrafted, i.e. plain decoding; every `retry_every`-th drafts
         # one token, the cheapest way to keep measuring acceptance as the text changes
@@ -270,10 +273,19 @@ class CheckingDrafter:
 
 
 class LevelStack:
-    """The committed tokens of one session and the levels that extend them, top level last."""
+    """The committed tokens of one session and the levels that extend them, top level last.
 
-    def __init__(self, top: Scorer, drafter: Drafter | None, top_stats: LevelStats, tuner: GammaTuner):
+    With a middle level and a drafter below it, `direct_tuner` lets that drafter propose to the
+    top itself whenever the top's tuner finds the middle level not worth drafting with (its
+    forwards cost about a top step: short contexts, CPUs), as `ngram>full` or `draft>full` would.
+    Each check is still an exact check of whichever level proposed (ALGORITHM.md section 3), and
+    which one proposes depends only on past timings and acceptance, never on this check's coins.
+    """
+
+    def __init__(self, top: Scorer, drafter: Drafter | None, top_stats: LevelStats, tuner: GammaTuner,
+                 direct_tuner: GammaTuner | None = None):
         self.top, self.drafter, self.top_stats, self.tuner = top, drafter, top_stats, tuner
+        self.direct_tuner = direct_tuner  # draft lengths of the bottom drafter checked by the top
         self.tokens: list[int] = []
         self.drafter_s = 0.0
 
@@ -293,13 +305,18 @@ class LevelStack:
         """One check of the top level; returns the tokens it committed (at least one)."""
         device = self.top.model.lm_head.weight.device
         pending = self.tokens[self.top.cache.length:]
-        gamma = self.tuner.gamma() if self.drafter else 0
+        drafter, tuner = self.drafter, self.tuner
+        gamma = tuner.gamma() if drafter else 0
+        if gamma == 0 and self.direct_tuner is not None:  # the middle level does not pay now:
+            yield from drafter.propose(0, sampling, coins)  # no forward; it re-selects on schedule
+            drafter, tuner = drafter.below, self.direct_tuner  # its drafter proposes to the top
+            gamma = tuner.gamma()
         t0 = now(device)
-        draft = (yield from self.drafter.propose(gamma, sampling, coins)) if self.drafter else EMPTY_DRAFT
+        draft = (yield from drafter.propose(gamma, sampling, coins)) if drafter else EMPTY_DRAFT
         t1 = now(device)
         verdict, _ = yield from check(self.top, pending, len(self.tokens) - len(pending), draft, sampling, coins)
         t2 = now(device)
-        self.tuner.observe(len(draft), t1 - t0, verdict, len(pending) + len(draft), t2 - t1)
+        tuner.observe(len(draft), t1 - t0, verdict, len(pending) + len(draft), t2 - t1)
         self.top_stats.record(verdict, t2 - t1)
         self.drafter_s += t1 - t0
         new = emitted(draft, verdict)

@@ -14,7 +14,7 @@ from scipy.stats import chisquare
 
 from engine import sampling as sampling_module
 from engine.config import LEVEL_STACKS, SamplingConfig
-from engine.sampling import GeneratorCoins
+from engine.sampling import GeneratorCoins, Verdict
 from tests.conftest import tiny_engine, tiny_hf
 from tests.engine.enumerate import exact_distribution
 
@@ -71,12 +71,12 @@ SAMPLINGS = [SamplingConfig(temperature=1.0, max_new_tokens=2),
              SamplingConfig(temperature=0.7, top_p=0.9, max_new_tokens=2)]
 
 
-def exact_answers(levels: str, sampling: SamplingConfig, vocab: int = 6):
+def exact_answers(levels: str, sampling: SamplingConfig, vocab: int = 6, gamma_middle: int = 1):
     """Every answer's exact probability. Sampled drafts are 1 token long (each one multiplies
     the paths by the vocabulary), n-gram drafts 2; the document is longer than the retrieval
     budget, so the middle level's q differs from the top's."""
     gamma_bottom = 2 if levels.startswith("ngram") else 1
-    engine = tiny_engine(levels, vocab=vocab, gamma_bottom=gamma_bottom, gamma_middle=1,
+    engine = tiny_engine(levels, vocab=vocab, gamma_bottom=gamma_bottom, gamma_middle=gamma_middle,
                          prefill_chunk_tokens=64)
     doc, q = random_ids(100, vocab, 5), random_ids(3, vocab, 6)
 
@@ -94,6 +94,25 @@ def test_every_stack_preserves_the_distribution_exactly(levels, sampling):
         sampling = replace(sampling, max_new_tokens=1)
     want, want_pruned = exact_answers("plain", sampling)
     got, pruned = exact_answers(levels, sampling)
+    assert pruned < 1e-7 and want_pruned < 1e-7
+    for seq in set(want) | set(got):
+        assert abs(got.get(seq, 0.0) - want.get(seq, 0.0)) < 1e-6, seq
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["T1", "T0.7-p0.9"])
+@pytest.mark.parametrize("levels", ["ngram>retrieval>full", "draft>retrieval>full"])
+def test_the_bottom_drafting_for_the_top_directly_preserves_the_distribution(levels, sampling):
+    """The middle level declined (gamma_middle = 0, as the tuner does where it does not pay):
+    every check is the bottom drafter's draft checked by the top itself (LevelStack
+    `direct_tuner`), and the output distribution is still exactly plain decoding's."""
+    doc, q = random_ids(100, 128, 5), random_ids(3, 128, 6)
+    session = tiny_engine(levels, gamma_bottom=2, gamma_middle=0).open(doc + doc[:40])  # n-grams repeat
+    answer = [t for e in session.ask(q + doc[:4], SamplingConfig(max_new_tokens=12)) for t in e.tokens]
+    middle, top = session.level_stats
+    assert answer and middle.n_tested == 0 and top.n_tested > 0  # the direct path was taken
+    assert session.stack.direct_tuner.check_s is session.stack.tuner.check_s  # the top's costs
+    want, want_pruned = exact_answers("plain", sampling)
+    got, pruned = exact_answers(levels, sampling, gamma_middle=0)
     assert pruned < 1e-7 and want_pruned < 1e-7
     for seq in set(want) | set(got):
         assert abs(got.get(seq, 0.0) - want.get(seq, 0.0)) < 1e-6, seq
@@ -223,7 +242,6 @@ def test_tuner_measures_the_undrafted_check_even_when_every_draft_is_accepted():
     without measuring a 1-token check, the cost of plain decoding was extrapolated from the
     question's check and 5-token checks, and the tuner drafted 4 forever (AVX2, 8K: 250 ms per
     token against 175 undrafted). The first drafted check also sets the drafting cost at once."""
-    from engine.sampling import Verdict
     from engine.speculative import GammaTuner
 
     def start(question_check_s: float, draft_s_per_token: float, step_s: float) -> GammaTuner:
@@ -239,6 +257,24 @@ def test_tuner_measures_the_undrafted_check_even_when_every_draft_is_accepted():
     # AMX-like: drafts cost 1/5 of a step and 34 tokens cost 2 steps: it drafts (3 at the
     # acceptance estimated from one check)
     assert start(question_check_s=0.20, draft_s_per_token=0.02, step_s=0.10).gamma() == 3
+
+
+def test_the_direct_tuner_shares_the_top_levels_check_costs():
+    """Check costs are the checking level's, whoever drafted: the top's first undrafted check,
+    run on the direct path, must count for the middle level's tuner too, or that tuner would
+    wait for it forever and never draft again."""
+    from engine.speculative import GammaTuner
+
+    def after_direct_undrafted_check(shared: bool) -> int:
+        top = GammaTuner(None, max_gamma=8)
+        direct = GammaTuner(None, max_gamma=8, check_s=top.check_s if shared else None)
+        top.observe(4, 0.004, Verdict([0, 1, 2, 3], 7, 4), 5, 0.11)  # a cheap middle, all accepted
+        assert top.gamma() == 0  # next: the cost of checking one token, measured...
+        direct.observe(0, 0.0, Verdict([], 7, 0), 1, 0.10)  # ...on the direct path
+        return top.gamma()
+
+    assert after_direct_undrafted_check(shared=True) > 0
+    assert after_direct_undrafted_check(shared=False) == 0
 
 
 @pytest.mark.parametrize("levels", ["ngram>full", "draft>full", "ngram>retrieval>full", "draft>retrieval>full"])
