@@ -77,12 +77,12 @@ def shard(model: Transformer, rank: int, n_ranks: int) -> Transformer:
     return model
 
 
-def _share(value: int) -> int:
+def _share(value: int | float, dtype: torch.dtype = torch.long) -> int | float:
     """Rank 0's `value`, on every rank (the others' `value` is ignored)."""
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([value], dtype=torch.long, device=device)
+    t = torch.tensor([value], dtype=dtype, device=device)
     dist.broadcast(t, src=0)
-    return int(t.item())
+    return t.item()
 
 
 class SharedCoins:
@@ -117,8 +117,16 @@ class SharedTuner:
     def __init__(self, tuner):
         self.tuner = tuner
 
+    @property
+    def fixed(self) -> int | None:
+        return self.tuner.fixed  # configuration: the same on every rank
+
     def gamma(self) -> int:
-        return _share(self.tuner.gamma())
+        return int(_share(self.tuner.gamma()))
+
+    def expected_rate(self, g: int) -> float | None:
+        rate = _share(-1.0 if (r := self.tuner.expected_rate(g)) is None else r, torch.float64)
+        return None if rate < 0 else rate
 
     def observe(self, *args) -> None:
         self.tuner.observe(*args)

@@ -91,23 +91,9 @@ class GammaTuner:
             return 0  # compared with; drafts of one length all accepted would never measure it
         if len(self.check_s) < 2:
             return min(4, self.max_gamma)
-        a = min(self.acceptance, 0.999)
-        c0, c1 = self._check_cost_line()
-
-        def check_s(n: int) -> float:  # costs are not linear in n on every CPU (AVX2: 2 ~ 2x 1)
-            lower = [m for m in self.check_s if m <= n]
-            upper = [m for m in self.check_s if m >= n]
-            if not (lower and upper):
-                return c0 + c1 * n
-            lo, hi = max(lower), min(upper)
-            return self.check_s[lo] + (self.check_s[hi] - self.check_s[lo]) * (n - lo) / max(hi - lo, 1)
-
-        def rate(g: int) -> float:
-            tokens = (1 - a ** (g + 1)) / (1 - a)
-            return tokens / (g * (self.draft_s_per_token or 0.0) + check_s(g + 1))
-
+        rate = self.expected_rate
         best = max(range(1, self.max_gamma + 1), key=rate)
-        if rate(best) * check_s(1) >= 1:
+        if rate(best) >= rate(0):
             self.n_undrafted = 0
             return best
         self.n_undrafted += 1
@@ -115,6 +101,26 @@ class GammaTuner:
             self.n_undrafted = 0
             return 1
         return 0  # checking the last token alone is expected to be faster
+
+    def expected_rate(self, g: int) -> float | None:
+        """Expected tokens per second with draft length g (0: plain decoding); None until two
+        numbers of tokens checked are measured."""
+        if len(self.check_s) < 2:
+            return None
+        a = min(self.acceptance, 0.999)
+        tokens = (1 - a ** (g + 1)) / (1 - a)
+        return tokens / (g * (self.draft_s_per_token or 0.0) + self._check_seconds(g + 1))
+
+    def _check_seconds(self, n: int) -> float:
+        """Seconds to check n tokens: costs are not linear in n on every CPU (AVX2 with MKL:
+        2 tokens ~ 2x 1), so interpolated between measured counts; a fitted line beyond them."""
+        lower = [m for m in self.check_s if m <= n]
+        upper = [m for m in self.check_s if m >= n]
+        if not (lower and upper):
+            c0, c1 = self._check_cost_line()
+            return c0 + c1 * n
+        lo, hi = max(lower), min(upper)
+        return self.check_s[lo] + (self.check_s[hi] - self.check_s[lo]) * (n - lo) / max(hi - lo, 1)
 
     def _check_cost_line(self) -> tuple[float, float]:
         xs, ys = zip(*self.check_s.items())
@@ -276,10 +282,11 @@ class LevelStack:
     """The committed tokens of one session and the levels that extend them, top level last.
 
     With a middle level and a drafter below it, `direct_tuner` lets that drafter propose to the
-    top itself whenever the top's tuner finds the middle level not worth drafting with (its
-    forwards cost about a top step: short contexts, CPUs), as `ngram>full` or `draft>full` would.
-    Each check is still an exact check of whichever level proposed (ALGORITHM.md section 3), and
-    which one proposes depends only on past timings and acceptance, never on this check's coins.
+    top itself, as `ngram>full` or `draft>full` would, whenever the middle level is not expected
+    to be faster: its forwards can cost about a top step (short contexts, CPUs), and copied text
+    is drafted best by the n-gram database alone. Each check is still an exact check of whichever
+    level proposed (ALGORITHM.md section 3), and which one proposes depends only on past timings
+    and acceptance, never on this check's coins.
     """
 
     def __init__(self, top: Scorer, drafter: Drafter | None, top_stats: LevelStats, tuner: GammaTuner,
@@ -301,16 +308,27 @@ class LevelStack:
         if self.drafter:
             self.drafter.truncate(length)
 
+    def _goes_direct(self, gamma: int, direct_gamma: int) -> bool:
+        """Whether the bottom drafter should propose to the top this check: the top's tuner
+        declined the middle level (gamma 0), or, when it is adaptive, the direct path is expected
+        to commit more tokens per second than the middle level at its best draft length."""
+        if gamma == 0:
+            return True
+        if self.tuner.fixed is not None:
+            return False
+        middle, direct = self.tuner.expected_rate(gamma), self.direct_tuner.expected_rate(direct_gamma)
+        return middle is not None and direct is not None and direct > middle
+
     def step(self, sampling: SamplingConfig, coins: Coins) -> Steps[list[int]]:
         """One check of the top level; returns the tokens it committed (at least one)."""
         device = self.top.model.lm_head.weight.device
         pending = self.tokens[self.top.cache.length:]
         drafter, tuner = self.drafter, self.tuner
         gamma = tuner.gamma() if drafter else 0
-        if gamma == 0 and self.direct_tuner is not None:  # the middle level does not pay now:
-            yield from drafter.propose(0, sampling, coins)  # no forward; it re-selects on schedule
-            drafter, tuner = drafter.below, self.direct_tuner  # its drafter proposes to the top
-            gamma = tuner.gamma()
+        direct_gamma = self.direct_tuner.gamma() if self.direct_tuner is not None else None
+        if direct_gamma is not None and self._goes_direct(gamma, direct_gamma):  # the middle does not
+            yield from drafter.propose(0, sampling, coins)  # pay now: no forward; it re-selects on
+            drafter, tuner, gamma = drafter.below, self.direct_tuner, direct_gamma  # schedule
         t0 = now(device)
         draft = (yield from drafter.propose(gamma, sampling, coins)) if drafter else EMPTY_DRAFT
         t1 = now(device)

@@ -277,6 +277,27 @@ def test_the_direct_tuner_shares_the_top_levels_check_costs():
     assert after_direct_undrafted_check(shared=False) == 0
 
 
+def test_the_bottom_drafts_for_the_top_directly_when_that_is_expected_to_be_faster():
+    """The middle level beats plain decoding, yet n-gram drafts accepted as often cost nothing:
+    the top checks those (copied text at long context); with poor n-gram acceptance it keeps
+    the middle level, and a fixed middle draft length is always kept."""
+    from engine.speculative import LevelStack
+
+    middle = observed_tuner({1: 0.20, 5: 0.25}, acceptance=0.8, draft_s_per_token=0.1)
+    direct = observed_tuner({}, acceptance=0.8)
+    direct.check_s = middle.check_s  # the top level's check costs, as Engine.build_stack shares them
+    stack = LevelStack(None, None, None, middle, direct)
+    gamma = middle.gamma()
+    assert gamma > 0 and middle.expected_rate(gamma) > middle.expected_rate(0)  # the middle pays...
+    assert stack._goes_direct(gamma, direct.gamma())  # ...and the direct path pays more
+    direct.acceptance = 0.05
+    assert not stack._goes_direct(gamma, direct.gamma())
+    assert stack._goes_direct(0, direct.gamma())  # the middle declined: direct, drafted or not
+    middle.fixed = 3
+    direct.acceptance = 0.8
+    assert not stack._goes_direct(3, direct.gamma())
+
+
 @pytest.mark.parametrize("levels", ["ngram>full", "draft>full", "ngram>retrieval>full", "draft>retrieval>full"])
 def test_undrafted_checks_mixed_with_drafts_stay_lossless(levels, monkeypatch):
     """Draft lengths 0 (plain decoding) and > 0 in turn at every level, over three turns:
