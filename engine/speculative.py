@@ -326,9 +326,11 @@ class LevelStack:
         drafter, tuner = self.drafter, self.tuner
         gamma = tuner.gamma() if drafter else 0
         direct_gamma = self.direct_tuner.gamma() if self.direct_tuner is not None else None
-        if direct_gamma is not None and self._goes_direct(gamma, direct_gamma):  # the middle does not
-            yield from drafter.propose(0, sampling, coins)  # pay now: no forward; it re-selects on
-            drafter, tuner, gamma = drafter.below, self.direct_tuner, direct_gamma  # schedule
+        if direct_gamma is not None and self._goes_direct(gamma, direct_gamma):
+            # the middle level does not pay now: its drafter proposes to the top; the middle runs
+            # no forward, but re-selects its cache on schedule ("where the model is reading")
+            yield from drafter.propose(0, sampling, coins)
+            drafter, tuner, gamma = drafter.below, self.direct_tuner, direct_gamma
         t0 = now(device)
         draft = (yield from drafter.propose(gamma, sampling, coins)) if drafter else EMPTY_DRAFT
         t1 = now(device)
