@@ -38,8 +38,8 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 def linear_layout(device: torch.device, dtype: torch.dtype) -> str:
     """How linear weights are stored here, chosen once when the engine is built:
     - "packed": float32 on a CPU where oneDNN prepacks linears (`Transformer.pack_linear_weights`).
-      Every linear of the 0.5B, AVX2 EPYC, 2 threads, T = 1 / 5 / 9 tokens: 58 / 40-60 / 53 ms
-      vs 74 / 197 / 198 input-major (benchmarks/RESULTS.md): a check of several drafted tokens
+      Every linear of the 0.5B, AVX2 EPYC, 2 threads, T = 1 / 5 / 9 tokens: 94 / 80 / 96 ms
+      vs 100 / 244 / 293 input-major (benchmarks/RESULTS.md): a check of several drafted tokens
       reads the weights once, as one token does, so speculation pays on such CPUs too;
     - "input-major": float32 on a CPU without it (MKL: 99 vs 125 ms for one token as loaded);
     - "as loaded" otherwise: CUDA, and bf16 (its kernels want rows, 8x slower input-major without
