@@ -23,6 +23,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--offload", action="store_true", help="full KV cache in host memory, streamed per layer")
     p.add_argument("--resident-kv-layers", type=int, default=None, help="with --offload: layers kept on the GPU")
     p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=EngineConfig.use_flash_attn)
+    p.add_argument("--cpu-kernel", action=argparse.BooleanOptionalAction, default=EngineConfig.use_cpu_kernel,
+                   help="compiled AVX2 attention on CPU (SDPA when off or it cannot build)")
     p.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs where shapes allow (eager on CPU)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
     p.add_argument("--port", type=int, default=int(os.environ.get("APP_PORT", 7860)), help="$APP_PORT overrides")
@@ -65,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine.load(EngineConfig(target=args.model, draft=args.draft, levels=args.levels,
                                           device=args.device, dtype=args.dtype, n_gpus=args.gpus,
                                           offload_kv=args.offload, resident_kv_layers=args.resident_kv_layers,
-                                          use_flash_attn=args.flash_attn, use_cuda_graphs=args.cuda_graphs))
+                                          use_flash_attn=args.flash_attn, use_cpu_kernel=args.cpu_kernel,
+                                          use_cuda_graphs=args.cuda_graphs))
     except (EngineError, ValueError) as error:
         print(f"Could not load the model: {error}", file=sys.stderr)
         return 1

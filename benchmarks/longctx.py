@@ -15,6 +15,7 @@ bandwidth changes between runs without showing in the load. Answers are
 "copy-heavy" when half their tokens lie in 8-token runs of the book; the summary table groups
 runs by the regime of their own answer. Both implementations share the process, so memory is
 reported as each one's estimated peak alone (weights + cache + the increase while it ran).
+`ours:plain@sdpa` is our plain stack on torch SDPA instead of the compiled CPU attention kernel.
 
     python -m benchmarks.longctx --contexts 8192,16384,32768 --new-tokens 128     # 0.5B
     python -m benchmarks.longctx --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --contexts 16384
@@ -41,6 +42,7 @@ import psutil
 import torch
 
 from benchmarks.hardware import RssSampler, measure_hardware, read_gb_s, token_floor
+from engine.attention import pick_attention, sdpa_attention
 from engine.chat import ChatFormat
 from engine.config import EngineConfig, SamplingConfig
 from engine.device import pick_dtype
@@ -54,8 +56,8 @@ QUESTIONS = (
     ("fact", "What is the name of Sir Walter Elliot's estate, and which book does he like to read?"),
 )
 HF_METHODS = ("hf:plain", "hf:prompt-lookup", "hf:assisted")
-OUR_METHODS = ("ours:plain", "ours:ngram>full", "ours:retrieval>full", "ours:ngram>retrieval>full",
-               "ours:draft>full", "ours:draft>retrieval>full")
+OUR_METHODS = ("ours:plain", "ours:plain@sdpa", "ours:ngram>full", "ours:retrieval>full",
+               "ours:ngram>retrieval>full", "ours:draft>full", "ours:draft>retrieval>full")
 SAMPLINGS = {"greedy": (0.0, 1.0), "sampled": (0.6, 0.9)}  # temperature, top_p
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented example value
 COPY_NGRAM = 8  # an answer token is "copied" when it lies in an 8-token run found in the book
@@ -219,8 +221,14 @@ def hf_generate(method: str, model, draft, cache, prompt: list[int], stop_ids: s
 
 def ours_session(method: str, engine: Engine, state_path: Path) -> Session:
     """The prefilled document restored from its snapshot, with the method's level stack."""
+    levels, _, kernel = method.removeprefix("ours:").partition("@")
+    attend = sdpa_attention if kernel == "sdpa" else pick_attention(
+        engine.device, engine.config.use_flash_attn, engine.config.use_cpu_kernel)
+    for model in (engine.target, engine.draft):  # "@sdpa": the same stack on torch's attention
+        if model is not None:
+            model.set_attention(attend)
     session = Session.restore(engine, state_path)
-    session.set_levels(method.removeprefix("ours:"))
+    session.set_levels(levels)
     return session
 
 

@@ -31,6 +31,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--offload", action="store_true", help="full KV cache in host memory, streamed per layer")
     g.add_argument("--resident-kv-layers", type=int, default=None, help="with --offload: layers kept on the GPU")
     g.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=EngineConfig.use_flash_attn)
+    g.add_argument("--cpu-kernel", action=argparse.BooleanOptionalAction, default=EngineConfig.use_cpu_kernel,
+                   help="compiled AVX2 attention on CPU (SDPA when off or it cannot build)")
     g.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs where shapes allow (eager on CPU)")
     g.add_argument("--file", required=True, help="the document (UTF-8 text)")
     g.add_argument("--max-doc-tokens", type=int, default=None, help="keep only the first N tokens")
@@ -61,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig(target=args.model, draft=args.draft, levels=args.levels,
                               device=args.device, dtype=args.dtype, n_gpus=args.gpus,
                               offload_kv=args.offload, resident_kv_layers=args.resident_kv_layers,
-                              use_flash_attn=args.flash_attn, use_cuda_graphs=args.cuda_graphs)
+                              use_flash_attn=args.flash_attn, use_cpu_kernel=args.cpu_kernel,
+                              use_cuda_graphs=args.cuda_graphs)
         sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                   max_new_tokens=args.max_new_tokens, seed=args.seed)
         engine = Engine.load(config)

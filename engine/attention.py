@@ -1,4 +1,5 @@
-"""Attention kernels over a KV view: torch SDPA always; flash-attn when importable on CUDA.
+"""Attention kernels over a KV view: torch SDPA always; flash-attn when importable on CUDA; on
+CPU our compiled few-row kernel (engine/csrc/attention_cpu.cpp) when it builds here.
 
 Every cache hands the model a view whose last `T` keys are the tokens of this call, and every
 earlier key is visible to all of them (ALGORITHM.md section 7: stale slots are never in a view).
@@ -13,6 +14,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import subprocess
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -52,9 +56,10 @@ def sdpa_attention(
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def _split_attention(q, k, v, tail):
-    """Softmax over (keys before the tail) and over (the tail) as two flash calls merged by their
-    log-sum-exp: o = o_tail + (o_head - o_tail) * sigmoid(lse_head - lse_tail)."""
+def _split_attention(q, k, v, tail, attend_head=None):
+    """Softmax over (keys before the tail) and over (the tail) as two calls merged by their
+    log-sum-exp: o = o_tail + (o_head - o_tail) * sigmoid(lse_head - lse_tail). `attend_head`
+    ([B, Hkv, R, D] folded queries, unmasked keys -> (out, lse [B, Hkv, R])) defaults to flash."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     is_chain = not is_tree_mask(tail)  # O(T^2) bools per layer: negligible next to attention
@@ -64,10 +69,59 @@ def _split_attention(q, k, v, tail):
     if S == T:
         return o_tail
     q_folded = q.reshape(B, Hkv, (H // Hkv) * T, D)  # one KV head's query heads share its reads
-    o_head, lse_head = _flash_cpu(q_folded, k[:, :, :S - T], v[:, :, :S - T])
+    o_head, lse_head = (attend_head or _flash_cpu)(q_folded, k[:, :, :S - T], v[:, :, :S - T])
     o_head, lse_head = o_head.reshape(B, H, T, D), lse_head.reshape(B, H, T, 1)
     share = torch.sigmoid(lse_head - lse_tail.unsqueeze(-1))  # [B, H, T, 1] softmax mass before the tail
     return torch.lerp(o_tail.to(share.dtype), o_head.to(share.dtype), share).to(q.dtype)
+
+
+# The compiled CPU kernel: for R = G*T query rows up to this many it beats torch's flash kernel
+# (24 layers at 32K keys, 2 threads: R = 7 / 35 / 63 in 45 / 145 / 247 ms vs 77 / 188 / 279 ms,
+# benchmarks/RESULTS.md); larger calls (prefill chunks) are GEMM-shaped and stay on flash.
+FEW_ROWS = 64
+HEAD_DIMS = (16, 32, 64, 128)  # the kernel's instantiations
+_CPU_SOURCE = Path(__file__).parent / "csrc" / "attention_cpu.cpp"
+
+
+@functools.cache
+def cpu_kernel():
+    """The compiled few-row attention module, built on first use (~30 s, cached by torch in
+    ~/.cache/torch_extensions), or None where it cannot be: no AVX2, no C++ compiler or ninja."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        log.warning("this CPU has no AVX2: attention on CPU runs on torch SDPA")
+        return None
+    from torch.utils import cpp_extension
+
+    try:
+        import ninja  # the pip package (requirements.txt): torch runs `ninja` from PATH
+
+        if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass  # a system ninja may still be on PATH
+    try:
+        return cpp_extension.load("bookchat_attention_cpu", [str(_CPU_SOURCE)],
+                                  extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"])
+    except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as error:
+        log.warning("the CPU attention kernel did not build (%s): attention on CPU runs on torch "
+                    "SDPA, the exact fallback; a C++ compiler and ninja enable it", error)
+        return None
+
+
+def cpu_attention(q, k, v, tail):
+    """`sdpa_attention` with the compiled kernel for the unmasked keys of calls of few rows
+    (decoding, drafts, checks): its answer is SDPA's up to float32 rounding. Shapes as SDPA's."""
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    kernel = cpu_kernel()
+    if (kernel is None or q.dtype != torch.float32 or D not in HEAD_DIMS or (H // Hkv) * T > FEW_ROWS
+            or k.stride(3) != 1 or v.stride(3) != 1):
+        return sdpa_attention(q, k, v, tail)
+    if tail is not None and T > 1:
+        return _split_attention(q, k, v, tail, lambda q_folded, k_head, v_head: kernel.few_row_attention(
+            q_folded.contiguous(), k_head, v_head))
+    out, _ = kernel.few_row_attention(q.reshape(B, Hkv, (H // Hkv) * T, D).contiguous(), k, v)
+    return out.reshape(B, H, T, D)
 
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -106,10 +160,13 @@ def has_flash_attn() -> bool:
     return True
 
 
-def pick_attention(device: torch.device, use_flash_attn: bool = True):
-    """Choose the kernel once, at construction: flash-attn on CUDA when wanted and importable."""
+def pick_attention(device: torch.device, use_flash_attn: bool = True, use_cpu_kernel: bool = False):
+    """Choose the kernel once, at construction: flash-attn on CUDA when wanted and importable;
+    on CPU the compiled kernel when wanted and it builds."""
     if use_flash_attn and device.type == "cuda" and has_flash_attn():
         return flash_attention
+    if use_cpu_kernel and device.type == "cpu" and cpu_kernel() is not None:
+        return cpu_attention
     return sdpa_attention
 
 

@@ -79,7 +79,7 @@ class Engine:
         self.config, self.target, self.draft, self.tokenizer = config, target, draft, tokenizer
         self.device = target.lm_head.weight.device
         self.dtype = target.lm_head.weight.dtype
-        attend = pick_attention(self.device, config.use_flash_attn)
+        attend = pick_attention(self.device, config.use_flash_attn, config.use_cpu_kernel)
         # one-token drafter and middle-level steps (engine/graphs.py); one process only: tensor
         # parallel's all-reduces (NCCL) inside a captured graph are not attempted
         self.uses_cuda_graphs = graphs_available(self.device, config.use_cuda_graphs and config.n_gpus == 1)

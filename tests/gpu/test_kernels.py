@@ -67,5 +67,8 @@ def test_cuda_graphs_on_cpu_run_eager_and_say_so_once(caplog):
 
 
 def test_engine_switches_reach_the_kernels(no_flash_attn):
-    engine = tiny_engine("plain", use_flash_attn=True)
-    assert engine.target.model.layers[0].self_attn.attend is sdpa_attention  # CPU: always SDPA
+    engine = tiny_engine("plain", use_flash_attn=True, use_cpu_kernel=False)
+    assert engine.target.model.layers[0].self_attn.attend is sdpa_attention  # CPU: never flash-attn
+    engine = tiny_engine("plain", use_cpu_kernel=True)
+    want = attention.cpu_attention if attention.cpu_kernel() is not None else sdpa_attention
+    assert engine.target.model.layers[0].self_attn.attend is want

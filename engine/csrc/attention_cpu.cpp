@@ -1,0 +1,206 @@
+// Attention of a few query rows over a long KV cache, on CPUs with AVX2 and FMA (engine/attention.py).
+//
+// Decoding and short checks attend R = G * T query rows (a KV head's query heads folded with the
+// call's T tokens) over S keys that none of them masks. torch's flash kernel spends ~3x the time
+// of reading K and V there; this reads each K and V row once, uses it for all R rows while it is
+// in L1, and splits the keys into chunks across threads (flash-decoding), merging the chunks by
+// their log-sum-exp. Float32 in, float32 out; the same sums as SDPA in another order.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kChunk = 128;  // keys per task: its K and V rows (32 KiB each at D=64) stay in cache for all R rows
+
+inline float hsum(__m256 x) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  return _mm_cvtss_f32(_mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1)));
+}
+
+inline float hmax(__m256 x) {
+  __m128 lo = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  lo = _mm_max_ps(lo, _mm_movehl_ps(lo, lo));
+  return _mm_cvtss_f32(_mm_max_ss(lo, _mm_shuffle_ps(lo, lo, 1)));
+}
+
+inline __m256 exp256(__m256 x) {  // e^x for x <= 0 (Cephes polynomial, relative error ~1e-7)
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(two_n));
+}
+
+inline __m128 hsum4(const __m256* a) {  // lane i = the sum of a[i]'s lanes
+  __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// s[r, j] = scale * q[r] . k[j] for NR rows and the n <= kChunk keys of one chunk: NR rows times
+// four keys at a time, so each loaded K vector serves NR rows (2 x 4 fills 13 of 16 registers)
+template <int D, int NR>
+void scores_rows(const float* q, const float* k, int64_t k_row, int64_t n, float scale, float* s) {
+  const __m128 scale4 = _mm_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    __m256 acc[NR][4];
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+      __m256 kd[4];
+      for (int i = 0; i < 4; ++i) kd[i] = _mm256_loadu_ps(k + (j + i) * k_row + d);
+      for (int r = 0; r < NR; ++r) {
+        __m256 qd = _mm256_loadu_ps(q + r * D + d);
+        for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_fmadd_ps(qd, kd[i], acc[r][i]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) _mm_storeu_ps(s + r * kChunk + j, _mm_mul_ps(hsum4(acc[r]), scale4));
+  }
+  for (; j < n; ++j) {
+    for (int r = 0; r < NR; ++r) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), _mm256_loadu_ps(k + j * k_row + d), acc);
+      s[r * kChunk + j] = hsum(acc) * scale;
+    }
+  }
+}
+
+template <int D>
+void chunk_scores(const float* q, int64_t R, const float* k, int64_t k_row, int64_t n, float scale, float* s) {
+  int64_t r = 0;
+  for (; r + 2 <= R; r += 2) scores_rows<D, 2>(q + r * D, k, k_row, n, scale, s + r * kChunk);
+  if (r < R) scores_rows<D, 1>(q + r * D, k, k_row, n, scale, s + r * kChunk);
+}
+
+// Per row of one chunk: m = max score, p = exp(s - m) in place, l = sum p
+void chunk_softmax(int64_t R, int64_t n, float* s, float* m, float* l) {
+  for (int64_t r = 0; r < R; ++r) {
+    float* p = s + r * kChunk;
+    float mr = -std::numeric_limits<float>::infinity();
+    int64_t j = 0;
+    __m256 max8 = _mm256_set1_ps(mr);
+    for (; j + 8 <= n; j += 8) max8 = _mm256_max_ps(max8, _mm256_loadu_ps(p + j));
+    for (; j < n; ++j) mr = std::max(mr, p[j]);
+    mr = std::max(mr, hmax(max8));
+    __m256 m8 = _mm256_set1_ps(mr), l8 = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= n; j += 8) {
+      __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(p + j), m8));
+      _mm256_storeu_ps(p + j, e);
+      l8 = _mm256_add_ps(l8, e);
+    }
+    float lr = hsum(l8);
+    for (; j < n; ++j) lr += (p[j] = std::exp(p[j] - mr));
+    m[r] = mr;
+    l[r] = lr;
+  }
+}
+
+// o[r] = sum_j p[r, j] v[j] for NR rows, 32 dims at a time: each loaded V vector serves NR rows
+// (2 rows x 4 vectors of accumulators, 4 of V, 2 broadcasts: 14 of 16 registers)
+template <int D, int NR>
+void values_rows(const float* p, const float* v, int64_t v_row, int64_t n, float* o) {
+  constexpr int W = D < 32 ? D / 8 : 4;
+  for (int d0 = 0; d0 < D; d0 += 8 * W) {
+    __m256 acc[NR][W];
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < W; ++i) acc[r][i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      __m256 vj[W];
+      for (int i = 0; i < W; ++i) vj[i] = _mm256_loadu_ps(v + j * v_row + d0 + 8 * i);
+      for (int r = 0; r < NR; ++r) {
+        __m256 prj = _mm256_broadcast_ss(p + r * kChunk + j);
+        for (int i = 0; i < W; ++i) acc[r][i] = _mm256_fmadd_ps(prj, vj[i], acc[r][i]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < W; ++i) _mm256_storeu_ps(o + r * D + d0 + 8 * i, acc[r][i]);
+  }
+}
+
+template <int D>
+void chunk_values(int64_t R, const float* p, const float* v, int64_t v_row, int64_t n, float* o) {
+  int64_t r = 0;
+  for (; r + 2 <= R; r += 2) values_rows<D, 2>(p + r * kChunk, v, v_row, n, o + r * D);
+  if (r < R) values_rows<D, 1>(p + r * kChunk, v, v_row, n, o + r * D);
+}
+
+template <int D>
+std::vector<torch::Tensor> attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  const int64_t B = q.size(0), Hkv = q.size(1), R = q.size(2), S = k.size(2);
+  const int64_t n_chunks = (S + kChunk - 1) / kChunk, n_tasks = B * Hkv * n_chunks;
+  auto o_part = torch::empty({n_tasks, R, D}, q.options());
+  auto m_part = torch::empty({n_tasks, R}, q.options());
+  auto l_part = torch::empty({n_tasks, R}, q.options());
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float *op = o_part.data_ptr<float>(), *mp = m_part.data_ptr<float>(), *lp = l_part.data_ptr<float>();
+  at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(R * kChunk);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t bh = t / n_chunks, b = bh / Hkv, h = bh % Hkv, j0 = (t % n_chunks) * kChunk;
+      const int64_t n = std::min(kChunk, S - j0);
+      const float* kc = kp + b * k.stride(0) + h * k.stride(1) + j0 * k.stride(2);
+      const float* vc = vp + b * v.stride(0) + h * v.stride(1) + j0 * v.stride(2);
+      chunk_scores<D>(qp + bh * R * D, R, kc, k.stride(2), n, scale, s.data());
+      chunk_softmax(R, n, s.data(), mp + t * R, lp + t * R);
+      chunk_values<D>(R, s.data(), vc, v.stride(2), n, op + t * R * D);
+    }
+  });
+  auto out = torch::empty({B, Hkv, R, D}, q.options());
+  auto lse = torch::empty({B, Hkv, R}, q.options());
+  float *outp = out.data_ptr<float>(), *lsep = lse.data_ptr<float>();
+  at::parallel_for(0, B * Hkv * R, 16, [&](int64_t begin, int64_t end) {  // merge the chunks by log-sum-exp
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t bh = i / R, r = i % R, t0 = bh * n_chunks;
+      float mx = -std::numeric_limits<float>::infinity(), total = 0.f;
+      for (int64_t c = 0; c < n_chunks; ++c) mx = std::max(mx, mp[(t0 + c) * R + r]);
+      float* orow = outp + i * D;
+      std::fill(orow, orow + D, 0.f);
+      for (int64_t c = 0; c < n_chunks; ++c) {
+        const float w = std::exp(mp[(t0 + c) * R + r] - mx);
+        total += w * lp[(t0 + c) * R + r];
+        const float* oc = op + ((t0 + c) * R + r) * D;
+        for (int d = 0; d < D; ++d) orow[d] += w * oc[d];
+      }
+      for (int d = 0; d < D; ++d) orow[d] /= total;
+      lsep[i] = mx + std::log(total);
+    }
+  });
+  return {out, lse};
+}
+
+// q [B, Hkv, R, D] contiguous float32; k, v [B, Hkv, S, D] float32 with contiguous rows, S >= 1.
+// Returns (out [B, Hkv, R, D], lse [B, Hkv, R]): softmax(q k^T / sqrt(D)) v and its log-sum-exp.
+std::vector<torch::Tensor> few_row_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat,
+              "few_row_attention: float32 only");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.is_contiguous(), "few_row_attention: q contiguous [B, Hkv, R, D]");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.size(2) == v.size(2) && k.size(2) >= 1, "few_row_attention: k, v rows");
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3), "few_row_attention: shapes");
+  switch (q.size(3)) {
+    case 16: return attend<16>(q, k, v);
+    case 32: return attend<32>(q, k, v);
+    case 64: return attend<64>(q, k, v);
+    case 128: return attend<128>(q, k, v);
+    default: TORCH_CHECK(false, "few_row_attention: head dim 16, 32, 64 or 128 only");
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("few_row_attention", &few_row_attention); }

@@ -1,0 +1,102 @@
+"""The compiled CPU attention kernel (engine/csrc/attention_cpu.cpp): it builds wherever the CPU
+has AVX2 (CI installs a compiler and ninja), equals float64 SDPA to float32 rounding for every
+shape the engine gives it (GQA and MHA, one token, chains, token trees, chunk edges, batches,
+cache views with spare slots, extreme scores), routes what it does not handle to SDPA unchanged,
+and a float32 engine using it decodes as one that does not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import attention
+from engine.attention import FEW_ROWS, cpu_attention, cpu_kernel, pick_attention, sdpa_attention
+from engine.config import SamplingConfig
+from tests.conftest import tiny_engine
+from tests.engine.test_speculative import random_ids
+
+HAS_AVX2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+needs_kernel = pytest.mark.skipif(not HAS_AVX2, reason="the kernel needs AVX2")
+
+
+def test_the_kernel_builds_where_the_cpu_has_avx2():
+    assert (cpu_kernel() is not None) == HAS_AVX2
+    want = attention.cpu_attention if HAS_AVX2 else sdpa_attention
+    assert pick_attention(torch.device("cpu"), use_cpu_kernel=True) is want
+    assert pick_attention(torch.device("cpu"), use_cpu_kernel=False) is sdpa_attention
+
+
+def qkv(B, H, Hkv, T, S, D, spare=37, seed=0, scale=1.0):
+    """float32 queries and a cache view [B, Hkv, S, D] of a buffer with `spare` unused slots."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, D, generator=g).transpose(1, 2) * scale  # [B, H, T, D] as the model makes it
+    k = torch.randn(B, Hkv, S + spare, D, generator=g)[:, :, :S]
+    v = torch.randn(B, Hkv, S + spare, D, generator=g)[:, :, :S]
+    return q, k, v
+
+
+def chain(T):
+    return torch.ones(T, T, dtype=torch.bool).tril() if T > 1 else None
+
+
+@needs_kernel
+@pytest.mark.parametrize(("H", "Hkv", "D"), [(14, 2, 64), (12, 2, 128), (9, 3, 64), (4, 4, 32), (4, 2, 16)])
+@pytest.mark.parametrize(("T", "S"), [(1, 1), (1, 127), (1, 129), (1, 1000), (2, 2), (4, 300), (9, 257)])
+def test_the_kernel_equals_float64_sdpa(H, Hkv, D, T, S):
+    if (H // Hkv) * T > FEW_ROWS:
+        pytest.skip("more rows than the kernel takes")
+    for B in (1, 2):
+        q, k, v = qkv(B, H, Hkv, T, S, D, seed=S + T)
+        got = cpu_attention(q, k, v, chain(T))
+        want = sdpa_attention(q.double(), k.double(), v.double(), chain(T))
+        assert got.dtype == torch.float32 and got.shape == (B, H, T, D)
+        assert torch.allclose(got.double(), want, atol=2e-6, rtol=1e-5)
+
+
+@needs_kernel
+def test_the_kernel_returns_the_log_sum_exp_and_survives_extreme_scores():
+    q, k, v = qkv(1, 14, 2, 1, 700, 64, scale=40.0)  # scores in the hundreds: no overflow, one key dominates
+    q_folded = q.reshape(1, 2, 7, 64).contiguous()
+    out, lse = cpu_kernel().few_row_attention(q_folded, k, v)
+    scores = q_folded.double() @ k.double().transpose(-1, -2) / 8.0  # [1, Hkv, 7, S]
+    assert torch.allclose(lse.double(), torch.logsumexp(scores, -1), atol=1e-4, rtol=1e-5)
+    assert torch.allclose(out.double(), torch.softmax(scores, -1) @ v.double(), atol=1e-5)
+    assert torch.isfinite(out).all()
+
+
+@needs_kernel
+def test_a_token_tree_tail_goes_through_the_kernel_as_sdpa_does():
+    q, k, v = qkv(1, 14, 2, 4, 400, 64, seed=5)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)
+    got = cpu_attention(q, k, v, tree)
+    want = sdpa_attention(q.double(), k.double(), v.double(), tree)
+    assert torch.allclose(got.double(), want, atol=2e-6, rtol=1e-5)
+
+
+def test_what_the_kernel_does_not_take_goes_to_sdpa_unchanged():
+    cases = [qkv(1, 14, 2, FEW_ROWS // 7 + 1, 300, 64),  # too many rows: a prefill chunk
+             qkv(1, 4, 2, 3, 100, 24)]  # a head dim without an instantiation
+    q, k, v = qkv(1, 14, 2, 3, 100, 64)
+    cases.append((q.double(), k.double(), v.double()))  # float64
+    for q, k, v in cases:
+        T = q.shape[2]
+        assert torch.equal(cpu_attention(q, k, v, chain(T)), sdpa_attention(q, k, v, chain(T)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("levels", ["ngram>retrieval>full", "selfspec>full"])
+def test_a_float32_engine_on_the_kernel_decodes_as_on_sdpa(levels):
+    """Same greedy answers with the kernel or without it, and speculation over it is lossless:
+    every stack's answer equals plain decoding's on the same kernel."""
+    doc, question = random_ids(300, 128, 3), random_ids(6, 128, 4)
+    answers = {}
+    for use_cpu_kernel in (True, False):
+        for stack in ("plain", levels):
+            engine = tiny_engine(stack, dtype="float32", use_cpu_kernel=use_cpu_kernel)
+            attend = engine.target.model.layers[0].self_attn.attend
+            assert attend is (cpu_attention if use_cpu_kernel else sdpa_attention)
+            session = engine.open(doc)
+            events = session.ask(question, SamplingConfig(max_new_tokens=24))
+            answers[use_cpu_kernel, stack] = [t for e in events for t in e.tokens]
+    assert len(answers[True, "plain"]) == 24
+    assert len(set(map(tuple, answers.values()))) == 1, answers
