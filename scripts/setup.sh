@@ -22,6 +22,14 @@ if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.complete" ]; then
 fi
 ln -sfn "$VENV" .venv
 
+if ! command -v c++ >/dev/null; then  # torch builds the CPU attention kernel with it (engine/csrc)
+  echo "== installing g++ (the CPU attention kernel; without it attention runs on torch SDPA)"
+  { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends g++ >/dev/null; } ||
+    echo "   could not install g++: the engine runs on torch SDPA"
+fi
+echo "== CPU attention kernel (built once, cached by torch)"
+.venv/bin/python -c "from engine.attention import cpu_kernel; print('   ready' if cpu_kernel() else '   not built: torch SDPA')"
+
 if [ "$DEV" = 1 ]; then
   if [ ! -x /usr/bin/chromium ]; then
     echo "== installing Debian chromium (browser tests)"
