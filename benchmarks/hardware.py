@@ -91,7 +91,7 @@ def token_floor(model, context_tokens: int, hw: Hardware) -> Floor:
     copy, engine/model.py `PackedLinear`); the embedding lookup reads a row, not the table.
     """
     c = model.config
-    dtype = model.lm_head.weight.dtype
+    dtype = model.dtype  # of the arithmetic and the KV cache; weights may be stored narrower
     matmul_params = [p for n, p in model.named_parameters(remove_duplicate=False) if "embed_tokens" not in n]
     weight_bytes = sum(p.numel() * p.element_size() for p in matmul_params)
     kv_bytes = c.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * context_tokens

@@ -5,6 +5,10 @@ minimum (on a shared machine the minimum is the better estimate of the work itse
 random keys and values at the context length (costs do not depend on the values).
 - attention: one layer, T new tokens over S keys (Qwen-0.5B shapes): the single SDPA call with
   a [G*T, S] boolean mask (the previous kernel, still the non-CPU fallback) vs `sdpa_attention`.
+- cpu-attention: decoding's attention over all 24 layers' caches (so K and V come from memory
+  as in decoding, not from L3), float32 and the model's dtype (bf16 where the CPU has bf16
+  instructions), T = 1, 2, 5, 9 tokens of 7 query heads per KV head: `sdpa_attention` (torch's
+  flash kernel) vs `cpu_attention` (our AVX2 kernel, engine/csrc).
 - prefill: one 512-token chunk after S cached tokens, our model vs Hugging Face's.
 - decode: one token after S cached tokens, ours vs Hugging Face's; and our check of 1 + 4,
   1 + 8 (chains) and 1 + 3x8 (tree) tokens, as the full level verifies n-gram drafts.
@@ -32,11 +36,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.attention import sdpa_attention, tail_mask
-from engine.device import can_pack_linear_weights, linear_layout, pick_dtype
+from engine.attention import cpu_attention, cpu_kernel, sdpa_attention, tail_mask
+from engine.device import can_pack_linear_weights, cpu_linear_kernel, linear_layout, pick_dtype
 from engine.kv.full import FullCache
 from engine.loading import load_model, resolve_model
-from engine.model import PackedLinear
+from engine.model import Bf16Linear, PackedLinear
 from engine.sampling import Draft, sampling_probs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,19 +90,40 @@ def bench_attention(S: int, repeats: int) -> dict:
     return out
 
 
+def bench_cpu_attention(S: int, repeats: int, dtype: torch.dtype, layers: int = 24) -> dict:
+    if cpu_kernel() is None:
+        return {"skipped": "the CPU attention kernel did not build here (no AVX2 or no C++ compiler)"}
+    out = {}
+    for kv_dtype in dict.fromkeys((torch.float32, dtype)):  # float32, and the model's dtype
+        caches = [(torch.randn(1, 2, S + 9, 64).to(kv_dtype), torch.randn(1, 2, S + 9, 64).to(kv_dtype))
+                  for _ in range(layers)]
+        for T in (1, 2, 5, 9):
+            q = torch.randn(1, 14, T, 64).to(kv_dtype)
+            tail = torch.ones(T, T, dtype=torch.bool).tril() if T > 1 else None
+
+            def every_layer(attend, q=q, T=T, tail=tail, caches=caches):
+                for k, v in caches:
+                    attend(q, k[:, :, :S + T], v[:, :, :S + T], tail)
+            name = f"T={T}" if kv_dtype == torch.float32 else f"{str(kv_dtype).removeprefix('torch.')} T={T}"
+            out[name] = side_by_side({"sdpa_attention": lambda f=every_layer: f(sdpa_attention),
+                                      "cpu_attention": lambda f=every_layer: f(cpu_attention)}, repeats)
+    return out
+
+
 class Models:
     """Our model and Hugging Face's, with caches holding the same random S entries. Where the
-    engine packs its linears, a second copy of ours keeps MKL's input-major layout (the fallback,
-    and the engine's layout before oneDNN packing) to time the two side by side."""
+    engine packs its linears or stores them bf16, a second copy of ours keeps MKL's input-major
+    layout (the fallback, and the engine's layout before either) to time them side by side."""
 
     def __init__(self, name: str, dtype: torch.dtype):
         from transformers import AutoModelForCausalLM
 
         self.ours, _ = load_model(name, dtype, torch.device("cpu"))
-        layout = linear_layout(torch.device("cpu"), dtype)
+        fits_bf16 = dtype == torch.float32 and self.ours.linear_weights_fit_bf16()
+        layout = linear_layout(torch.device("cpu"), dtype, fits_bf16)
         self.ours.lay_out_linears(layout)  # as Engine does
         self.ours_input_major = None
-        if layout == "packed":
+        if layout in ("packed", "bf16-stored"):
             self.ours_input_major, _ = load_model(name, dtype, torch.device("cpu"))
             self.ours_input_major.lay_out_linears("input-major")
         self.hf = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype, attn_implementation="sdpa",
@@ -199,8 +224,9 @@ def model_linears(source: str, dtype: torch.dtype) -> list[torch.nn.Linear]:
 
 def bench_weights(source: str, dtype: torch.dtype, repeats: int) -> dict:
     """The matmuls of one forward of T tokens (every linear weight of the model, no attention),
-    weights as loaded ([out, in], rows contiguous), input-major and oneDNN-packed (the layouts
-    of engine/device.py `linear_layout`); T = 512 is a prefill chunk."""
+    weights as loaded ([out, in], rows contiguous), input-major, oneDNN-packed and, for float32
+    weights that are bf16 values, bf16-stored (the layouts of engine/device.py `linear_layout`);
+    T = 512 is a prefill chunk."""
     linears = model_linears(source, dtype)
     weights = [m.weight for m in linears]
     input_major = [w.t().contiguous().t() for w in weights]
@@ -209,8 +235,12 @@ def bench_weights(source: str, dtype: torch.dtype, repeats: int) -> dict:
     if can_pack_linear_weights(dtype):
         packed = [PackedLinear(m) for m in linears]
         layouts["packed"] = lambda x: [m(x[m.in_features]) for m in packed]
+    kernel = cpu_linear_kernel()
+    if dtype == torch.float32 and kernel is not None and all(torch.equal(w, w.bfloat16().float()) for w in weights):
+        stored = [Bf16Linear(m, kernel) for m in linears]
+        layouts["bf16-stored"] = lambda x: [m(x[m.in_features]) for m in stored]
     out = {}
-    for T in (1, 2, 5, 9, 16, 512):
+    for T in (1, 2, 5, 9, 16, 32, 64, 512):
         x = {n: torch.randn(T, n, dtype=dtype) for n in {w.shape[1] for w in weights}}
         with torch.inference_mode():  # as the engine's forward runs
             out[f"T={T}"] = side_by_side({name: lambda f=f, x=x: f(x) for name, f in layouts.items()},
@@ -286,10 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", default="8192,32768")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--only", default="attention,prefill,decode,sampling,weights",
+    p.add_argument("--only", default="attention,cpu-attention,prefill,decode,sampling,weights",
                    help="comma-separated; also: compiled")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
-                   help="model dtype; auto = the engine's choice (bf16 with AMX, else float32)")
+                   help="model dtype; auto = the engine's choice (bf16 with AMX or AVX512-BF16, else float32)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kernels.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -301,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     models = Models(args.model, dtype) if only & {"prefill", "decode"} else None
     for S in (int(s) for s in args.contexts.split(",")):
         for name, bench in (("attention", lambda S: bench_attention(S, args.repeats)),
+                            ("cpu-attention", lambda S: bench_cpu_attention(S, args.repeats, dtype)),
                             ("prefill", lambda S: bench_prefill(models, S, args.repeats)),
                             ("decode", lambda S: bench_decode(models, S, args.repeats))):
             if name in only:

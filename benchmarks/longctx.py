@@ -45,7 +45,7 @@ from benchmarks.hardware import RssSampler, measure_hardware, read_gb_s, token_f
 from engine.attention import pick_attention, sdpa_attention
 from engine.chat import ChatFormat
 from engine.config import EngineConfig, SamplingConfig
-from engine.device import pick_dtype
+from engine.device import cpu_has_amx_bf16, cpu_has_avx512_bf16, pick_dtype
 from engine.engine import Engine, Session
 from engine.loading import resolve_model
 
@@ -81,7 +81,7 @@ def parse_args(argv):
     p.add_argument("--methods", default=None, help="comma-separated subset (default: all that apply)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
-                   help="both implementations; auto = the engine's choice (bf16 with AMX, else float32)")
+                   help="both implementations; auto = the engine's choice (bf16 with AMX or AVX512-BF16, else float32)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "longctx.json")
     p.add_argument("--quick", action="store_true", help="CI smoke test: SmolLM2, ~1K context, 16 tokens")
@@ -271,8 +271,8 @@ def level_breakdown(stats, result: dict) -> list[dict]:
 def machine() -> dict:
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
-    flags = next((line for line in cpuinfo if line.startswith("flags")), "")
-    return {"cpu": cpu, "amx_bf16": "amx_bf16" in flags, "n_cores": psutil.cpu_count(),
+    return {"cpu": cpu, "amx_bf16": cpu_has_amx_bf16(), "avx512_bf16": cpu_has_avx512_bf16(),
+            "n_cores": psutil.cpu_count(),
             "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "python": platform.python_version(),
             "torch": torch.__version__, "transformers": __import__("transformers").__version__,
             "load_avg_at_start": list(psutil.getloadavg())}

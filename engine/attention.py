@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import subprocess
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from engine.device import build_cpu_extension
 
 log = logging.getLogger(__name__)
 
@@ -87,41 +87,27 @@ _CPU_SOURCE = Path(__file__).parent / "csrc" / "attention_cpu.cpp"
 def cpu_kernel():
     """The compiled few-row attention module, built on first use (~30 s, cached by torch in
     ~/.cache/torch_extensions), or None where it cannot be: no AVX2, no C++ compiler or ninja."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        log.warning("this CPU has no AVX2: attention on CPU runs on torch SDPA")
-        return None
-    from torch.utils import cpp_extension
+    return build_cpu_extension("bookchat_attention_cpu", _CPU_SOURCE, "attention on CPU runs on torch SDPA")
 
-    try:
-        import ninja  # the pip package (requirements.txt): torch runs `ninja` from PATH
 
-        if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    except ImportError:
-        pass  # a system ninja may still be on PATH
-    try:
-        return cpp_extension.load("bookchat_attention_cpu", [str(_CPU_SOURCE)],
-                                  extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"])
-    except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as error:
-        log.warning("the CPU attention kernel did not build (%s): attention on CPU runs on torch "
-                    "SDPA, the exact fallback; a C++ compiler and ninja enable it", error)
-        return None
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # of the cache; the kernel sums in float32
 
 
 def cpu_attention(q, k, v, tail):
     """`sdpa_attention` with the compiled kernel for the unmasked keys of calls of few rows
-    (decoding, drafts, checks): its answer is SDPA's up to float32 rounding. Shapes as SDPA's."""
+    (decoding, drafts, checks): its answer is SDPA's up to float32 rounding (bf16 caches are
+    read as bf16 and summed in float32, as torch's flash kernel does). Shapes as SDPA's."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     kernel = cpu_kernel()
-    if (kernel is None or q.dtype != torch.float32 or D not in HEAD_DIMS or (H // Hkv) * T > FEW_ROWS
-            or k.stride(3) != 1 or v.stride(3) != 1):
+    if (kernel is None or q.dtype not in KERNEL_DTYPES or k.dtype != q.dtype or D not in HEAD_DIMS
+            or (H // Hkv) * T > FEW_ROWS or k.stride(3) != 1 or v.stride(3) != 1):
         return sdpa_attention(q, k, v, tail)
     if tail is not None and T > 1:
         return _split_attention(q, k, v, tail, lambda q_folded, k_head, v_head: kernel.few_row_attention(
-            q_folded.contiguous(), k_head, v_head))
-    out, _ = kernel.few_row_attention(q.reshape(B, Hkv, (H // Hkv) * T, D).contiguous(), k, v)
-    return out.reshape(B, H, T, D)
+            q_folded.float().contiguous(), k_head, v_head))
+    out, _ = kernel.few_row_attention(q.reshape(B, Hkv, (H // Hkv) * T, D).float().contiguous(), k, v)
+    return out.reshape(B, H, T, D).to(q.dtype)
 
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)

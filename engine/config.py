@@ -134,7 +134,7 @@ class EngineConfig:
     draft: str | None = None  # small model for the `draft` level; must share the tokenizer
     levels: str = "ngram>retrieval>full"
     device: str = "auto"  # "auto" picks cuda when present, else cpu
-    dtype: str = "auto"  # "auto": bfloat16 on CPU with AMX or CUDA, else float32
+    dtype: str = "auto"  # "auto": bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32
     retrieval: RetrievalConfig = RetrievalConfig()
     prefill_chunk_tokens: int = 512  # CPU: 256..4096 prefill equally fast (issue 7); smaller cancel sooner
     streaming_sink_tokens: int = 4  # StreamingLLM cache of the draft / self-speculation level

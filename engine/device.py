@@ -6,10 +6,17 @@ Nothing else in the engine names "cuda" or synchronises (STYLE.md section 5).
 from __future__ import annotations
 
 import functools
+import logging
+import os
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+_LINEAR_SOURCE = Path(__file__).parent / "csrc" / "linear_cpu.cpp"
 
 
 def pick_device(name: str) -> torch.device:
@@ -18,37 +25,96 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cpu_has_amx_bf16() -> bool:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo), empty where that cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
-            return "amx_bf16" in f.read()
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
-        return False
+        pass
+    return frozenset()
+
+
+def cpu_has_amx_bf16() -> bool:
+    return "amx_bf16" in cpu_flags()
+
+
+def cpu_has_avx512_bf16() -> bool:
+    """bf16 dot products in AVX-512 (Zen 4, Cooper Lake and later): oneDNN's packed bf16
+    linears run on them, twice float32's rate on half its bytes."""
+    return "avx512_bf16" in cpu_flags()
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto": bfloat16 on CUDA and on CPUs with AMX-BF16 (matmuls as fast as one row), else float32."""
+    """"auto": bfloat16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16, else float32. Without
+    them torch's bf16 matmuls of more than one row are tens of times slower than float32's.
+    Every linear of the 0.5B, AVX512-BF16 EPYC without AMX, 2 threads, T = 1 / 9 tokens: 51 / 55
+    ms in packed bf16 vs 89 / 85 in packed float32 (benchmarks/RESULTS.md)."""
     if name != "auto":
         return getattr(torch, name)
-    if device.type == "cuda" or cpu_has_amx_bf16():
+    if device.type == "cuda" or cpu_has_amx_bf16() or cpu_has_avx512_bf16():
         return torch.bfloat16
     return torch.float32
 
 
-def linear_layout(device: torch.device, dtype: torch.dtype) -> str:
-    """How linear weights are stored here, chosen once when the engine is built:
-    - "packed": float32 on a CPU where oneDNN prepacks linears (`Transformer.pack_linear_weights`).
-      Every linear of the 0.5B, AVX2 EPYC, 2 threads, T = 1 / 5 / 9 tokens: 94 / 80 / 96 ms
-      vs 100 / 244 / 293 input-major (benchmarks/RESULTS.md): a check of several drafted tokens
-      reads the weights once, as one token does, so speculation pays on such CPUs too;
+def linear_layout(device: torch.device, dtype: torch.dtype, weights_fit_bf16: bool = False) -> str:
+    """How linear weights are stored here, chosen once per model when the engine is built:
+    - "bf16-stored": float32 on a CPU with AVX2 whose weights are all exactly bf16 values (a
+      checkpoint published or converted in bf16, as every packaged model): stored as bf16 and
+      multiplied in float32 by engine/csrc/linear_cpu.cpp, the same products as float32 on half
+      the bytes. Every linear of the 0.5B, AVX2 EPYC, 2 threads, T = 1 / 5 / 9 tokens: 58 / 91 /
+      113 ms vs 119 / 146 / 173 packed (benchmarks/RESULTS.md);
+    - "packed": on a CPU where oneDNN prepacks linears (`Transformer.pack_linear_weights`), for
+      float32, and for bf16 where the CPU has AVX512-BF16 but no AMX. Every linear of the 0.5B,
+      AVX2 EPYC, float32, 2 threads, T = 1 / 5 / 9 tokens: 94 / 80 / 96 ms vs 100 / 244 / 293
+      input-major; AVX512-BF16 EPYC, bf16, T = 1 / 9: 51 / 55 ms vs 98 / 103 as loaded
+      (benchmarks/RESULTS.md): a check of several drafted tokens reads the weights once, as one
+      token does, so speculation pays on such CPUs too;
     - "input-major": float32 on a CPU without it (MKL: 99 vs 125 ms for one token as loaded);
-    - "as loaded" otherwise: CUDA, and bf16 (its kernels want rows, 8x slower input-major without
-      AMX; packed bf16 is not measured on an AMX CPU yet, so it is not chosen)."""
+    - "as loaded" otherwise: CUDA, and bf16 on AMX (not measured packed there) or on CPUs
+      without bf16 instructions (its kernels want rows, 8x slower input-major)."""
     if device.type != "cpu":
         return "as loaded"
     if dtype == torch.float32:
+        if weights_fit_bf16 and cpu_linear_kernel() is not None:
+            return "bf16-stored"
         return "packed" if can_pack_linear_weights(dtype) else "input-major"
+    if dtype == torch.bfloat16 and cpu_has_avx512_bf16() and not cpu_has_amx_bf16() and can_pack_linear_weights(dtype):
+        return "packed"
     return "as loaded"
+
+
+def build_cpu_extension(name: str, source: Path, fallback: str):
+    """A C++ extension of engine/csrc compiled by torch on first use (~30-50 s, cached in
+    ~/.cache/torch_extensions), or None where it cannot be: no AVX2, no C++ compiler or ninja.
+    `fallback` says, in the one log line, what runs instead."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        log.warning("this CPU has no AVX2: %s", fallback)
+        return None
+    from torch.utils import cpp_extension
+
+    try:
+        import ninja  # the pip package (requirements.txt): torch runs `ninja` from PATH
+
+        if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass  # a system ninja may still be on PATH
+    try:
+        return cpp_extension.load(name, [str(source)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"])
+    except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as error:
+        log.warning("%s did not build (%s): %s, the exact fallback; a C++ compiler and ninja enable it",
+                    source.name, error, fallback)
+        return None
+
+
+@functools.cache
+def cpu_linear_kernel():
+    """engine/csrc/linear_cpu.cpp (float32 linears over bf16-stored weights), or None."""
+    return build_cpu_extension("bookchat_linear_cpu", _LINEAR_SOURCE, "linears on CPU stay float32")
 
 
 @functools.cache

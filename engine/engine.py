@@ -78,7 +78,7 @@ class Engine:
                  draft: Transformer | None = None):
         self.config, self.target, self.draft, self.tokenizer = config, target, draft, tokenizer
         self.device = target.lm_head.weight.device
-        self.dtype = target.lm_head.weight.dtype
+        self.dtype = target.dtype
         attend = pick_attention(self.device, config.use_flash_attn, config.use_cpu_kernel)
         # one-token drafter and middle-level steps (engine/graphs.py); one process only: tensor
         # parallel's all-reduces (NCCL) inside a captured graph are not attempted
@@ -86,7 +86,8 @@ class Engine:
         for model in (target, draft):
             if model is not None:
                 model.set_attention(attend)
-                model.lay_out_linears(linear_layout(self.device, self.dtype))
+                fits_bf16 = self.dtype == torch.float32 and model.linear_weights_fit_bf16()  # a bf16 checkpoint
+                model.lay_out_linears(linear_layout(self.device, self.dtype, fits_bf16))
         self.n_prefills = 0  # documents prefilled (the app asserts a question does not add one)
         self.n_prefill_tokens = 0
 

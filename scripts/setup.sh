@@ -22,13 +22,14 @@ if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.complete" ]; then
 fi
 ln -sfn "$VENV" .venv
 
-if ! command -v c++ >/dev/null; then  # torch builds the CPU attention kernel with it (engine/csrc)
-  echo "== installing g++ (the CPU attention kernel; without it attention runs on torch SDPA)"
+if ! command -v c++ >/dev/null; then  # torch builds the CPU kernels with it (engine/csrc)
+  echo "== installing g++ (the CPU kernels; without them attention runs on torch SDPA, linears in float32)"
   { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends g++ >/dev/null; } ||
     echo "   could not install g++: the engine runs on torch SDPA"
 fi
-echo "== CPU attention kernel (built once, cached by torch)"
-.venv/bin/python -c "from engine.attention import cpu_kernel; print('   ready' if cpu_kernel() else '   not built: torch SDPA')"
+echo "== CPU attention and linear kernels (built once, cached by torch)"
+.venv/bin/python -c "from engine.attention import cpu_kernel; print('   attention ready' if cpu_kernel() else '   attention not built: torch SDPA')"
+.venv/bin/python -c "from engine.device import cpu_linear_kernel; print('   linears ready' if cpu_linear_kernel() else '   linears not built: float32 weights')"
 
 if [ "$DEV" = 1 ]; then
   if [ ! -x /usr/bin/chromium ]; then

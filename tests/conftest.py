@@ -52,6 +52,8 @@ def tiny_engine(levels: str, family: str = "llama", seed: int = 0, vocab: int = 
         draft = ours(tiny_hf(family, seed, vocab))
         draft.lm_head.weight.data = draft.lm_head.weight.data.clone() * 3
     draft = draft and draft.to(getattr(torch, dtype))
+    if overrides.pop("bf16_weights", False):  # as a bf16 checkpoint loaded in `dtype`
+        target, draft = (m and m.bfloat16().to(getattr(torch, dtype)) for m in (target, draft))
     retrieval = overrides.pop("retrieval", RetrievalConfig(budget_tokens=64, sink_tokens=4, window_tokens=16,
                                                             chunk_tokens=4, n_score_queries=4,
                                                             rebuild_every_tokens=16))

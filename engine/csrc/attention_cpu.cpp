@@ -4,7 +4,8 @@
 // call's T tokens) over S keys that none of them masks. torch's flash kernel spends ~3x the time
 // of reading K and V there; this reads each K and V row once, uses it for all R rows while it is
 // in L1, and splits the keys into chunks across threads (flash-decoding), merging the chunks by
-// their log-sum-exp. Float32 in, float32 out; the same sums as SDPA in another order.
+// their log-sum-exp. Queries and outputs float32; K and V float32 or bfloat16 (widened to float32
+// as they are loaded: a bf16 cache is half the bytes to read); the same sums as SDPA in another order.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -46,6 +47,13 @@ inline __m256 exp256(__m256 x) {  // e^x for x <= 0 (Cephes polynomial, relative
   return _mm256_mul_ps(y, _mm256_castsi256_ps(two_n));
 }
 
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const at::BFloat16* p) {  // a bf16 is the top half of the float32 it stands for
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
 inline __m128 hsum4(const __m256* a) {  // lane i = the sum of a[i]'s lanes
   __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
@@ -53,8 +61,8 @@ inline __m128 hsum4(const __m256* a) {  // lane i = the sum of a[i]'s lanes
 
 // s[r, j] = scale * q[r] . k[j] for NR rows and the n <= kChunk keys of one chunk: NR rows times
 // four keys at a time, so each loaded K vector serves NR rows (2 x 4 fills 13 of 16 registers)
-template <int D, int NR>
-void scores_rows(const float* q, const float* k, int64_t k_row, int64_t n, float scale, float* s) {
+template <int D, int NR, typename KV>
+void scores_rows(const float* q, const KV* k, int64_t k_row, int64_t n, float scale, float* s) {
   const __m128 scale4 = _mm_set1_ps(scale);
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
@@ -63,7 +71,7 @@ void scores_rows(const float* q, const float* k, int64_t k_row, int64_t n, float
       for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
     for (int d = 0; d < D; d += 8) {
       __m256 kd[4];
-      for (int i = 0; i < 4; ++i) kd[i] = _mm256_loadu_ps(k + (j + i) * k_row + d);
+      for (int i = 0; i < 4; ++i) kd[i] = load8(k + (j + i) * k_row + d);
       for (int r = 0; r < NR; ++r) {
         __m256 qd = _mm256_loadu_ps(q + r * D + d);
         for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_fmadd_ps(qd, kd[i], acc[r][i]);
@@ -74,17 +82,17 @@ void scores_rows(const float* q, const float* k, int64_t k_row, int64_t n, float
   for (; j < n; ++j) {
     for (int r = 0; r < NR; ++r) {
       __m256 acc = _mm256_setzero_ps();
-      for (int d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), _mm256_loadu_ps(k + j * k_row + d), acc);
+      for (int d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), load8(k + j * k_row + d), acc);
       s[r * kChunk + j] = hsum(acc) * scale;
     }
   }
 }
 
-template <int D>
-void chunk_scores(const float* q, int64_t R, const float* k, int64_t k_row, int64_t n, float scale, float* s) {
+template <int D, typename KV>
+void chunk_scores(const float* q, int64_t R, const KV* k, int64_t k_row, int64_t n, float scale, float* s) {
   int64_t r = 0;
-  for (; r + 2 <= R; r += 2) scores_rows<D, 2>(q + r * D, k, k_row, n, scale, s + r * kChunk);
-  if (r < R) scores_rows<D, 1>(q + r * D, k, k_row, n, scale, s + r * kChunk);
+  for (; r + 2 <= R; r += 2) scores_rows<D, 2, KV>(q + r * D, k, k_row, n, scale, s + r * kChunk);
+  if (r < R) scores_rows<D, 1, KV>(q + r * D, k, k_row, n, scale, s + r * kChunk);
 }
 
 // Per row of one chunk: m = max score, p = exp(s - m) in place, l = sum p
@@ -112,8 +120,8 @@ void chunk_softmax(int64_t R, int64_t n, float* s, float* m, float* l) {
 
 // o[r] = sum_j p[r, j] v[j] for NR rows, 32 dims at a time: each loaded V vector serves NR rows
 // (2 rows x 4 vectors of accumulators, 4 of V, 2 broadcasts: 14 of 16 registers)
-template <int D, int NR>
-void values_rows(const float* p, const float* v, int64_t v_row, int64_t n, float* o) {
+template <int D, int NR, typename KV>
+void values_rows(const float* p, const KV* v, int64_t v_row, int64_t n, float* o) {
   constexpr int W = D < 32 ? D / 8 : 4;
   for (int d0 = 0; d0 < D; d0 += 8 * W) {
     __m256 acc[NR][W];
@@ -121,7 +129,7 @@ void values_rows(const float* p, const float* v, int64_t v_row, int64_t n, float
       for (int i = 0; i < W; ++i) acc[r][i] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
       __m256 vj[W];
-      for (int i = 0; i < W; ++i) vj[i] = _mm256_loadu_ps(v + j * v_row + d0 + 8 * i);
+      for (int i = 0; i < W; ++i) vj[i] = load8(v + j * v_row + d0 + 8 * i);
       for (int r = 0; r < NR; ++r) {
         __m256 prj = _mm256_broadcast_ss(p + r * kChunk + j);
         for (int i = 0; i < W; ++i) acc[r][i] = _mm256_fmadd_ps(prj, vj[i], acc[r][i]);
@@ -132,14 +140,14 @@ void values_rows(const float* p, const float* v, int64_t v_row, int64_t n, float
   }
 }
 
-template <int D>
-void chunk_values(int64_t R, const float* p, const float* v, int64_t v_row, int64_t n, float* o) {
+template <int D, typename KV>
+void chunk_values(int64_t R, const float* p, const KV* v, int64_t v_row, int64_t n, float* o) {
   int64_t r = 0;
-  for (; r + 2 <= R; r += 2) values_rows<D, 2>(p + r * kChunk, v, v_row, n, o + r * D);
-  if (r < R) values_rows<D, 1>(p + r * kChunk, v, v_row, n, o + r * D);
+  for (; r + 2 <= R; r += 2) values_rows<D, 2, KV>(p + r * kChunk, v, v_row, n, o + r * D);
+  if (r < R) values_rows<D, 1, KV>(p + r * kChunk, v, v_row, n, o + r * D);
 }
 
-template <int D>
+template <int D, typename KV>
 std::vector<torch::Tensor> attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
   const int64_t B = q.size(0), Hkv = q.size(1), R = q.size(2), S = k.size(2);
   const int64_t n_chunks = (S + kChunk - 1) / kChunk, n_tasks = B * Hkv * n_chunks;
@@ -147,18 +155,19 @@ std::vector<torch::Tensor> attend(const torch::Tensor& q, const torch::Tensor& k
   auto m_part = torch::empty({n_tasks, R}, q.options());
   auto l_part = torch::empty({n_tasks, R}, q.options());
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  const KV *kp = k.data_ptr<KV>(), *vp = v.data_ptr<KV>();
   float *op = o_part.data_ptr<float>(), *mp = m_part.data_ptr<float>(), *lp = l_part.data_ptr<float>();
   at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(R * kChunk);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bh = t / n_chunks, b = bh / Hkv, h = bh % Hkv, j0 = (t % n_chunks) * kChunk;
       const int64_t n = std::min(kChunk, S - j0);
-      const float* kc = kp + b * k.stride(0) + h * k.stride(1) + j0 * k.stride(2);
-      const float* vc = vp + b * v.stride(0) + h * v.stride(1) + j0 * v.stride(2);
-      chunk_scores<D>(qp + bh * R * D, R, kc, k.stride(2), n, scale, s.data());
+      const KV* kc = kp + b * k.stride(0) + h * k.stride(1) + j0 * k.stride(2);
+      const KV* vc = vp + b * v.stride(0) + h * v.stride(1) + j0 * v.stride(2);
+      chunk_scores<D, KV>(qp + bh * R * D, R, kc, k.stride(2), n, scale, s.data());
       chunk_softmax(R, n, s.data(), mp + t * R, lp + t * R);
-      chunk_values<D>(R, s.data(), vc, v.stride(2), n, op + t * R * D);
+      chunk_values<D, KV>(R, s.data(), vc, v.stride(2), n, op + t * R * D);
     }
   });
   auto out = torch::empty({B, Hkv, R, D}, q.options());
@@ -184,21 +193,28 @@ std::vector<torch::Tensor> attend(const torch::Tensor& q, const torch::Tensor& k
   return {out, lse};
 }
 
-// q [B, Hkv, R, D] contiguous float32; k, v [B, Hkv, S, D] float32 with contiguous rows, S >= 1.
+template <typename KV>
+std::vector<torch::Tensor> attend_dim(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  switch (q.size(3)) {
+    case 16: return attend<16, KV>(q, k, v);
+    case 32: return attend<32, KV>(q, k, v);
+    case 64: return attend<64, KV>(q, k, v);
+    case 128: return attend<128, KV>(q, k, v);
+    default: TORCH_CHECK(false, "few_row_attention: head dim 16, 32, 64 or 128 only");
+  }
+}
+
+// q [B, Hkv, R, D] contiguous float32; k, v [B, Hkv, S, D] float32 or bfloat16 (both the same)
+// with contiguous rows, S >= 1.
 // Returns (out [B, Hkv, R, D], lse [B, Hkv, R]): softmax(q k^T / sqrt(D)) v and its log-sum-exp.
 std::vector<torch::Tensor> few_row_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat && v.scalar_type() == torch::kFloat,
-              "few_row_attention: float32 only");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == v.scalar_type() &&
+              (k.scalar_type() == torch::kFloat || k.scalar_type() == torch::kBFloat16),
+              "few_row_attention: float32 queries, float32 or bfloat16 keys and values");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.is_contiguous(), "few_row_attention: q contiguous [B, Hkv, R, D]");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.size(2) == v.size(2) && k.size(2) >= 1, "few_row_attention: k, v rows");
   TORCH_CHECK(k.size(0) == q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3), "few_row_attention: shapes");
-  switch (q.size(3)) {
-    case 16: return attend<16>(q, k, v);
-    case 32: return attend<32>(q, k, v);
-    case 64: return attend<64>(q, k, v);
-    case 128: return attend<128>(q, k, v);
-    default: TORCH_CHECK(false, "few_row_attention: head dim 16, 32, 64 or 128 only");
-  }
+  return k.scalar_type() == torch::kFloat ? attend_dim<float>(q, k, v) : attend_dim<at::BFloat16>(q, k, v);
 }
 
 }  // namespace

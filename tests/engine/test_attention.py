@@ -73,11 +73,38 @@ def test_a_token_tree_tail_goes_through_the_kernel_as_sdpa_does():
     assert torch.allclose(got.double(), want, atol=2e-6, rtol=1e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize(("T", "S"), [(1, 1), (1, 1000), (4, 300), (9, 257)])
+def test_a_bfloat16_cache_is_read_as_bfloat16_and_summed_in_float32(T, S, monkeypatch):
+    """A bf16 engine's cache goes through the kernel: its float32 sums over the bf16 keys and
+    values equal float64 SDPA over the same values, and the answer is that rounded to bf16."""
+    q, k, v = (x.bfloat16() for x in qkv(1, 14, 2, T, S, 64, seed=S + T))
+    kernel, calls = cpu_kernel(), []
+
+    class Spy:
+        def few_row_attention(self, *args):
+            calls.append(args[1].dtype)
+            return kernel.few_row_attention(*args)
+
+    monkeypatch.setattr(attention, "cpu_kernel", lambda: Spy())
+    got = cpu_attention(q, k, v, chain(T))
+    want = sdpa_attention(q.double(), k.double(), v.double(), chain(T))
+    assert calls == [torch.bfloat16] and got.dtype == torch.bfloat16 and got.shape == (1, 14, T, 64)
+    assert torch.allclose(got.double(), want, atol=1e-2, rtol=8e-3)  # bf16 rounding of the answer
+    q_folded = q.reshape(1, 2, 7 * T, 64).float().contiguous()
+    out, lse = kernel.few_row_attention(q_folded, k[:, :, :S - T + 1], v[:, :, :S - T + 1])
+    scores = q_folded.double() @ k[:, :, :S - T + 1].double().transpose(-1, -2) / 8.0
+    assert out.dtype == torch.float32
+    assert torch.allclose(out.double(), torch.softmax(scores, -1) @ v[:, :, :S - T + 1].double(), atol=2e-6, rtol=1e-5)
+    assert torch.allclose(lse.double(), torch.logsumexp(scores, -1), atol=1e-4, rtol=1e-5)
+
+
 def test_what_the_kernel_does_not_take_goes_to_sdpa_unchanged():
     cases = [qkv(1, 14, 2, FEW_ROWS // 7 + 1, 300, 64),  # too many rows: a prefill chunk
              qkv(1, 4, 2, 3, 100, 24)]  # a head dim without an instantiation
     q, k, v = qkv(1, 14, 2, 3, 100, 64)
     cases.append((q.double(), k.double(), v.double()))  # float64
+    cases.append((q.half(), k.half(), v.half()))  # float16
     for q, k, v in cases:
         T = q.shape[2]
         assert torch.equal(cpu_attention(q, k, v, chain(T)), sdpa_attention(q, k, v, chain(T)))

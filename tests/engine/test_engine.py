@@ -123,30 +123,81 @@ def test_middle_level_equals_the_top_when_the_document_fits_its_budget():
     assert full.n_tested > 0 and full.acceptance == 1.0
 
 
-@pytest.mark.parametrize("layout", ["packed", "input-major"])
+@pytest.mark.parametrize(("flags", "dtype", "layout"), [
+    ({"avx2"}, torch.float32, "packed"),  # no bf16 instructions: float32, oneDNN-packed
+    ({"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16, "packed"),  # Zen 4: bf16, packed
+    ({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}, torch.bfloat16, "as loaded"),  # AMX: as measured there
+])
+def test_auto_dtype_and_weight_layout_follow_the_cpus_instructions(flags, dtype, layout, monkeypatch):
+    from engine import device
+
+    monkeypatch.setattr(device, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(device, "can_pack_linear_weights", lambda dtype: True)
+    cpu = torch.device("cpu")
+    assert device.pick_dtype("auto", cpu) == dtype and device.pick_dtype("float32", cpu) == torch.float32
+    assert device.linear_layout(cpu, dtype) == layout
+    assert device.linear_layout(cpu, torch.float32) == "packed"
+    monkeypatch.setattr(device, "cpu_linear_kernel", lambda: object())
+    assert device.linear_layout(cpu, torch.float32, weights_fit_bf16=True) == "bf16-stored"
+    assert device.linear_layout(cpu, torch.bfloat16, weights_fit_bf16=True) == device.linear_layout(cpu, torch.bfloat16)
+    assert device.linear_layout(torch.device("meta"), torch.float32, weights_fit_bf16=True) == "as loaded"
+    monkeypatch.setattr(device, "cpu_linear_kernel", lambda: None)  # the kernel did not build
+    assert device.linear_layout(cpu, torch.float32, weights_fit_bf16=True) == "packed"
+    if "avx512_bf16" not in flags:  # bf16 asked for on a CPU without bf16 dot products
+        assert device.linear_layout(cpu, torch.bfloat16) == "as loaded"
+    monkeypatch.setattr(device, "can_pack_linear_weights", lambda dtype: False)  # oneDNN cannot
+    assert device.linear_layout(cpu, dtype) == ("input-major" if dtype == torch.float32 else "as loaded")
+
+
+def test_this_cpus_flags_are_read():
+    from engine import device
+
+    flags = device.cpu_flags()
+    assert not flags or "fpu" in flags or "sse2" in flags  # x86 /proc/cpuinfo, or nothing elsewhere
+
+
+@pytest.mark.parametrize("layout", ["packed", "input-major", "bf16-stored"])
 @pytest.mark.parametrize("levels", ["ngram>retrieval>full", "draft>retrieval>full"])
 def test_float32_on_cpu_lays_weights_out_for_the_cpu_and_stays_lossless(levels, layout, monkeypatch):
-    """float32 on CPU takes oneDNN-packed linears (engine/device.py), or input-major weights
-    where oneDNN cannot pack, for the target and the draft; speculation over either still gives
-    plain decoding's greedy answer."""
+    """float32 on CPU takes bf16-stored linears where the weights are bf16 values, else
+    oneDNN-packed ones, else input-major weights (engine/device.py), for the target and the
+    draft; speculation over any of them still gives plain decoding's greedy answer."""
     from engine import engine as engine_module
-    from engine.device import can_pack_linear_weights
-    from engine.model import PackedLinear
+    from engine.device import can_pack_linear_weights, cpu_linear_kernel
+    from engine.model import Bf16Linear, PackedLinear
 
     if layout == "packed" and not can_pack_linear_weights(torch.float32):
         pytest.skip("this torch cannot prepack float32 linears with oneDNN")
-    monkeypatch.setattr(engine_module, "linear_layout", lambda device, dtype: layout)
+    if layout == "bf16-stored" and cpu_linear_kernel() is None:
+        pytest.skip("the CPU linear kernel does not build here")
+    monkeypatch.setattr(engine_module, "linear_layout", lambda device, dtype, fits_bf16: layout)
     doc, question = random_ids(123, 128, 1), random_ids(6, 128, 2)
     answers = []
     for stack in ("plain", levels):
-        engine = tiny_engine(stack, dtype="float32")
+        engine = tiny_engine(stack, dtype="float32", bf16_weights=layout == "bf16-stored")
         for model in (engine.target, engine.draft):
             if model is not None:
                 up_proj = model.model.layers[0].mlp.up_proj
-                if layout == "packed":
-                    assert isinstance(up_proj, PackedLinear) and isinstance(model.lm_head, PackedLinear)
-                else:
+                if layout == "input-major":
                     assert up_proj.weight.stride() == (1, up_proj.weight.shape[0])
+                else:
+                    kind = PackedLinear if layout == "packed" else Bf16Linear
+                    assert isinstance(up_proj, kind) and isinstance(model.lm_head, kind)
         session = engine.open(doc)
         answers.append([t for e in session.ask(question, SamplingConfig(max_new_tokens=20)) for t in e.tokens])
     assert len(answers[0]) == 20 and answers[1] == answers[0]
+
+
+def test_a_bf16_checkpoint_on_cpu_is_stored_bf16_and_others_are_not():
+    """The engine picks "bf16-stored" per model: for weights that are bf16 values only."""
+    from engine.device import cpu_linear_kernel
+    from engine.model import Bf16Linear, PackedLinear
+
+    if cpu_linear_kernel() is None:
+        pytest.skip("the CPU linear kernel does not build here")
+    rounded = tiny_engine("draft>full", dtype="float32", bf16_weights=True)
+    raw = tiny_engine("draft>full", dtype="float32")
+    assert isinstance(rounded.target.lm_head, Bf16Linear) and isinstance(rounded.draft.lm_head, Bf16Linear)
+    assert not isinstance(raw.target.lm_head, Bf16Linear)
+    assert isinstance(raw.target.lm_head, PackedLinear) or raw.target.lm_head.weight.stride(0) == 1
+    assert rounded.dtype == raw.dtype == torch.float32

@@ -77,23 +77,24 @@ def test_input_major_weights_keep_logits_names_and_ties(family, tie):
     assert torch.allclose(got, hf(ids).logits, atol=1e-10, rtol=0)
 
 
-@pytest.mark.parametrize(("family", "tie"), [("llama", False), ("qwen2", True)])
-def test_packed_linears_keep_logits_names_and_the_embedding(family, tie):
-    """oneDNN-packed linears (engine/device.py, float32 on CPU) change the layout only: same
-    parameter names and shapes, the embedding keeps its own rows (a tied LM head gets a packed
-    copy), logits equal the unpacked model's to float32 rounding, also across chunks."""
+@pytest.mark.parametrize(("family", "tie", "dtype"), [("llama", False, torch.float32), ("qwen2", True, torch.float32),
+                                                     ("qwen2", True, torch.bfloat16)])
+def test_packed_linears_keep_logits_names_and_the_embedding(family, tie, dtype):
+    """oneDNN-packed linears (engine/device.py: float32 on CPU, bf16 with AVX512-BF16) change
+    the layout only: same parameter names and shapes, the embedding keeps its own rows (a tied
+    LM head gets a packed copy), logits equal the unpacked model's to rounding, across chunks."""
     from engine.device import can_pack_linear_weights
     from engine.model import PackedLinear
 
-    if not can_pack_linear_weights(torch.float32):
-        pytest.skip("this torch cannot prepack float32 linears with oneDNN")
-    model = ours(tiny_hf(family, seed=5, tie=tie)).float()
+    if not can_pack_linear_weights(dtype):
+        pytest.skip(f"this torch cannot prepack {dtype} linears with oneDNN here")
+    model = ours(tiny_hf(family, seed=5, tie=tie)).to(dtype)
     names = {k: v.shape for k, v in model.state_dict().items()}
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(2))
     c = model.config
 
     def logits():
-        cache = FullCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, 64, torch.float32, torch.device("cpu"))
+        cache = FullCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, 64, dtype, torch.device("cpu"))
         return torch.cat([model(ids[:, :33], torch.arange(33), cache),
                           model(ids[:, 33:], torch.arange(33, 40), cache)], 1)
 
@@ -105,5 +106,71 @@ def test_packed_linears_keep_logits_names_and_the_embedding(family, tie):
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert model.model.embed_tokens.weight is embedding and model.lm_head.weight.is_mkldnn
     got = logits()
-    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: one rounding of the sums may differ
+    assert got.shape == want.shape and torch.allclose(got, want, atol=tol, rtol=tol)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
 
+
+
+def test_bf16_linear_kernel_is_float32_arithmetic_over_bf16_weights():
+    """engine/csrc/linear_cpu.cpp: x w^T with each bf16 weight widened, summed in float32; every
+    tile shape and remainder (1-9 rows, groups of weight rows not a multiple of the tile), and
+    each output row bitwise independent of how many rows share the call."""
+    from engine.device import cpu_linear_kernel
+
+    kernel = cpu_linear_kernel()
+    if kernel is None:
+        pytest.skip("the CPU linear kernel does not build here")
+    g = torch.Generator().manual_seed(0)
+    for M, K, N in [(1, 2, 8), (1, 64, 24), (2, 48, 16), (3, 896, 40), (4, 32, 200), (5, 32, 64), (6, 18, 8),
+                    (7, 896, 96), (9, 160, 200), (1, 4864, 72), (16, 64, 1544)]:
+        x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g).bfloat16()
+        blocked = kernel.block_weight(w)
+        assert blocked.shape == (N // 8, K // 2, 8, 2) and torch.equal(blocked.permute(0, 2, 1, 3).reshape(N, K), w)
+        got = kernel.bf16_linear(x, blocked)
+        want = x.double() @ w.double().t()
+        assert got.dtype == torch.float32 and got.shape == (M, N)
+        assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-5), (M, K, N)
+        for m in range(M):
+            assert torch.equal(kernel.bf16_linear(x[m:m + 1].contiguous(), blocked)[0], got[m])
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        kernel.block_weight(torch.randn(12, 24).bfloat16())
+
+
+@pytest.mark.parametrize(("family", "tie"), [("llama", False), ("qwen2", True)])
+def test_bf16_stored_linears_keep_logits_and_names(family, tie):
+    """A float32 model whose weights are all bf16 values (a bf16 checkpoint) stores its linears
+    as bf16 (engine/device.py "bf16-stored"): same parameter names, the embedding's rows in bf16
+    too, and logits equal the float32 model's to float32 rounding, through the kernel (decoding,
+    checks) and through BLAS (a chunk of more rows than the kernel takes)."""
+    from engine.device import cpu_linear_kernel
+    from engine.model import Bf16Linear
+
+    if cpu_linear_kernel() is None:
+        pytest.skip("the CPU linear kernel does not build here")
+    model = ours(tiny_hf(family, seed=5, tie=tie)).float()
+    assert not model.linear_weights_fit_bf16()  # random float32 weights: bf16 would round them
+    with pytest.raises(AssertionError, match="bf16 would round"):
+        model.store_weights_bf16(cpu_linear_kernel())
+    model = model.bfloat16().float()  # a bf16 checkpoint loaded as float32
+    assert model.linear_weights_fit_bf16()
+    names = set(model.state_dict())
+    ids = torch.randint(0, 128, (1, 160), generator=torch.Generator().manual_seed(2))
+    c = model.config
+
+    def logits():
+        cache = FullCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, 64, torch.float32, torch.device("cpu"))
+        return torch.cat([model(ids[:, :150], torch.arange(150), cache, n_logits=150),  # > 128 rows: BLAS
+                          model(ids[:, 150:159], torch.arange(150, 159), cache),  # a check: the kernel
+                          model(ids[:, 159:], torch.arange(159, 160), cache)], 1)
+
+    want = logits()
+    model.lay_out_linears("bf16-stored")
+    assert set(model.state_dict()) == names
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert isinstance(model.lm_head, Bf16Linear) and model.lm_head.weight.dtype == torch.bfloat16
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.dtype == torch.float32 and model.model.norm.weight.dtype == torch.float32
+    got = logits()
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
