@@ -161,8 +161,10 @@ class Bf16Linear(nn.Module):
     """A frozen nn.Linear whose weight holds only bf16 values, stored as bf16 and multiplied in
     float32 (CPU): `kernel` (engine/csrc/linear_cpu.cpp) widens each weight as it reads it, so
     a decoding step reads half the bytes of float32 for the same products. The weight is kept
-    in the kernel's blocked layout ([out/8, in/2, 8, 2]); calls of more rows than
-    `KERNEL_MAX_ROWS` (prefill chunks) widen blocks of weights to float32 (input-major) for BLAS."""
+    in the kernel's blocked layout ([out/8, in/2, 8, 2]). In the kernel a row's output does not
+    depend on the rows beside it; calls of more rows than `KERNEL_MAX_ROWS` (prefill chunks, a
+    large packed batch) widen blocks of weights to float32 (input-major) for BLAS, whose sums
+    round differently in the last bits."""
 
     KERNEL_MAX_ROWS = 128  # every layer linear of the 0.5B: kernel 628 vs BLAS 810 ms at 64 rows, 1248 vs 1232 at 128
     BLOCK_GROUPS = 1024  # groups of 8 weight rows widened at a time for BLAS (an LM head whole: 0.5 GB)

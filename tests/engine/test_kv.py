@@ -19,6 +19,8 @@ L, B, HKV, D = 2, 1, 2, 8
 def filled_full(n: int, seed: int = 0) -> FullCache:
     g = torch.Generator().manual_seed(seed)
     full = FullCache(L, B, HKV, D, n + 8, torch.float64, torch.device("cpu"))
+    full.k.zero_()  # the spare room is uninitialized memory, which may hold NaNs
+    full.v.zero_()
     full.k[:, :, :, :n] = torch.randn(L, B, HKV, n, D, generator=g, dtype=torch.float64)
     full.v[:, :, :, :n] = torch.randn(L, B, HKV, n, D, generator=g, dtype=torch.float64)
     full.length = n
