@@ -65,8 +65,8 @@ def linear_layout(device: torch.device, dtype: torch.dtype, weights_fit_bf16: bo
     - "bf16-stored": float32 on a CPU with AVX2 whose weights are all exactly bf16 values (a
       checkpoint published or converted in bf16, as every packaged model): stored as bf16 and
       multiplied in float32 by engine/csrc/linear_cpu.cpp, the same products as float32 on half
-      the bytes. Every linear of the 0.5B, AVX2 EPYC, 2 threads, T = 1 / 5 / 9 tokens: 43 / 86 /
-      127 ms vs 111 / 143 / 168 packed (benchmarks/RESULTS.md);
+      the bytes. Every linear of the 0.5B, AVX2 EPYC, 2 threads, T = 1 / 5 / 9 tokens: 46 / 89 /
+      111 ms vs 103 / 134 / 180 packed (benchmarks/RESULTS.md);
     - "packed": on a CPU where oneDNN prepacks linears (`Transformer.pack_linear_weights`), for
       float32, and for bf16 where the CPU has AVX512-BF16 but no AMX. Every linear of the 0.5B,
       AVX2 EPYC, float32, 2 threads, T = 1 / 5 / 9 tokens: 94 / 80 / 96 ms vs 100 / 244 / 293

@@ -8,8 +8,9 @@
 // Weights are blocked once (`block_weight`): [N/8, K/2, 8, 2], eight output rows side by side,
 // each row's weights k and k+1 in one 32-bit lane. One 256-bit load then holds 8 rows x 2 inputs,
 // and two integer ops widen it without a shuffle: lane j shifted up is row j's weight k (`even`),
-// lane j masked is its weight k+1 (`odd`). Each output lane sums its row's products in order of
-// k whatever the number of x rows, so a row's output does not depend on the rows beside it.
+// lane j masked is its weight k+1 (`odd`). Each output lane sums its row's products over even k
+// and over odd k, each in order of k, then adds the two, whatever the number of x rows: a row's
+// output does not depend on the rows beside it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -18,14 +19,14 @@
 
 namespace {
 
-// y[m, 8g + j] for NX rows of x and NG groups of 8 weight rows: NX x NG accumulators of 8 lanes.
-// (NX, NG) in {(1, 8), (2, 4), (3, 3), (4, 2)}: 8 or 9 sums in flight (FMA latency 4 x 2 ports)
-// in at most 12 accumulators of 16 registers; (1, 4) for an odd last row of several.
+// y[m, 8g + j] for NX rows of x and NG groups of 8 weight rows: 2 x NX x NG accumulators of 8
+// lanes (even and odd k apart: no FMA waits for the one before it in the same k pair).
+// (NX, NG) in {(1, 6), (1, 4), (2, 2), (3, 1), (4, 1)}: 6 to 12 of the 16 registers.
 template <int NX, int NG>
 void tile(const float* x, int64_t K, const uint32_t* w, int64_t group_stride, float* y, int64_t N) {
-  __m256 acc[NX][NG];
+  __m256 even_acc[NX][NG], odd_acc[NX][NG];
   for (int m = 0; m < NX; ++m)
-    for (int g = 0; g < NG; ++g) acc[m][g] = _mm256_setzero_ps();
+    for (int g = 0; g < NG; ++g) even_acc[m][g] = odd_acc[m][g] = _mm256_setzero_ps();
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t kk = 0; kk < K / 2; ++kk) {
     for (int g = 0; g < NG; ++g) {
@@ -33,13 +34,13 @@ void tile(const float* x, int64_t K, const uint32_t* w, int64_t group_stride, fl
       const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
       const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(bits, high));
       for (int m = 0; m < NX; ++m) {
-        acc[m][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + m * K + 2 * kk), even, acc[m][g]);
-        acc[m][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + m * K + 2 * kk + 1), odd, acc[m][g]);
+        even_acc[m][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + m * K + 2 * kk), even, even_acc[m][g]);
+        odd_acc[m][g] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + m * K + 2 * kk + 1), odd, odd_acc[m][g]);
       }
     }
   }
   for (int m = 0; m < NX; ++m)
-    for (int g = 0; g < NG; ++g) _mm256_storeu_ps(y + m * N + 8 * g, acc[m][g]);
+    for (int g = 0; g < NG; ++g) _mm256_storeu_ps(y + m * N + 8 * g, _mm256_add_ps(even_acc[m][g], odd_acc[m][g]));
 }
 
 template <int NX, int NG>
@@ -50,21 +51,23 @@ void groups(const float* x, int64_t K, const uint32_t* w, float* y, int64_t N, i
   for (; g < g1; ++g) tile<NX, 1>(x, K, w + g * group_stride, group_stride, y + 8 * g, N);
 }
 
-// All M rows of x against groups [g0, g1). One row streams the weights once; more rows take
-// 12 groups at a time (12 x 8 rows x K bf16: in L2 for K = 896) and pass over them four rows at
-// a time, then the rest. Every 0.5B linear, AVX2 EPYC, 2 threads, T = 1 / 2 / 5 / 9 / 16 rows:
-// 37 / 42 / 76 / 127 / 211 ms; the same kernel on [N, K] rows (16 weights a load, 8 row streams
-// a thread) took 59 / 68 / 94 / 123 / 165: one token, the common case, streams better blocked.
+// All M rows of x against groups [g0, g1). One row streams the weights once, six groups at a
+// time; more rows take 12 groups at a time (12 x 8 rows x K bf16: in L2 for K = 896) and pass
+// over them four rows at a time, then the rest. Every 0.5B linear, AVX2 EPYC, 2 threads, T = 1 /
+// 5 / 9 / 16 rows, side by side with the tiles before these (8 or 9 chained sums: (1, 8), (4, 2),
+// ...): 41 / 81 / 119 / 159 ms against 41 / 80 / 134 / 224; T = 2 / 3: 56 / 57 against 52 / 52.
+// Splitting K so a super-block stays in L2 for the 4,864-wide down projection changed nothing;
+// 3 x 2 and 2 x 3 tiles with split sums were slower (spills).
 void rows(const float* x, int64_t M, int64_t K, const uint32_t* w, float* y, int64_t N, int64_t g0, int64_t g1) {
-  if (M == 1) return groups<1, 8>(x, K, w, y, N, g0, g1);
-  constexpr int64_t kSuper = 12;  // a multiple of 2, 3 and 4
+  if (M == 1) return groups<1, 6>(x, K, w, y, N, g0, g1);
+  constexpr int64_t kSuper = 12;
   for (int64_t s0 = g0; s0 < g1; s0 += kSuper) {
     const int64_t s1 = std::min(g1, s0 + kSuper);
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) groups<4, 2>(x + m * K, K, w, y + m * N, N, s0, s1);
+    for (; m + 4 <= M; m += 4) groups<4, 1>(x + m * K, K, w, y + m * N, N, s0, s1);
     switch (M - m) {
-      case 3: groups<3, 3>(x + m * K, K, w, y + m * N, N, s0, s1); break;
-      case 2: groups<2, 4>(x + m * K, K, w, y + m * N, N, s0, s1); break;
+      case 3: groups<3, 1>(x + m * K, K, w, y + m * N, N, s0, s1); break;
+      case 2: groups<2, 2>(x + m * K, K, w, y + m * N, N, s0, s1); break;
       case 1: groups<1, 4>(x + m * K, K, w, y + m * N, N, s0, s1); break;
       default: break;
     }
@@ -93,7 +96,7 @@ torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w) {
   const float* xp = x.data_ptr<float>();
   const auto* wp = reinterpret_cast<const uint32_t*>(w.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
-  constexpr int64_t kGroupsPerTask = 24;  // 192 weight rows; a multiple of 8 and 12
+  constexpr int64_t kGroupsPerTask = 24;  // 192 weight rows; a multiple of 6 and 12
   const int64_t n_tasks = (n_groups + kGroupsPerTask - 1) / kGroupsPerTask;
   at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
     rows(xp, M, K, wp, yp, N, begin * kGroupsPerTask, std::min(n_groups, end * kGroupsPerTask));
