@@ -60,7 +60,7 @@ void groups(const float* x, int64_t K, const uint32_t* w, float* y, int64_t N, i
 // 3 x 2 and 2 x 3 tiles with split sums were slower (spills).
 void rows(const float* x, int64_t M, int64_t K, const uint32_t* w, float* y, int64_t N, int64_t g0, int64_t g1) {
   if (M == 1) return groups<1, 6>(x, K, w, y, N, g0, g1);
-  constexpr int64_t kSuper = 12;
+  constexpr int64_t kSuper = 12;  // a multiple of the 1, 2 and 4 groups of the tiles below
   for (int64_t s0 = g0; s0 < g1; s0 += kSuper) {
     const int64_t s1 = std::min(g1, s0 + kSuper);
     int64_t m = 0;
