@@ -180,6 +180,13 @@ class SamplingConfig:
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 256
     seed: int = 0  # one torch.Generator per request, so a run is reproducible from its seed
+    min_p: float = 0.0  # keep tokens at least min_p x the most likely one's probability; 0 = off
+    # penalties on the tokens already in the answer (sampling.penalize); 1.0 / 0.0 = off
+    repetition_penalty: float = 1.0  # as Hugging Face: positive logits / p, negative x p
+    presence_penalty: float = 0.0  # as OpenAI: logit - presence for each token seen once or more
+    frequency_penalty: float = 0.0  # ... - frequency x its count
+    # first position the penalties count; None: the answer's first token (set by Session.ask)
+    penalty_start: int | None = None
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -187,7 +194,15 @@ class SamplingConfig:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0 or self.max_new_tokens < 1:
-            raise ValueError("top_k must be >= 0 and max_new_tokens >= 1")
+            raise ValueError(f"top_k must be >= 0 (got {self.top_k}) and max_new_tokens >= 1 "
+                             f"(got {self.max_new_tokens})")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        if not (-2 <= self.presence_penalty <= 2 and -2 <= self.frequency_penalty <= 2):
+            raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2] (0 = off), got "
+                             f"{self.presence_penalty} and {self.frequency_penalty}")
 
     @property
     def is_greedy(self) -> bool:
