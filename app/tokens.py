@@ -62,9 +62,9 @@ def plain_text(tokenizer) -> PlainText:
 class PlainChatFormat(ChatFormat):
     """engine.chat.ChatFormat whose user text (book, questions, answers) is always plain text."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, end_ids: set[int] = frozenset()):
         self.plain = plain_text(tokenizer)
-        super().__init__(tokenizer)
+        super().__init__(tokenizer, end_ids=end_ids)
 
     def _user_text(self, text: str) -> list[int]:
         return self.plain.ids(text)
