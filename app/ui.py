@@ -16,7 +16,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -51,6 +51,8 @@ class User:
     chat_ids: set[str] = field(default_factory=set)
     last_active: float = field(default_factory=time.monotonic)
     notice: str | None = None  # why the book was closed, shown at the next question
+    username: str | None = None  # the login that opened this session: only it may end the session
+    titles: dict[str, str] = field(default_factory=dict)  # book id -> this user's title (private library)
 
 
 class App:
@@ -66,14 +68,16 @@ class App:
         self.batcher = Batcher(max_active=max_open_books)
 
     def user(self, request: gr.Request) -> User:
-        user = self.users.setdefault(request.session_hash or "none", User())
+        user = self.users.setdefault(request.session_hash or "none", User(username=request.username))
         user.last_active = time.monotonic()
         return user
 
     def forget(self, request: gr.Request) -> None:
-        """The browser went away: stop its work and free its book (its KV cache) now."""
-        user = self.users.pop(request.session_hash or "none", None)
-        if user is not None:
+        """The browser went away: stop its work and free its book (its KV cache) now. Gradio runs
+        this for a heartbeat from anyone who names the session: only its own login may end it."""
+        user = self.users.get(request.session_hash or "none")
+        if user is not None and user.username == request.username:
+            self.users.pop(request.session_hash or "none", None)
             user.cancel.set()
             user.book = user.pending = None
 
@@ -159,10 +163,16 @@ class App:
     def open_saved(self, book_id: str | None, request: gr.Request):
         user = self.user(request)
         is_visible = not self.private or book_id in user.book_ids
-        document = self.library.document(book_id) if (self.library and book_id and is_visible) else None
+        try:
+            document = self.library.document(book_id) if (self.library and book_id and is_visible) else None
+        except ValueError:  # typed into the library box: not an id at all
+            yield {self.c.status: f"There is no book {book_id!r} in the library: pick one from the list."}
+            return
         if document is None:
             yield {self.c.status: "Pick a book from the library first."}
             return
+        if self.private:  # the same text uploaded by someone else keeps this reader's title
+            document = replace(document, title=user.titles.get(book_id, document.title))
         user.cancel.clear()
         yield from self._fit_then_open(user, prepare(self.engine, self.chat, document, self.max_tokens))
 
@@ -203,6 +213,7 @@ class App:
                else f"{n:,} tokens in {seconds:.1f} s ({n / seconds:,.0f} tokens/s)")
         user.book, user.pending, user.editing, user.notice = book, None, False, None
         user.book_ids.add(book.book_id)
+        user.titles[book.book_id] = book.document.title
         titles = [s.title for s in chapters(book.document)]
         note = "".join(f"\n\n⚠ {n}" for n in (*book.document.notes, book.save_error) if n)
         yield {c.status: stages.set("Prefill", how, True) + "\n\nReady: ask a question." + note,
@@ -298,7 +309,8 @@ class App:
         book = user.book
         books, chats = self.library.choices(book.book_id if book else None) if self.library else ([], [])
         if self.private:  # only what this session opened or wrote
-            books, chats = [b for b in books if b[1] in user.book_ids], [c for c in chats if c[1] in user.chat_ids]
+            books = [(user.titles.get(book_id, title), book_id) for title, book_id in books if book_id in user.book_ids]
+            chats = [c for c in chats if c[1] in user.chat_ids]
         return {self.c.books: gr.update(choices=books, value=book.book_id if book else None),
                 self.c.chats: gr.update(choices=chats, value=book.chat_id if book and book.turns else None)}
 
