@@ -414,6 +414,9 @@ class App:
         load, job = dict(engine, show_progress_on=[c.status]), dict(engine, show_progress_on=[c.metrics])
         # Answers run side by side, batched by the engine (engine/batch.py); loading stays one at a time.
         answer = dict(job, concurrency_id="answer", concurrency_limit=self.batcher.max_active)
+        # New chat and opening a saved chat only truncate the reader's own cache: they never wait
+        # behind another reader's prefill, which on a busy desktop can take minutes.
+        instant = dict(show_progress="minimal", show_progress_on=[c.metrics], concurrency_limit=None)
         c.upload.upload(self.load_book, [c.upload, c.password], loading, api_name="load_book", **load)
         gr.on([c.unlock.click, c.password.submit], self.unlock, [c.password], loading, api_name="unlock", **load)
         c.load_selection.click(self.load_selection, [c.first_n, c.pick], loading, api_name="load_selection", **load)
@@ -430,10 +433,10 @@ class App:
                 self.ask, [c.msg, c.chatbot, *c.settings], answering, api_name=False, **answer)
         c.edit.click(self.edit_last, None, [c.msg], api_name="edit_last")
         gr.on([c.clear.click, c.chatbot.clear], self.clear, None, [c.chatbot, c.metrics, c.plot, c.books, c.chats],
-              api_name="clear", **job)  # the chatbot's own trash button starts a new chat too
+              api_name="clear", **instant)  # the chatbot's own trash button starts a new chat too
         for button, fmt in ((c.export_md, "md"), (c.export_json, "json")):
             button.click(self.export_file, gr.State(fmt), c.export_file, api_name=False)
-        c.chats.input(self.open_chat, [c.chats], [c.chatbot, c.metrics], api_name="open_chat", **job)
+        c.chats.input(self.open_chat, [c.chats], [c.chatbot, c.metrics], api_name="open_chat", **instant)
         gr.api(self.export, api_name="export")
         gr.api(self.engine_counters, api_name="engine_counters")
         demo.load(self.show_library, None, [c.books, c.chats], api_name=False)

@@ -297,3 +297,27 @@ def test_a_bad_book_id_typed_into_the_library_gets_a_message(engine, tmp_path, t
     assert status in (f"There is no book {typed!r} in the library: pick one from the list.",
                       "Pick a book from the library first.")
     assert typed.strip() == "" or "pick one from the list" in status
+
+
+def test_new_chat_and_opening_a_chat_never_wait_behind_another_readers_prefill(served, engine, tmp_path):
+    """Loading is one at a time; New chat and picking a saved chat touch only the reader's own cache."""
+    from gradio_client import handle_file
+
+    bob = client(served.url)
+    loaded = bob.predict(handle_file(str(write_book(tmp_path, "busy-b.txt", start=30_000))), "", api_name="/load_book")
+    assert "Ready" in loaded[0]
+    ann, slow = client(served.url), SlowForwards(engine, delay_s=0.5)
+    try:
+        loading = ann.submit(handle_file(str(write_book(tmp_path, "busy-a.txt", start=40_000))), "",
+                             api_name="/load_book")
+        wait_until(lambda: slow.n_calls >= 1, 30, "the first book's prefill to start")
+        started = time.monotonic()
+        bob.predict(api_name="/clear")
+        bob.predict("", api_name="/open_chat")
+        assert time.monotonic() - started < 3.0 and not loading.done()  # done while the prefill still runs
+        slow.delay_s = 0.0
+        assert "Ready" in str(loading.result()[0])
+    finally:
+        slow.remove()
+        ann.close()
+        bob.close()
