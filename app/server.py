@@ -30,8 +30,11 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 FONTS = ["ui-sans-serif", "system-ui", "Segoe UI", "Roboto", "Helvetica Neue", "Arial", "sans-serif"]  # no web fonts
 MONO = ["ui-monospace", "Menlo", "Consolas", "monospace"]
 MAX_QUEUE = 64  # waiting requests; more are refused at once rather than left waiting for minutes
-# gradio 6.31 routes.py: these act on another session or job by its id, with no login check.
-SESSION_ROUTES = re.compile(r"^/gradio_api/(heartbeat/|cancel/?$|reset/?$|stream/[^/]+(/close)?/?$)")
+# gradio 6.31 routes.py, routes without its login check: the heartbeat (its end runs the unload
+# hook and closes the named session's jobs), /cancel (cancels a session's job), /stream/... (feeds,
+# closes or reads a job's stream), /reset (a no-op today) and the run history (off here).
+# The rest (queue, upload, file, info, config ...) check the login themselves.
+SESSION_ROUTES = re.compile(r"^/gradio_api/(heartbeat/|cancel/?$|reset/?$|stream/|runs/?$|run-history/)")
 Say = Callable[[str], None]
 
 

@@ -258,6 +258,7 @@ def test_with_a_login_no_visitor_can_end_another_readers_session_through_gradio_
             cancel = {"session_hash": ann.session_hash, "fn_index": 0, "event_id": "e"}
             assert visitor.post("gradio_api/cancel", json=cancel).status_code == 401
             assert visitor.post("gradio_api/stream/e/close").status_code == 401
+            assert visitor.get(f"gradio_api/stream/{ann.session_hash}/0/1/playlist.m3u8").status_code == 401
         assert ann.predict(api_name="/engine_counters")["n_prefills"] == 1  # the reader goes on
         ann.close()  # the reader's own client goes away: its logged-in heartbeat ends, the book is freed
         wait_until(lambda: ann.session_hash not in app.users, 10, "the reader's own unload")
