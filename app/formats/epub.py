@@ -1,8 +1,11 @@
 """EPUB -> Document with the standard library: zip, container.xml, OPF spine, XHTML.
 
-Order is the spine's; chapter titles come from the navigation document (EPUB 3 nav, else the
-EPUB 2 NCX), else from headings. DRM (content encrypted in META-INF/encryption.xml) is refused;
-font obfuscation, which encrypts only fonts, is not DRM. No AGPL readers (EbookLib, PyMuPDF).
+Order is the spine's, each file once (manifest hrefs may carry '#fragment's: Debian's
+live-manual). Chapter titles come from the navigation document (EPUB 3 nav, else the EPUB 2 NCX)
+when most of its links lead into the spine, one level down when it nests the whole book under its
+title; else from headings (the Ubuntu packaging guide's links miss their folder); else each spine
+document is a chapter. DRM (content encrypted in META-INF/encryption.xml) is refused; font
+obfuscation, which encrypts only fonts, is not DRM. No AGPL readers (EbookLib, PyMuPDF).
 """
 
 from __future__ import annotations
