@@ -4,6 +4,9 @@ pypdf runs under a configuration derived from `Limits`, so a stream that would d
 gigabytes raises instead of hanging; `progress` is called before every page, so a caller can
 cancel between pages. Encryption: the empty password is tried first, then the given one.
 Cleaning (ligatures, hyphens, running headers) is `cleaning.py`; this module reads and maps.
+Word gaps: pypdf sizes them against each font's space, misread for some CID fonts, which glued
+whole lines together (`_PlausibleSpaceFont` corrects it); words that still run together are
+counted and the Document gets a note for the user.
 """
 
 from __future__ import annotations
