@@ -8,7 +8,10 @@ checkout's `.venv`, another version of the source) is rebuilt each time another 
 So `load_extension`:
 - builds in a folder named by a hash of everything its build command holds (source text, flags,
   torch's include paths, torch and Python versions), with the source copied in under a fixed
-  name: one build per distinct command, found again by every later start (`build_dir`);
+  name, so where the checkout lies does not matter: one build per distinct command, found again
+  by every later start; no two commands take turns rebuilding one folder (`build_dir`). (torch
+  writes its include paths as its package's path as imported: a `.venv` symlink in each of
+  several checkouts means one build per checkout, once.)
 - serialises builders with an flock on `<folder>/builder.lock`, which the kernel releases when
   its holder dies however it dies, and which names the holder's PID. Whoever holds it knows a
   torch `lock` file there is a dead build's: it is removed and the build runs again;
