@@ -16,8 +16,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
-from dataclasses import replace as replace_fields
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -57,13 +56,16 @@ class User:
     chat_ids: set[str] = field(default_factory=set)
     last_active: float = field(default_factory=time.monotonic)
     notice: str | None = None  # why the book was closed, shown at the next question
+    username: str | None = None  # the login that opened this session: only it may end the session
+    titles: dict[str, str] = field(default_factory=dict)  # book id -> this user's title (private library)
 
 
 class App:
     def __init__(self, engine: Engine, library: Library | None, limits: Limits | None = None,
                  max_tokens: int | None = None, max_new_tokens: int = 256, private: bool = False,
                  max_open_books: int = 4):
-        self.engine, self.chat, self.library = engine, PlainChatFormat(engine.tokenizer, engine.end_ids), library
+        self.engine, self.library = engine, library
+        self.chat = PlainChatFormat(engine.tokenizer, end_ids=engine.end_ids)
         self.speeds = Speeds(library.root if library else None)  # measured on this machine, per model
         self.limits, self.max_tokens, self.max_new_tokens = limits or Limits(), max_tokens, max_new_tokens
         self.private, self.max_open_books = private, max_open_books
@@ -73,14 +75,16 @@ class App:
         self.batcher = Batcher(max_active=max_open_books)
 
     def user(self, request: gr.Request) -> User:
-        user = self.users.setdefault(request.session_hash or "none", User())
+        user = self.users.setdefault(request.session_hash or "none", User(username=request.username))
         user.last_active = time.monotonic()
         return user
 
     def forget(self, request: gr.Request) -> None:
-        """The browser went away: stop its work and free its book (its KV cache) now."""
-        user = self.users.pop(request.session_hash or "none", None)
-        if user is not None:
+        """The browser went away: stop its work and free its book (its KV cache) now. Gradio runs
+        this for a heartbeat from anyone who names the session: only its own login may end it."""
+        user = self.users.get(request.session_hash or "none")
+        if user is not None and user.username == request.username:
+            self.users.pop(request.session_hash or "none", None)
             user.cancel.set()
             user.book = user.pending = None
 
@@ -166,10 +170,16 @@ class App:
     def open_saved(self, book_id: str | None, request: gr.Request):
         user = self.user(request)
         is_visible = not self.private or book_id in user.book_ids
-        document = self.library.document(book_id) if (self.library and book_id and is_visible) else None
+        try:
+            document = self.library.document(book_id) if (self.library and book_id and is_visible) else None
+        except ValueError:  # typed into the library box: not an id at all
+            yield {self.c.status: f"There is no book {book_id!r} in the library: pick one from the list."}
+            return
         if document is None:
             yield {self.c.status: "Pick a book from the library first."}
             return
+        if self.private:  # the same text uploaded by someone else keeps this reader's title
+            document = replace(document, title=user.titles.get(book_id, document.title))
         user.cancel.clear()
         yield from self._fit_then_open(user, prepare(self.engine, self.chat, document, self.max_tokens))
 
@@ -214,6 +224,7 @@ class App:
                else f"{n:,} tokens in {seconds:.1f} s ({n / seconds:,.0f} tokens/s)")
         user.book, user.pending, user.editing, user.notice = book, None, False, None
         user.book_ids.add(book.book_id)
+        user.titles[book.book_id] = book.document.title
         titles = [s.title for s in chapters(book.document)]
         note = "".join(f"\n\n⚠ {n}" for n in (*book.document.notes, book.save_error) if n)
         yield {c.status: stages.set("Prefill", how, True) + "\n\nReady: ask a question." + note,
@@ -274,7 +285,7 @@ class App:
         temperature, top_p, max_new_tokens, seed, _levels, *rest = settings
         named = dict(zip(SAMPLING_FIELDS, rest))
         named = {k: (int(v) if k == "top_k" else float(v)) for k, v in named.items() if v is not None}
-        return replace_fields(self.engine.default_sampling, temperature=float(temperature), top_p=float(top_p),
+        return replace(self.engine.default_sampling, temperature=float(temperature), top_p=float(top_p),
                               max_new_tokens=int(max_new_tokens), seed=int(seed), **named)
 
     def _answer(self, user: User, question: str, replace: bool, settings: tuple):
@@ -348,7 +359,8 @@ class App:
         book = user.book
         books, chats = self.library.choices(book.book_id if book else None) if self.library else ([], [])
         if self.private:  # only what this session opened or wrote
-            books, chats = [b for b in books if b[1] in user.book_ids], [c for c in chats if c[1] in user.chat_ids]
+            books = [(user.titles.get(book_id, title), book_id) for title, book_id in books if book_id in user.book_ids]
+            chats = [c for c in chats if c[1] in user.chat_ids]
         return {self.c.books: gr.update(choices=books, value=book.book_id if book else None),
                 self.c.chats: gr.update(choices=chats, value=book.chat_id if book and book.turns else None)}
 
@@ -504,12 +516,12 @@ class App:
         user.cancel.clear()
         yield {c.model_status: f"Loading `{name}` … (the first time: download and conversion, a few minutes)"}
         try:
-            config = replace_fields(self.engine.config, target=name, draft="auto", levels="auto")
+            config = replace(self.engine.config, target=name, draft="auto", levels="auto")
             engine = yield from self._progress(user, Stages(name), load_engine, config)
         except Exception as error:  # ModelNotFound, TokenizerMismatch, out of memory ...: keep the old one
             yield {c.model_status: f"⚠ Could not load `{name}`: {error} `{self.engine.config.target}` stays loaded."}
             return
-        self.engine, self.chat = engine, PlainChatFormat(engine.tokenizer, engine.end_ids)
+        self.engine, self.chat = engine, PlainChatFormat(engine.tokenizer, end_ids=engine.end_ids)
         for other in self.users.values():
             other.book = other.pending = None
             other.notice = f"The model changed to {name}: open your book again from the library."
@@ -528,6 +540,9 @@ class App:
         load, job = dict(engine, show_progress_on=[c.status]), dict(engine, show_progress_on=[c.metrics])
         # Answers run side by side, batched by the engine (engine/batch.py); loading stays one at a time.
         answer = dict(job, concurrency_id="answer", concurrency_limit=self.batcher.max_active)
+        # New chat and opening a saved chat only truncate the reader's own cache: they never wait
+        # behind another reader's prefill, which on a busy desktop can take minutes.
+        instant = dict(show_progress="minimal", show_progress_on=[c.metrics], concurrency_limit=None)
         c.upload.upload(self.load_book, [c.upload, c.password], loading, api_name="load_book", **load)
         gr.on([c.unlock.click, c.password.submit], self.unlock, [c.password], loading, api_name="unlock", **load)
         c.load_selection.click(self.load_selection, [c.first_n, c.pick], loading, api_name="load_selection", **load)
@@ -547,10 +562,10 @@ class App:
                 self.ask, [c.msg, c.chatbot, *c.settings], answering, api_name=False, **answer)
         c.edit.click(self.edit_last, None, [c.msg], api_name="edit_last")
         gr.on([c.clear.click, c.chatbot.clear], self.clear, None, [c.chatbot, c.metrics, c.plot, c.books, c.chats],
-              api_name="clear", **job)  # the chatbot's own trash button starts a new chat too
+              api_name="clear", **instant)  # the chatbot's own trash button starts a new chat too
         for button, fmt in ((c.export_md, "md"), (c.export_json, "json")):
             button.click(self.export_file, gr.State(fmt), c.export_file, api_name=False)
-        c.chats.input(self.open_chat, [c.chats], [c.chatbot, c.metrics], api_name="open_chat", **job)
+        c.chats.input(self.open_chat, [c.chats], [c.chatbot, c.metrics], api_name="open_chat", **instant)
         gr.api(self.export, api_name="export")
         gr.api(self.engine_counters, api_name="engine_counters")
         demo.load(self.show_library, None, [c.books, c.chats], api_name=False)
