@@ -37,7 +37,7 @@ def test_upload_pdf_ask_stream_and_stop(app_url, pdf_path, page):
     expect(page.locator("#plot svg")).to_be_visible()
     page.screenshot(path=str(ART / "answered.png"))
 
-    page.locator("#settings").get_by_text("Settings").click()
+    page.locator("#settings").get_by_text("Settings", exact=True).click()
     max_new = page.locator("#max-new input[type=number]")
     max_new.fill("300")
     max_new.press("Tab")
@@ -51,7 +51,7 @@ def test_upload_pdf_ask_stream_and_stop(app_url, pdf_path, page):
     page.wait_for_timeout(1000)
     assert bot.inner_text() == stopped  # nothing streams after Stop
     assert page.locator(ERROR_PILLS).count() == 0
-    page.locator("#settings").get_by_text("Settings").click()  # fold the settings for the screenshot
+    page.locator("#settings").get_by_text("Settings", exact=True).click()  # fold the settings for the screenshot
     page.screenshot(path=str(ART / "stopped.png"))
 
 

@@ -153,6 +153,8 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     keep = expected >= 5  # rare tokens pooled into one bin
     f_obs = torch.cat([counts[keep], counts[~keep].sum().reshape(1)])
     f_exp = torch.cat([expected[keep], expected[~keep].sum().reshape(1)])
+    if f_exp[-1] == 0 and f_obs[-1] == 0:  # nothing rare (min-p may zero tokens out): no pooled bin
+        f_obs, f_exp = f_obs[:-1], f_exp[:-1]
     return float(chisquare(f_obs.numpy(), (f_exp * f_obs.sum() / f_exp.sum()).numpy()).pvalue)
 
 
