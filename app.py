@@ -41,6 +41,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-chars", type=int, default=Limits.max_chars, help="largest extracted text, in characters")
     p.add_argument("--max-tokens", type=int, default=None, help="largest document, in tokens (default: context)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="default answer length")
+    p.add_argument("--api", action="store_true", help="also serve an OpenAI-compatible API at /v1")
+    p.add_argument("--api-key", default=None, help="the API's bearer key (with --auth/--share one is generated)")
+    p.add_argument("--backend", default="engine", choices=("engine", "openai"),
+                   help="openai: answer with a remote OpenAI-compatible server (--base-url) instead")
+    p.add_argument("--base-url", default=None, help="with --backend openai, e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--remote-model", default=None, help="with --backend openai: the served model (default: the first)")
     return p.parse_args(argv)
 
 
@@ -78,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
                     max_chars=args.max_chars)  # the upload itself is capped in launch()
     app = App(engine, Library(args.library), limits, args.max_tokens, args.max_new_tokens,
               private=args.share or args.private, max_open_books=args.max_open_books)
-    launch(app.build(), args.port, args.share, auth, args.max_file_mb, args.share_timeout)
+    routes = None
+    if args.api:
+        from app.api import api_key, chat_api
+        routes = chat_api(app, api_key(args.api_key, bool(args.auth or args.share))).routes()
+    launch(app.build(), args.port, args.share, auth, args.max_file_mb, args.share_timeout, routes)
     return 0
 
 

@@ -47,10 +47,11 @@ def login(args: argparse.Namespace, say: Say = say) -> tuple[str, str] | None:
 
 
 def serve(demo: gr.Blocks, port: int, share: bool, auth: tuple[str, str] | None, max_file_mb: int,
-          share_timeout_s: float = 10.0, say: Say = say) -> tuple[str, str | None]:
-    """Start serving on 127.0.0.1 (returns at once); (local URL, public URL or None)."""
+          share_timeout_s: float = 10.0, say: Say = say, routes: list | None = None) -> tuple[str, str | None]:
+    """Start serving on 127.0.0.1 (returns at once); (local URL, public URL or None). `routes` (the
+    OpenAI API, app/api.py) are mounted on Gradio's own FastAPI app, before Gradio's."""
     demo.queue(default_concurrency_limit=4, max_size=MAX_QUEUE)
-    _, local_url, _ = demo.launch(
+    _, local_url, _ = demo.launch(app_kwargs={"routes": routes} if routes else None,
         server_name="127.0.0.1", server_port=port, share=False, auth=auth, prevent_thread_lock=True, quiet=True,
         max_file_size=f"{max_file_mb}mb", footer_links=["api"], css_paths=[ASSETS / "style.css"],
         theme=gr.themes.Soft(primary_hue="indigo", font=FONTS, font_mono=MONO), favicon_path=ASSETS / "icon.svg")
@@ -59,9 +60,11 @@ def serve(demo: gr.Blocks, port: int, share: bool, auth: tuple[str, str] | None,
 
 
 def launch(demo: gr.Blocks, port: int, share: bool, auth: tuple[str, str] | None, max_file_mb: int,
-           share_timeout_s: float = 10.0) -> None:
+           share_timeout_s: float = 10.0, routes: list | None = None) -> None:
     """`serve`, then block until the process is stopped."""
-    serve(demo, port, share, auth, max_file_mb, share_timeout_s)
+    local_url, _ = serve(demo, port, share, auth, max_file_mb, share_timeout_s, routes=routes)
+    if routes:
+        say(f"OpenAI-compatible API at {local_url.rstrip('/')}/v1")
     demo.block_thread()
 
 
