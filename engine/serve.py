@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -125,8 +126,8 @@ class ChatAPI:
             body = await request.json()
         except ValueError:
             raise ApiError(400, "The request body is not valid JSON.") from None
-        req = parse_request(body, self.chat, self.model_id, self.engine.max_context, self.default_max_tokens,
-                            self.min_document_chars)
+        req = await run_in_threadpool(parse_request, body, self.chat, self.model_id, self.engine.max_context,
+                                      self.default_max_tokens, self.min_document_chars)  # a book: not on the loop
         with self.lock:
             if self.n_requests >= self.max_requests:
                 raise ApiError(429, f"The server is busy ({self.n_requests} requests answering or waiting); "
