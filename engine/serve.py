@@ -119,7 +119,10 @@ class ChatAPI:
             "max_model_len": self.engine.max_context}]})
 
     async def requests(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [asdict(o) for o in self.recent]})
+        b = self.batcher  # shared with the UI: n_segments > n_forwards when answers were packed together
+        return JSONResponse({"object": "list", "data": [asdict(o) for o in self.recent],
+                             "batcher": {"n_rounds": b.n_rounds, "n_forwards": b.n_forwards,
+                                         "n_segments": b.n_segments}})
 
     async def chat_completions(self, request: Request) -> Response:
         try:

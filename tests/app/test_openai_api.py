@@ -173,6 +173,35 @@ def test_a_client_that_disconnects_stops_its_answer(client, server):
     assert done[answer_id]["completion_tokens"] < 1000
 
 
+def test_ui_and_api_answers_are_decoded_together(client, server, tmp_path):
+    """The UI's reader and an API client answer at the same time in packed forwards of one batcher."""
+    import threading
+
+    from gradio_client import Client, handle_file
+
+    path = tmp_path / "persuasion-start.txt"
+    path.write_text(book(0, 3000), encoding="utf-8")
+    ui = Client(server, verbose=False)
+    assert "Ready" in ui.predict(handle_file(str(path)), "", api_name="/load_book")[0]
+    before = httpx.get(server + "v1/bookchat/requests").json()["batcher"]
+    started = threading.Event()
+
+    def api_answer():
+        stream = ask(client, book(0), "Tell the whole story.", max_tokens=60, stream=True,
+                     extra_body={"ignore_eos": True})
+        for _ in stream:
+            started.set()
+    thread = threading.Thread(target=api_answer)
+    thread.start()
+    assert started.wait(120)
+    ui.predict("Tell the whole story of the Elliot family.", [], 0.0, 1.0, 40, 0, "ngram>retrieval>full",
+               api_name="/ask")
+    thread.join(120)
+    after = httpx.get(server + "v1/bookchat/requests").json()["batcher"]
+    n_forwards, n_segments = (after[k] - before[k] for k in ("n_forwards", "n_segments"))
+    assert n_segments > n_forwards, (n_segments, n_forwards)  # some forwards served both readers
+
+
 def test_bad_requests_get_openai_errors(client, server):
     with pytest.raises(openai.BadRequestError, match="temperature"):
         ask(client, "A short text.", "Hi", temperature=-1)
