@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import secrets
+import sys
 import threading
 import time
 import uuid
@@ -335,8 +336,12 @@ def serve_main(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = Engine.load(EngineConfig(target=args.model, draft=args.draft, levels=args.levels, device=args.device,
-                                      dtype=args.dtype, use_cpu_kernel=args.cpu_kernel))
+    try:
+        engine = Engine.load(EngineConfig(target=args.model, draft=args.draft, levels=args.levels, device=args.device,
+                                          dtype=args.dtype, use_cpu_kernel=args.cpu_kernel))
+    except (EngineError, ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     chat, documents = ChatFormat(engine.tokenizer), None
     if not args.no_library:
         try:  # the app's library, when it is installed: snapshots shared with the app, by the same rule
