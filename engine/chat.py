@@ -17,6 +17,10 @@ from engine.config import EngineError
 # cuts there too (after "\n\n" it would not: GPT-2's regex splits "\n\nWho" as "\n", "\n", "Who").
 DOC_END, QUESTION_START = "\n\nQuestion:", " "
 SEPARATOR = DOC_END + QUESTION_START
+# The system message of every chat: keep answers on the book (issue 21). A template that refuses a
+# system role renders without it.
+BOOK_SYSTEM = ("You are a helpful assistant. The user gives you a book and asks about it. Answer from the "
+               "book; if the book does not say, say that it does not.")
 # Markers: printable, so templates that `trim` the content keep them.
 _DOC, _ANSWER, _QUESTION = "[[BOOKCHAT-DOC]]", "[[BOOKCHAT-ANSWER]]", "[[BOOKCHAT-QUESTION]]"
 
@@ -29,9 +33,11 @@ class ChatFormat:
     templates that render earlier turns verbatim (ours do; some strip reasoning from old answers).
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, system: str | None = BOOK_SYSTEM, end_ids: set[int] = frozenset()):
+        """end_ids: more tokens that end an answer (the model's generation_config, Engine.end_ids)."""
         self.tokenizer = tokenizer
         self._added = [t.content for t in tokenizer.added_tokens_decoder.values()]
+        self.system = system if system and self._accepts_system(system) else None
         first = self._render([_user(_DOC + SEPARATOR + _QUESTION)])
         doc_prefix, rest = _split_once(first, _DOC)
         after_question = _split_once(rest, _QUESTION)[1]
@@ -47,7 +53,7 @@ class ChatFormat:
         between_ids = self._template(self._between)
         is_special = bool(between_ids) and between_ids[0] in tokenizer.all_special_ids
         self.end_of_turn_id: int | None = between_ids[0] if is_special else None
-        self.stop_ids: set[int] = {tokenizer.eos_token_id, self.end_of_turn_id} - {None}
+        self.stop_ids: set[int] = ({tokenizer.eos_token_id, self.end_of_turn_id} | set(end_ids)) - {None}
 
     def document_ids(self, text: str) -> list[int]:
         """Template prefix (system prompt, user-turn start) + book + DOC_END: all before a question."""
@@ -81,8 +87,22 @@ class ChatFormat:
         cut = min((text.find(token) for token in self._added if token in text), default=len(text))
         return text[:cut], text[cut:]
 
-    def _render(self, messages: list[dict[str, str]]) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def messages(self, turns: list[dict[str, str]]) -> list[dict[str, str]]:
+        """The whole conversation as the template sees it: the system message, then `turns`."""
+        return ([{"role": "system", "content": self.system}] if self.system else []) + turns
+
+    def _render(self, turns: list[dict[str, str]]) -> str:
+        return self.tokenizer.apply_chat_template(self.messages(turns), tokenize=False, add_generation_prompt=True)
+
+    def _accepts_system(self, system: str) -> bool:
+        from jinja2 import TemplateError
+
+        try:
+            text = self.tokenizer.apply_chat_template([{"role": "system", "content": system}, _user("x")],
+                                                      tokenize=False, add_generation_prompt=True)
+        except TemplateError:  # e.g. "System role not supported"
+            return False
+        return system in text
 
     def _template(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

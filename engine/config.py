@@ -19,6 +19,11 @@ LEVEL_STACKS = (
     "selfspec>full",
 )
 BOTTOM_DRAFTERS = ("ngram", "draft", "selfspec")
+# draft="auto": the small model of the same family that drafts for a packaged target (same
+# tokenizer); levels="auto": the stack measured best for the pair (benchmarks/RESULTS.md,
+# issue 21: sampled answers at 16K), else the model-free default
+PAIRED_DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
+AUTO_LEVELS = {True: "draft>retrieval>full", False: "ngram>retrieval>full"}  # has a draft -> stack
 
 
 class EngineError(Exception):
@@ -130,9 +135,14 @@ class RetrievalConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    target: str = "qwen2.5-coder-0.5b"  # a local folder, GGUF file, hub id or packaged model name
-    draft: str | None = None  # small model for the `draft` level; must share the tokenizer
-    levels: str = "ngram>retrieval>full"
+    # a local folder, GGUF file, hub id or packaged model name; the 1.5B answers questions about a
+    # book where the 0.5B loops and garbles (issue 21)
+    target: str = "qwen2.5-coder-1.5b"
+    draft: str | None = "auto"  # small model for the `draft` level (same tokenizer); "auto": PAIRED_DRAFTS
+    levels: str = "auto"  # a LEVEL_STACKS entry; "auto": AUTO_LEVELS
+    # YaRN RoPE scaling for books beyond the native context (Qwen2.5's recipe: 4 -> 131,072 tokens);
+    # static, so it changes answers on short books too: 1 = off
+    yarn_factor: float = 1.0
     device: str = "auto"  # "auto" picks cuda when present, else cpu
     dtype: str = "auto"  # "auto": bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32
     retrieval: RetrievalConfig = RetrievalConfig()
@@ -157,6 +167,12 @@ class EngineConfig:
     use_cuda_graphs: bool = False  # off by default, as torch.compile (STYLE.md 5); eager on CPU
 
     def __post_init__(self):
+        if self.draft == "auto":
+            object.__setattr__(self, "draft", PAIRED_DRAFTS.get(self.target))
+        if self.levels == "auto":
+            object.__setattr__(self, "levels", AUTO_LEVELS[self.draft is not None])
+        if not 1 <= self.yarn_factor <= 8:
+            raise ValueError(f"yarn_factor={self.yarn_factor}: 1 (off) to 8 (4 gives Qwen2.5 131,072 tokens)")
         if self.levels not in LEVEL_STACKS:
             raise ValueError(f"levels={self.levels!r}; choose one of {', '.join(LEVEL_STACKS)}")
         if "draft" in self.levels.split(">") and not self.draft:

@@ -75,8 +75,12 @@ def is_set(cancel) -> bool:
 
 class Engine:
     def __init__(self, config: EngineConfig, target: Transformer, tokenizer=None,
-                 draft: Transformer | None = None):
+                 draft: Transformer | None = None, generation: tuple[dict, set[int]] = ({}, set())):
         self.config, self.target, self.draft, self.tokenizer = config, target, draft, tokenizer
+        # how the model was tuned to be sampled, and every token it ends a turn with
+        # (loading.generation_defaults); callers start from these and change what the user sets
+        self.default_sampling = SamplingConfig(**generation[0])
+        self.end_ids: set[int] = set(generation[1])
         self.device = target.lm_head.weight.device
         self.dtype = target.dtype
         attend = pick_attention(self.device, config.use_flash_attn, config.use_cpu_kernel)
@@ -96,7 +100,7 @@ class Engine:
         """The engine of `config`. With n_gpus > 1, called outside a process group: starts the
         other ranks and returns rank 0's `parallel.Leader`, which serves as an Engine; called
         in a rank's process (by `parallel.start`): loads that rank's shard."""
-        from engine.loading import check_same_tokenizer, load_model
+        from engine.loading import check_same_tokenizer, generation_defaults, load_model
 
         device = pick_device(config.device)
         if config.n_gpus > 1 and not torch.distributed.is_initialized():
@@ -105,15 +109,16 @@ class Engine:
             device = parallel.rank_device(device)
         dtype = pick_dtype(config.dtype, device)
         if config.n_gpus == 1:
-            target, tokenizer = load_model(config.target, dtype, device)
+            target, tokenizer = load_model(config.target, dtype, device, config.yarn_factor)
         else:  # loaded on the host, so only this rank's shard reaches its GPU
-            target, tokenizer = load_model(config.target, dtype, torch.device("cpu"))
+            target, tokenizer = load_model(config.target, dtype, torch.device("cpu"), config.yarn_factor)
             target = parallel.shard(target, torch.distributed.get_rank(), config.n_gpus).to(device)
         draft = None
         if config.draft:  # loaded even when the first stack does not use it: sessions may switch
+            # native RoPE: its StreamingLLM cache renumbers positions inside its window
             draft, draft_tokenizer = load_model(config.draft, dtype, device)
             check_same_tokenizer(tokenizer, draft_tokenizer, config.target, config.draft)
-        return cls(config, target, tokenizer, draft)
+        return cls(config, target, tokenizer, draft, generation_defaults(Path(tokenizer.name_or_path)))
 
     @property
     def max_context(self) -> int:
@@ -320,6 +325,8 @@ class Session:
         stack.tokens += question_ids
         if stack.drafter:
             stack.drafter.extend(question_ids)
+        if sampling.penalty_start is None:  # the penalties count this answer's tokens
+            sampling = replace(sampling, penalty_start=len(stack.tokens))
         stats, n_new, n_first, t_first = Stats(self.level_stats), 0, 0, 0.0
         reason, reading_version = None, None
         while reason is None:

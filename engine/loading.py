@@ -153,6 +153,20 @@ def load_tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
 
+def generation_defaults(model_dir: Path) -> tuple[dict, set[int]]:
+    """(SamplingConfig fields, end token ids) from the folder's generation_config.json: the settings
+    the model was tuned to be sampled with. Without `do_sample` the model decodes greedily, as
+    Hugging Face's `generate` would; a missing file means greedy and no extra end tokens."""
+    path = Path(model_dir) / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    end_ids = config.get("eos_token_id")
+    end_ids = set(end_ids if isinstance(end_ids, list) else [end_ids] if end_ids is not None else [])
+    if not config.get("do_sample"):
+        return {"temperature": 0.0}, end_ids
+    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # the same in SamplingConfig
+    return {name: config[name] for name in names if config.get(name) is not None}, end_ids
+
+
 def load_hf_config(model_dir: Path):
     from transformers import AutoConfig
 
@@ -225,7 +239,19 @@ def _special_tokens(tokenizer) -> set[tuple[str, int]]:
     return {(token, tokenizer.convert_tokens_to_ids(token)) for token in tokens}
 
 
-def load_model(source: str, dtype: torch.dtype, device: torch.device):
+def extend_context(hf_config, yarn_factor: float) -> None:
+    """YaRN RoPE scaling by `yarn_factor` over the native context, as Qwen documents for its 2.5
+    models (`rope_scaling: {type: yarn, factor: 4, original_max_position_embeddings: 32768}`);
+    transformers' rotary module computes it."""
+    if yarn_factor == 1:
+        return
+    native = hf_config.max_position_embeddings
+    hf_config.rope_parameters = {**hf_config.rope_parameters, "rope_type": "yarn", "factor": float(yarn_factor),
+                                 "original_max_position_embeddings": native}
+    hf_config.max_position_embeddings = int(native * yarn_factor)
+
+
+def load_model(source: str, dtype: torch.dtype, device: torch.device, yarn_factor: float = 1.0):
     """(our Transformer with the weights of `source`, its tokenizer), weights on `device`.
 
     The decoder is built on the meta device and takes the loaded tensors as they are (no random
@@ -238,6 +264,7 @@ def load_model(source: str, dtype: torch.dtype, device: torch.device):
 
     model_dir = resolve_model(source)
     hf_config = load_hf_config(model_dir)
+    extend_context(hf_config, yarn_factor)
     with torch.device("meta"):
         model = Transformer(ModelConfig.from_hf(hf_config), hf_config)
     state = {k: v.to(device) for k, v in load_state_dict(model_dir, dtype).items()}

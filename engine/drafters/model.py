@@ -2,7 +2,8 @@
 only a StreamingLLM cache (sinks + recent window, ALGORITHM.md section 5).
 
 It feeds the committed tokens it has not seen, then samples `gamma` tokens from its own
-sampling distribution `r` (same temperature / top-k / top-p as the request), and rolls its cache
+sampling distribution `r` (same penalties and temperature / top-k / top-p / min-p as the request,
+over its own answer so far), and rolls its cache
 back to the committed tokens. When it starts on a document it reads only the sinks and the last
 window of it: a StreamingLLM cache would hold exactly those tokens (their KV differs a little
 from a full streaming pass, which changes drafts, never the output).
@@ -16,7 +17,7 @@ from engine.config import SamplingConfig
 from engine.graphs import StaticDecodeStep
 from engine.kv.streaming import StreamingCache
 from engine.model import Forward, Segment, Steps, Transformer
-from engine.sampling import Coins, Draft, sampling_probs
+from engine.sampling import Coins, Draft, draft_histories, token_probs
 
 
 class ModelDrafter:
@@ -91,7 +92,8 @@ class ModelDrafter:
         committed_length = self.cache.length
         drafted, probs = [], []
         for i in range(gamma):
-            r = sampling_probs(logits.double(), sampling.temperature, sampling.top_k, sampling.top_p)
+            histories = draft_histories(self.tokens + drafted, Draft.chain([]), sampling)
+            r = token_probs(logits.double()[None], histories, sampling)[0]
             x = int(r.argmax()) if sampling.is_greedy else coins.sample(r)
             drafted.append(x)
             probs.append(r)

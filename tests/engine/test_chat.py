@@ -12,7 +12,7 @@ import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from engine.chat import SEPARATOR, ChatFormat
+from engine.chat import BOOK_SYSTEM, SEPARATOR, ChatFormat
 from engine.loading import load_tokenizer
 from engine.models import packaged_model_dir
 
@@ -87,6 +87,8 @@ def tokenizer(request):
 
 
 def rendered_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """The conversation rendered by the tokenizer's own template, after our system message."""
+    messages = [{"role": "system", "content": BOOK_SYSTEM}] + messages
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -157,3 +159,24 @@ def test_real_templates_survive_conversion():
     tokenizer = real_tokenizer("qwen2.5-coder-0.5b")
     assert "You are Qwen, created by Alibaba Cloud" in tokenizer.chat_template
     assert "<tool_call>" in tokenizer.chat_template  # the full upstream template, not a default
+
+
+def test_the_system_message_keeps_answers_on_the_book_and_end_ids_stop(tokenizer):
+    chat = ChatFormat(tokenizer, end_ids={7})
+    assert chat.system == BOOK_SYSTEM and BOOK_SYSTEM in tokenizer.decode(chat.document_ids("x"))
+    assert 7 in chat.stop_ids
+    assert BOOK_SYSTEM not in tokenizer.decode(ChatFormat(tokenizer, system=None).document_ids("x"))
+
+
+def test_qwen_stops_on_both_of_its_end_tokens():
+    """<|im_end|> ends a turn; <|endoftext|> ends a document: Qwen's generation_config lists both."""
+    from engine.loading import generation_defaults
+
+    folder = packaged_model_dir("qwen2.5-coder-0.5b", assemble=False)
+    if folder is None:
+        pytest.skip("qwen2.5-coder-0.5b is not assembled")
+    tokenizer = load_tokenizer(folder)
+    sampling, end_ids = generation_defaults(folder)
+    chat = ChatFormat(tokenizer, end_ids=end_ids)
+    assert {tokenizer.convert_ids_to_tokens(i) for i in chat.stop_ids} == {"<|im_end|>", "<|endoftext|>"}
+    assert sampling == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.1}

@@ -106,9 +106,23 @@ def test_config_errors_say_what_to_do():
     with pytest.raises(ValueError, match="choose one of"):
         EngineConfig(levels="ngram>draft")
     with pytest.raises(ValueError, match="needs a draft model"):
-        EngineConfig(levels="draft>full")
-    with pytest.raises(ValueError, match="top_p"):
-        SamplingConfig(top_p=0)
+        EngineConfig(target="smollm2-135m", levels="draft>full")
+    with pytest.raises(ValueError, match="yarn_factor"):
+        EngineConfig(yarn_factor=0.5)
+    for bad, field in [(dict(top_p=0), "top_p"), (dict(temperature=-1), "temperature"), (dict(top_k=-1), "top_k"),
+                       (dict(repetition_penalty=0), "repetition_penalty"), (dict(min_p=1), "min_p"),
+                       (dict(presence_penalty=3), "presence_penalty")]:
+        with pytest.raises(ValueError, match=field):
+            SamplingConfig(**bad)
+
+
+def test_the_default_is_the_1_5b_with_the_0_5b_drafting_and_other_targets_draft_nothing():
+    default = EngineConfig()
+    assert (default.target, default.draft, default.levels) == ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b",
+                                                               "draft>retrieval>full")
+    alone = EngineConfig(target="qwen2.5-coder-0.5b")
+    assert (alone.draft, alone.levels) == (None, "ngram>retrieval>full")
+    assert EngineConfig(target="smollm2-135m", draft=None, levels="plain").levels == "plain"
 
 
 def test_middle_level_equals_the_top_when_the_document_fits_its_budget():

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from engine.sampling import Draft, GeneratorCoins, acceptance, sampling_probs, verify
+from engine.config import SamplingConfig
+from engine.sampling import Draft, GeneratorCoins, acceptance, draft_histories, penalize, sampling_probs, verify
 from tests.engine.enumerate import ScriptedCoins, exact_distribution
 
 V = 3  # small enough to enumerate every outcome of three sampled levels
@@ -193,3 +194,34 @@ def test_triforce_resampling_from_q_is_biased():
         speculative_run(q_top, middle_level(q_mid, sampled_drafter(r), 2, resample_from_q=True), 1, 2))
     assert_same(right, want)
     assert max(abs(wrong.get(k, 0) - p) for k, p in want.items()) > 1e-3
+
+
+def test_penalties_equal_hugging_face_and_openai_processors():
+    """Repetition as HF's RepetitionPenaltyLogitsProcessor, presence/frequency as OpenAI documents
+    them (logit - presence * [count > 0] - frequency * count), min-p as HF's MinPLogitsWarper."""
+    from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
+
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 2
+    histories = [[], [4, 4, 1], [7, 0, 7, 7, 2]]
+    hf = torch.stack([RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([h]), row[None].clone())[0] if h else row
+                      for h, row in zip(histories, logits)])
+    assert torch.equal(penalize(logits, histories, repetition=1.3), hf)
+    got = penalize(logits, histories, presence=0.5, frequency=0.25)
+    want = logits.clone()
+    want[1, 4] -= 0.5 + 0.25 * 2  # seen twice
+    want[1, 1] -= 0.5 + 0.25
+    want[2, 7] -= 0.5 + 0.25 * 3
+    want[2, 0] -= 0.75
+    want[2, 2] -= 0.75
+    assert torch.allclose(got, want, rtol=0, atol=1e-12)
+    assert penalize(logits, histories) is logits  # all off: untouched
+    probs = sampling_probs(logits, 0.8, min_p=0.2)
+    hf_probs = MinPLogitsWarper(0.2)(None, logits / 0.8).softmax(-1)
+    assert torch.allclose(probs, hf_probs, rtol=0, atol=1e-12)
+
+
+def test_each_check_row_counts_the_answer_so_far_and_its_draft_path():
+    sampling = SamplingConfig(temperature=1.0, repetition_penalty=1.2, penalty_start=3)
+    tree = Draft(torch.tensor([5, 6, 7]), torch.tensor([-1, -1, 1]), None)  # 5 and 6 siblings, 7 after 6
+    assert draft_histories([9, 9, 9, 1, 2], tree, sampling) == [[1, 2], [1, 2, 5], [1, 2, 6], [1, 2, 6, 7]]
+    assert draft_histories([9, 9, 9, 1, 2], tree, SamplingConfig(temperature=1.0)) == []  # off: nothing to count

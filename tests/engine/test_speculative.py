@@ -13,6 +13,7 @@ import torch
 from scipy.stats import chisquare
 
 from engine import sampling as sampling_module
+from engine import speculative as speculative_module
 from engine.config import LEVEL_STACKS, SamplingConfig
 from engine.sampling import GeneratorCoins, Verdict
 from tests.conftest import tiny_engine, tiny_hf
@@ -69,6 +70,9 @@ def test_regenerate_after_truncate_gives_the_same_answer(levels):
 
 SAMPLINGS = [SamplingConfig(temperature=1.0, max_new_tokens=2),
              SamplingConfig(temperature=0.7, top_p=0.9, max_new_tokens=2)]
+# strong penalties, so the first answer token reshapes the second's distribution (and min-p cuts)
+PENALIZED = SamplingConfig(temperature=1.0, repetition_penalty=1.8, presence_penalty=0.5, frequency_penalty=0.4,
+                           min_p=0.02, max_new_tokens=2)
 
 
 def exact_answers(levels: str, sampling: SamplingConfig, vocab: int = 6, gamma_middle: int = 1):
@@ -133,10 +137,10 @@ CHI_VOCAB, CHI_SAMPLES = 24, 400
 
 
 @functools.cache
-def chi_setup(temperature: float, top_p: float):
+def chi_setup(temperature: float, top_p: float, **penalties):
     """Document, question and the exact distribution of plain decoding's second answer token."""
     doc, q = random_ids(40, CHI_VOCAB, 7), random_ids(3, CHI_VOCAB, 8)
-    sampling = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=2)
+    sampling = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=2, **penalties)
     engine = tiny_engine("plain", vocab=CHI_VOCAB)
     want, _ = exact_distribution(
         lambda coins: tuple(t for e in engine.open(doc).ask(q, sampling, coins=coins) for t in e.tokens)[1],
@@ -152,11 +156,14 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(f_obs.numpy(), (f_exp * f_obs.sum() / f_exp.sum()).numpy()).pvalue)
 
 
-@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["T1", "T0.7-p0.9"])
+@pytest.mark.parametrize("sampling", SAMPLINGS + [PENALIZED], ids=["T1", "T0.7-p0.9", "penalties"])
 @pytest.mark.parametrize("levels", SPECULATIVE)
 def test_chi_square_of_sampled_tokens(levels, sampling):
     """End-to-end seeded samples of the second answer token (drafted, checked by every level)."""
-    doc, q, sampling, probs = chi_setup(sampling.temperature, sampling.top_p)
+    penalties = {} if sampling is not PENALIZED else dict(
+        repetition_penalty=PENALIZED.repetition_penalty, presence_penalty=PENALIZED.presence_penalty,
+        frequency_penalty=PENALIZED.frequency_penalty, min_p=PENALIZED.min_p)
+    doc, q, sampling, probs = chi_setup(sampling.temperature, sampling.top_p, **penalties)
     counts = token_counts(tiny_engine(levels, vocab=CHI_VOCAB), doc, q, sampling, CHI_SAMPLES, CHI_VOCAB, 1)
     assert chi_square_pvalue(counts, probs) > 1e-3
 
@@ -321,3 +328,60 @@ def test_undrafted_checks_mixed_with_drafts_stay_lossless(levels, monkeypatch):
     sampled = SamplingConfig(temperature=1.0, max_new_tokens=14, seed=3)
     _, answers = chat(tiny_engine(levels), doc, questions, sampled)
     assert all(answers)
+
+
+@pytest.mark.parametrize("levels", SPECULATIVE)
+def test_every_stack_preserves_the_penalized_distribution_exactly(levels):
+    """Penalties on: every level computes each row's distribution after the committed answer plus
+    its draft path, so the output is exactly plain decoding's penalized distribution. The
+    penalties start before the question, so even the first answer token is penalized."""
+    sampling = replace(PENALIZED, penalty_start=97)
+    if levels == "draft>retrieval>full":
+        sampling = replace(sampling, max_new_tokens=1)
+    want, want_pruned = exact_answers("plain", sampling)
+    got, pruned = exact_answers(levels, sampling)
+    assert pruned < 1e-7 and want_pruned < 1e-7
+    plain_unpenalized, _ = exact_answers("plain", replace(sampling, repetition_penalty=1.0, presence_penalty=0.0,
+                                                          frequency_penalty=0.0))
+    assert max(abs(want[k] - plain_unpenalized.get(k, 0.0)) for k in want) > 1e-2  # the penalties bite
+    for seq in set(want) | set(got):
+        assert abs(got.get(seq, 0.0) - want.get(seq, 0.0)) < 1e-6, seq
+
+
+def stale_histories(tokens, draft, sampling):
+    """A level that forgets the draft path: every row penalized as if after the committed tokens only."""
+    rows = right_histories(tokens, draft, sampling)
+    return rows[:1] * len(rows)
+
+
+right_histories = speculative_module.draft_histories
+
+
+@pytest.mark.parametrize("levels", ["ngram>full", "draft>full", "ngram>retrieval>full"])
+def test_exact_enumeration_fails_on_a_stale_penalty_history(levels, monkeypatch):
+    want, _ = exact_answers("plain", PENALIZED)
+    monkeypatch.setattr(speculative_module, "draft_histories", stale_histories)
+    got, _ = exact_answers(levels, PENALIZED)
+    assert max(abs(got.get(k, 0.0) - p) for k, p in want.items()) > 1e-3
+
+
+@pytest.mark.parametrize("levels", SPECULATIVE)
+def test_greedy_with_penalties_equals_plain_over_three_turns(levels):
+    doc = random_ids(123, 128, 1)
+    questions = [random_ids(n, 128, 10 + n) for n in (5, 9, 3)]
+    sampling = SamplingConfig(max_new_tokens=14, repetition_penalty=1.5, frequency_penalty=0.5)
+    _, plain = chat(tiny_engine("plain"), doc, questions, sampling)
+    _, unpenalized = chat(tiny_engine("plain"), doc, questions)
+    _, got = chat(tiny_engine(levels), doc, questions, sampling)
+    assert got == plain and plain != unpenalized
+
+
+def test_plain_repetition_penalty_over_the_whole_prompt_equals_hugging_face_generate():
+    """penalty_start=0 counts the document and question too, as HF's processor counts input_ids."""
+    doc, q = random_ids(60, 128, 3), random_ids(5, 128, 4)
+    sampling = SamplingConfig(max_new_tokens=12, repetition_penalty=1.6, penalty_start=0)
+    ours = [t for e in tiny_engine("plain").open(doc).ask(q, sampling) for t in e.tokens]
+    prompt = torch.tensor([doc + q])  # with its mask given: HF would take the ids equal to pad_token_id for padding
+    hf = tiny_hf("llama").generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
+                                   min_new_tokens=12, do_sample=False, repetition_penalty=1.6, pad_token_id=0)
+    assert hf[0, len(doc) + len(q):].tolist() == ours
