@@ -16,7 +16,7 @@ could still turn into one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.chat import ChatFormat
 from engine.config import SamplingConfig
@@ -49,8 +49,10 @@ class ChatRequest:
     include_usage: bool
 
 
-def parse_request(body: object, chat: ChatFormat, model_id: str, max_context: int, default_max_tokens: int,
-                  min_document_chars: int = MIN_DOCUMENT_CHARS) -> ChatRequest:
+def parse_request(body: object, chat: ChatFormat, model_id: str, max_context: int, defaults: SamplingConfig,
+                  stop_ids: frozenset[int], min_document_chars: int = MIN_DOCUMENT_CHARS) -> ChatRequest:
+    """`defaults`: the sampling of fields the request leaves out (the model's own settings and the
+    server's answer length); `stop_ids`: the tokens that end an answer (unless `ignore_eos`)."""
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
     if body.get("model") not in (None, model_id):
@@ -68,8 +70,8 @@ def parse_request(body: object, chat: ChatFormat, model_id: str, max_context: in
         raise ApiError(400, f"The prompt has {len(ids):,} tokens but the model's context holds {max_context:,}.",
                        code="context_length_exceeded", param="messages")
     stream_options = body.get("stream_options") or {}
-    stop_ids = frozenset() if body.get("ignore_eos") else frozenset(chat.stop_ids)
-    return ChatRequest(ids, document, n_doc, _sampling(body, default_max_tokens), _stop(body.get("stop")), stop_ids,
+    stop_ids = frozenset() if body.get("ignore_eos") else stop_ids
+    return ChatRequest(ids, document, n_doc, _sampling(body, defaults), _stop(body.get("stop")), stop_ids,
                        bool(body.get("stream")), isinstance(stream_options, dict)
                        and bool(stream_options.get("include_usage")))
 
@@ -142,7 +144,7 @@ def _template_ids(tokenizer, messages: list[tuple[str, str]]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _sampling(body: dict, default_max_tokens: int) -> SamplingConfig:
+def _sampling(body: dict, defaults: SamplingConfig) -> SamplingConfig:
     fields = {"temperature": float, "top_p": float, "top_k": int, "seed": int, "min_p": float,
               "repetition_penalty": float, "presence_penalty": float, "frequency_penalty": float}
     values = {}
@@ -150,11 +152,12 @@ def _sampling(body: dict, default_max_tokens: int) -> SamplingConfig:
         if body.get(name) is not None:
             values[name] = _number(body[name], kind, name)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    values["max_new_tokens"] = default_max_tokens if max_tokens is None else _number(max_tokens, int, "max_tokens")
+    if max_tokens is not None:
+        values["max_new_tokens"] = _number(max_tokens, int, "max_tokens")
     if values.get("top_k") == -1:  # vLLM's "off"
         values["top_k"] = 0
     try:
-        return SamplingConfig(**values)
+        return replace(defaults, **values)
     except ValueError as error:
         raise ApiError(400, str(error)) from None
 

@@ -26,7 +26,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Protocol
 
 from starlette.concurrency import run_in_threadpool
@@ -81,7 +81,10 @@ class ChatAPI:
                  max_requests: int = MAX_REQUESTS, min_document_chars: int = MIN_DOCUMENT_CHARS):
         self.engine, self.chat, self.batcher = engine, chat, batcher
         self.documents = documents or NewPrefill(engine)
-        self.api_key, self.default_max_tokens, self.keep_sessions = api_key, default_max_tokens, keep_sessions
+        self.api_key, self.keep_sessions = api_key, keep_sessions
+        # a field the request leaves out: the model's own sampling settings (generation_config.json)
+        self.defaults = replace(engine.default_sampling, max_new_tokens=default_max_tokens)
+        self.stop_ids = frozenset(chat.stop_ids | engine.end_ids)
         self.max_requests, self.min_document_chars = max_requests, min_document_chars
         self.model_id, self.created = engine.config.target, int(time.time())
         self.idle: list[tuple[Session, int]] = []  # finished answers' sessions and document lengths, oldest first
@@ -131,7 +134,7 @@ class ChatAPI:
         except ValueError:
             raise ApiError(400, "The request body is not valid JSON.") from None
         req = await run_in_threadpool(parse_request, body, self.chat, self.model_id, self.engine.max_context,
-                                      self.default_max_tokens, self.min_document_chars)  # a book: not on the loop
+                                      self.defaults, self.stop_ids, self.min_document_chars)  # a book: not on the loop
         with self.lock:
             if self.n_requests >= self.max_requests:
                 raise ApiError(429, f"The server is busy ({self.n_requests} requests answering or waiting); "
@@ -312,8 +315,9 @@ def add_serve_parser(sub) -> None:
 
     s = sub.add_parser("serve", help="serve the engine as an OpenAI-compatible API (no UI)")
     s.add_argument("--model", default=EngineConfig.target, help="folder, .gguf, hub id or packaged name")
-    s.add_argument("--draft", default=None, help="small draft model for the `draft` level")
-    s.add_argument("--levels", default=EngineConfig.levels, choices=LEVEL_STACKS)
+    s.add_argument("--draft", default=EngineConfig.draft, help="small draft model for the `draft` level "
+                   "(auto: the packaged target's pair)")
+    s.add_argument("--levels", default=EngineConfig.levels, choices=("auto", *LEVEL_STACKS))
     s.add_argument("--device", default="auto")
     s.add_argument("--dtype", default="auto", help="auto, bfloat16, float32, float16")
     s.add_argument("--cpu-kernel", action=argparse.BooleanOptionalAction, default=EngineConfig.use_cpu_kernel)
@@ -342,7 +346,7 @@ def serve_main(args: argparse.Namespace) -> int:
     except (EngineError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    chat, documents = ChatFormat(engine.tokenizer), None
+    chat, documents = ChatFormat(engine.tokenizer, end_ids=engine.end_ids), None
     if not args.no_library:
         try:  # the app's library, when it is installed: snapshots shared with the app, by the same rule
             from app.api import library_documents

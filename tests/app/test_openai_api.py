@@ -79,8 +79,9 @@ def test_greedy_answer_equals_session_ask(first_answer, engine, chat):
     from engine.config import SamplingConfig
 
     session = engine.open(chat.document_ids(book(0)))
-    ids = [t for e in session.ask(chat.question_ids(QUESTION, is_first=True, previous_answer_ended=False),
-                                  SamplingConfig(max_new_tokens=48), stop_ids=chat.stop_ids) for t in e.tokens]
+    q_ids = chat.question_ids(QUESTION, is_first=True, previous_answer_ended=False)
+    events = session.ask(q_ids, SamplingConfig(max_new_tokens=48), stop_ids=chat.stop_ids | engine.end_ids)
+    ids = [t for e in events for t in e.tokens]
     assert first_answer.choices[0].message.content == engine.tokenizer.decode(ids, skip_special_tokens=True)
     assert first_answer.usage.completion_tokens == len(ids)
     expected_prompt = chat.document_ids(book(0)) + chat.question_ids(QUESTION, True, False)

@@ -23,7 +23,10 @@ def chat():
 
 
 def parse(chat, **body):
-    return parse_request({"model": MODEL, **body}, chat, MODEL, 8192, 100)
+    from engine.config import SamplingConfig
+
+    defaults = SamplingConfig(temperature=0.7, top_k=20, max_new_tokens=100)  # as a model's own settings
+    return parse_request({"model": MODEL, **body}, chat, MODEL, 8192, defaults, frozenset(chat.stop_ids))
 
 
 def test_a_chat_about_a_document_has_the_apps_token_order(chat):
@@ -56,7 +59,8 @@ def test_request_fields_map_onto_sampling_config(chat):
     assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p) == (0.5, -0.5, 1.1, 0.05)
     assert req.stop == ("\n\n",) and req.is_stream and req.include_usage and req.stop_ids == frozenset(chat.stop_ids)
     assert parse(chat, messages=[{"role": "user", "content": "Hi"}], ignore_eos=True).stop_ids == frozenset()
-    assert parse(chat, messages=[{"role": "user", "content": "Hi"}]).sampling.max_new_tokens == 100
+    default = parse(chat, messages=[{"role": "user", "content": "Hi"}]).sampling  # fields left out: the defaults
+    assert (default.temperature, default.top_k, default.max_new_tokens) == (0.7, 20, 100)
 
 
 @pytest.mark.parametrize("body, status, words", [
