@@ -4,7 +4,8 @@ One server (SmolLM2-135M) and one app (tokenizer only, no model) serve the modul
 server refuses clients without the key (through the official `openai` client); the app reads a
 book, sends it to the server once (one prefill there), and answers a question through it, the
 server prefilling only the question; the app's metrics are measured client-side (its token count
-is the server's) and the speculative metrics and the reading view say they are not available.
+is the server's) and the speculative metrics and the reading view say they are not available;
+Stop in the app ends the answer on the server.
 """
 
 from __future__ import annotations
@@ -78,22 +79,27 @@ def served(server) -> list[dict]:
     return httpx.get(server + "/bookchat/requests", headers={"Authorization": f"Bearer {KEY}"}).json()["data"]
 
 
-def test_the_app_reads_a_book_once_on_the_server_and_answers_through_it(app_url, server, tmp_path):
+@pytest.fixture(scope="module")
+def opened(app_url, server, tmp_path_factory):
+    """A gradio client of the app with a book open, and the server's records of opening it."""
     from gradio_client import Client, handle_file
 
-    from app.tokens import PlainChatFormat
-    from engine.loading import load_tokenizer, resolve_model
-
-    text = (ROOT / "assets" / "persuasion.txt").read_text(encoding="utf-8")[:4500]
-    path = tmp_path / "persuasion-start.txt"
-    path.write_text(text, encoding="utf-8")
+    path = tmp_path_factory.mktemp("books") / "persuasion-start.txt"
+    path.write_text((ROOT / "assets" / "persuasion.txt").read_text(encoding="utf-8")[:4500], encoding="utf-8")
     client = Client(app_url, verbose=False)
     n_before = len(served(server))
     loaded = client.predict(handle_file(str(path)), "", api_name="/load_book")
+    return client, loaded, served(server)[n_before:]
+
+
+def test_the_app_reads_a_book_once_on_the_server_and_answers_through_it(opened, server):
+    from app.tokens import PlainChatFormat
+    from engine.loading import load_tokenizer, resolve_model
+
+    client, loaded, warm = opened
     status = loaded[0]
     assert "fits" in status and "Ready" in status, status
     assert "Where the model is reading: not available with a remote backend." in loaded
-    warm = served(server)[n_before:]
     assert len(warm) == 1 and warm[0]["cache"] == "none" and warm[0]["prefill_tokens"] == warm[0]["prompt_tokens"]
 
     question = "Who is Sir Walter Elliot?"
@@ -107,3 +113,22 @@ def test_the_app_reads_a_book_once_on_the_server_and_answers_through_it(app_url,
     assert answered["cache"] == "memory" and answered["prefill_tokens"] <= n_question + 1
     assert "tokens/s" in metrics and "TBT now" in metrics and f"{answered['completion_tokens']} tokens" in metrics
     assert "not available with a remote backend" in metrics and "| full |" not in metrics
+
+
+def test_stop_in_the_app_stops_the_answer_on_the_server(opened, server):
+    """Stop closes the app's stream; the server sees the client go and cancels the answer."""
+    client, n_before = opened[0], len(served(server))
+    job = client.submit("Tell me the whole story of the Elliot family.", [], 0.0, 1.0, 400, 0, "remote",
+                        api_name="/ask")
+    deadline = time.time() + 120
+    while len(job.outputs()) < 3 and not job.done():
+        assert time.time() < deadline
+        time.sleep(0.05)
+    client.predict(api_name="/stop")
+    _, _, metrics, *_ = job.result()
+    assert "stopped" in metrics
+    deadline = time.time() + 60
+    while len(records := served(server)) == n_before:  # recorded when the server's answer has ended
+        assert time.time() < deadline, "the server's answer did not end"
+        time.sleep(0.5)
+    assert records[-1]["finish_reason"] == "cancelled" and records[-1]["completion_tokens"] < 400
