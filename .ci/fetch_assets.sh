@@ -75,6 +75,11 @@ from_deb r-doc-pdf usr/share/R/doc/manual/R-intro.pdf R-intro.pdf            # 1
 from_deb bash-doc usr/share/doc/bash/bashref.pdf bashref.pdf                  # 196 pages, running headers
 from_deb glpk-doc usr/share/doc/glpk-doc/glpk.pdf glpk.pdf                    # ligatures as TeX OT1 codes
 from_deb groff usr/share/doc/groff-base/examples/mom/sample_docs.pdf.gz sample_docs.pdf  # two columns
+from_deb debian-faq usr/share/doc/debian/FAQ/debian-faq.en.pdf.gz debian-faq.en.pdf  # words run together in plain extraction
+
+# Real EPUBs from Debian documentation packages.
+from_deb live-manual-epub usr/share/doc/live-manual/epub/live-manual.en.epub live-manual.en.epub  # '#fragment' manifest links
+from_deb ubuntu-packaging-guide-epub usr/share/doc/ubuntu-packaging-guide-epub/ubuntu-packaging-guide.epub ubuntu-packaging-guide.epub  # broken TOC links
 
 # From PyPI source archives.
 from_sdist ocrmypdf==17.13.0 tests/resources/c03-29.pdf c03-29.pdf            # scanned page, no text

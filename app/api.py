@@ -26,12 +26,12 @@ TITLE_CHARS = 60
 class LibraryDocuments:
     """engine.serve.Documents backed by the library: its snapshot, else a prefill it saves."""
 
-    def __init__(self, engine: Engine, library: Library):
-        self.engine, self.library = engine, library
+    def __init__(self, library: Library):
+        self.library = library
 
-    def open(self, text: str, doc_ids: list[int], cancel: threading.Event) -> tuple[Session, bool]:
-        _, session, restored, _ = self.library.open_session(self.engine, Document(title(text), text, "txt"),
-                                                            doc_ids, cancel=cancel)
+    def open(self, engine: Engine, text: str, doc_ids: list[int], cancel: threading.Event) -> tuple[Session, bool]:
+        _, session, restored, _ = self.library.open_session(engine, Document(title(text), text, "txt"), doc_ids,
+                                                            cancel=cancel)
         return session, restored
 
 
@@ -43,7 +43,7 @@ def title(text: str) -> str:
 
 def library_documents(engine: Engine, root: str | None) -> tuple[PlainChatFormat, LibraryDocuments]:
     """For `python -m engine serve`: the app's chat format and the library at `root` (default: the app's)."""
-    return PlainChatFormat(engine.tokenizer), LibraryDocuments(engine, Library(root or default_root()))
+    return PlainChatFormat(engine.tokenizer, end_ids=engine.end_ids), LibraryDocuments(Library(root or default_root()))
 
 
 def api_key(given: str | None, is_login_required: bool) -> str | None:
@@ -56,7 +56,7 @@ def api_key(given: str | None, is_login_required: bool) -> str | None:
 
 
 def chat_api(ui, key: str | None) -> ChatAPI:
-    """The API over the UI's engine, chat format, library and batcher (`ui`: app.ui.App)."""
-    documents = LibraryDocuments(ui.engine, ui.library) if ui.library is not None else None
-    return ChatAPI(ui.engine, ui.chat, ui.batcher, documents, key, ui.max_new_tokens,
-                   keep_sessions=ui.max_open_books)
+    """The API over the UI's engine and chat format (the model it has loaded now), its library and
+    its batcher (`ui`: app.ui.App)."""
+    documents = LibraryDocuments(ui.library) if ui.library is not None else None
+    return ChatAPI(ui, ui.batcher, documents, key, ui.max_new_tokens, keep_sessions=ui.max_open_books)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from app.documents import Document, Section
 from app.snapshots import load_snapshot, model_fingerprint, save_snapshot, weights_sha256
-from app.storage import atomic_write, read_json, write_failure, write_json
+from app.storage import atomic_write, read_json, remove_temp_files, write_failure, write_json
 
 if TYPE_CHECKING:
     from engine.engine import Engine, Session
@@ -84,6 +84,7 @@ class Library:
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root).expanduser()
         self.root.mkdir(parents=True, exist_ok=True)
+        remove_temp_files(self.root)  # left by a kill mid-write (a snapshot's can be hundreds of MB)
         self._identities: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> model_identity
 
     def book_dir(self, book_id: str) -> Path:

@@ -30,6 +30,7 @@ class RemoteConfig:
     """What the app reads of `engine.config`."""
 
     target: str  # "model at URL", shown in the header
+    draft: str | None = None
     levels: str = "remote"
     prefill_chunk_tokens: int = 1 << 30  # the server prefills; the app reports one step
 
@@ -61,6 +62,7 @@ class RemoteEngine:
             raise EngineError(f"The server at {base_url} serves {names or 'no models'}; pick one with --remote-model.")
         card = served[names.index(model or names[0])]
         self.model, self.tokenizer = card.id, tokenizer
+        self.default_sampling, self.end_ids = SamplingConfig(), set()  # the app sends every field; the server stops
         self.max_context = int((card.model_extra or {}).get("max_model_len") or DEFAULT_CONTEXT)
         self.config = RemoteConfig(f"{self.model} at {base_url}")
 

@@ -19,8 +19,9 @@ from app.documents import Document, Limits, Section, load_document
 from app.library import Library, model_fingerprint
 from app.storage import write_failure
 from app.tokens import TokenMap
+from engine import models
 from engine.chat import ChatFormat
-from engine.config import Cancelled, DocumentTooLong, EmptyPrompt, SamplingConfig
+from engine.config import Cancelled, DocumentTooLong, EmptyPrompt, EngineConfig, SamplingConfig
 from engine.engine import Engine, Session, Stats
 
 CHAT_ROOM_TOKENS = 1024  # context kept free for questions and answers after the book
@@ -213,6 +214,15 @@ def read_document(path: str, password: str | None, limits: Limits, engine: Engin
     document = load_document(path, password or None, limits, progress)
     report("Tokenize", "counting tokens …")
     return prepare(engine, chat, document, max_tokens)
+
+
+def load_engine(config: EngineConfig, report: Report | None = None, cancel=None) -> Engine:
+    """The engine of `config`, assembling its packaged models on first use (a few minutes: the
+    steps go to `report`); `cancel` is not checked (loading cannot stop half-way)."""
+    for name in (config.target, config.draft):
+        if name in models.PACKAGED_MODELS and models.packaged_model_dir(name, assemble=False) is None:
+            models.packaged_model_dir(name, on_progress=lambda message: report and report("Model", message))
+    return Engine.load(config)
 
 
 def open_book(engine: Engine, chat: ChatFormat, prepared: Prepared, library: Library | None,

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from app.storage import file_sha256, write_json
+from app.storage import file_sha256, fsync_file, fsync_folder, write_json
 
 if TYPE_CHECKING:  # torch and the engine load on first use: `Library` alone stays light to import
     from engine.engine import Engine, Session
@@ -69,10 +69,12 @@ def save_snapshot(folder: Path, session: Session, record: dict) -> dict:
     try:
         session.save(tmp, meta=record)
         sha = file_sha256(tmp)
+        fsync_file(tmp)  # the data is on disk before the rename makes it the snapshot
         os.replace(tmp, folder / SNAPSHOT)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_folder(folder)
     return {**record, "sha256": sha}
 
 

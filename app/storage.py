@@ -30,7 +30,30 @@ def atomic_write(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_folder(path.parent)
+    fsync_folder(path.parent)
+
+
+def remove_temp_files(root: Path) -> int:
+    """Delete the `.*.tmp` files a killed writer left under `root` (its folder and two levels
+    down: book folders and their chats); returns how many. Call before anything writes there."""
+    n_removed = 0
+    for pattern in (".*.tmp", "*/.*.tmp", "*/*/.*.tmp"):
+        for stale in root.glob(pattern):
+            try:
+                stale.unlink()
+                n_removed += 1
+            except OSError:
+                pass
+    return n_removed
+
+
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """Flush a file written by someone else (e.g. torch.save) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_json(path: Path, obj: dict) -> None:
@@ -64,7 +87,7 @@ def write_failure(error: OSError) -> str:
     return error.strerror or str(error)
 
 
-def _fsync_folder(folder: Path) -> None:
+def fsync_folder(folder: Path) -> None:
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:

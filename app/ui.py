@@ -16,7 +16,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,10 +25,12 @@ import gradio as gr
 
 from app.documents import Limits, PasswordRequired, WrongPassword, chapters
 from app.library import Library, chat_export_json, chat_markdown, write_export
-from app.session import BookSession, Prepared, keep_first, open_book, pick_chapters, prepare, read_document
+from app.session import BookSession, Prepared, keep_first, load_engine, open_book, pick_chapters, prepare, read_document
+from app.speeds import Speeds, duration
 from app.storage import write_failure
 from app.tokens import PlainChatFormat
 from app.views import Counters, Stages, render_metrics, render_plot, render_reading
+from engine import models
 from engine.batch import Batcher
 from engine.config import LEVEL_STACKS, Cancelled, SamplingConfig
 from engine.engine import Engine
@@ -37,6 +39,9 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 FILE_TYPES = [".pdf", ".epub", ".txt", ".md", ".markdown", ".html", ".htm", ".docx"]
 QUICK = {"Summarize the book": "Summarize the book in a few paragraphs.",
          "Who are the main characters?": "Who are the main characters? Describe each in one sentence."}
+LONG_PREFILL_S = 120  # past this, a prefill's estimate names the faster model
+# the sampling settings after the level stack, in the order of the `ask` API's inputs
+SAMPLING_FIELDS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 @dataclass
@@ -51,13 +56,17 @@ class User:
     chat_ids: set[str] = field(default_factory=set)
     last_active: float = field(default_factory=time.monotonic)
     notice: str | None = None  # why the book was closed, shown at the next question
+    username: str | None = None  # the login that opened this session: only it may end the session
+    titles: dict[str, str] = field(default_factory=dict)  # book id -> this user's title (private library)
 
 
 class App:
     def __init__(self, engine: Engine, library: Library | None, limits: Limits | None = None,
                  max_tokens: int | None = None, max_new_tokens: int = 256, private: bool = False,
                  max_open_books: int = 4):
-        self.engine, self.chat, self.library = engine, PlainChatFormat(engine.tokenizer), library
+        self.engine, self.library = engine, library
+        self.chat = PlainChatFormat(engine.tokenizer, end_ids=engine.end_ids)
+        self.speeds = Speeds(library.root if library else None)  # measured on this machine, per model
         self.limits, self.max_tokens, self.max_new_tokens = limits or Limits(), max_tokens, max_new_tokens
         self.private, self.max_open_books = private, max_open_books
         self.users: dict[str, User] = {}
@@ -66,14 +75,16 @@ class App:
         self.batcher = Batcher(max_active=max_open_books)
 
     def user(self, request: gr.Request) -> User:
-        user = self.users.setdefault(request.session_hash or "none", User())
+        user = self.users.setdefault(request.session_hash or "none", User(username=request.username))
         user.last_active = time.monotonic()
         return user
 
     def forget(self, request: gr.Request) -> None:
-        """The browser went away: stop its work and free its book (its KV cache) now."""
-        user = self.users.pop(request.session_hash or "none", None)
-        if user is not None:
+        """The browser went away: stop its work and free its book (its KV cache) now. Gradio runs
+        this for a heartbeat from anyone who names the session: only its own login may end it."""
+        user = self.users.get(request.session_hash or "none")
+        if user is not None and user.username == request.username:
+            self.users.pop(request.session_hash or "none", None)
             user.cancel.set()
             user.book = user.pending = None
 
@@ -159,16 +170,23 @@ class App:
     def open_saved(self, book_id: str | None, request: gr.Request):
         user = self.user(request)
         is_visible = not self.private or book_id in user.book_ids
-        document = self.library.document(book_id) if (self.library and book_id and is_visible) else None
+        try:
+            document = self.library.document(book_id) if (self.library and book_id and is_visible) else None
+        except ValueError:  # typed into the library box: not an id at all
+            yield {self.c.status: f"There is no book {book_id!r} in the library: pick one from the list."}
+            return
         if document is None:
             yield {self.c.status: "Pick a book from the library first."}
             return
+        if self.private:  # the same text uploaded by someone else keeps this reader's title
+            document = replace(document, title=user.titles.get(book_id, document.title))
         user.cancel.clear()
         yield from self._fit_then_open(user, prepare(self.engine, self.chat, document, self.max_tokens))
 
     def _fit_then_open(self, user: User, prepared: Prepared, stages: Stages | None = None):
         c, stages = self.c, stages or Stages(prepared.document.title)
-        stages.set("Tokenize", prepared.fit_message(), is_done=prepared.fits)
+        estimate = self.prefill_estimate(len(prepared.doc_ids)) if prepared.fits else ""
+        stages.set("Tokenize", prepared.fit_message() + estimate, is_done=prepared.fits)
         if prepared.fits:
             yield from self._open(user, prepared, stages)
             return
@@ -195,14 +213,18 @@ class App:
             yield self._kept(user, f"⚠ {error}")
             return
         book.batcher = self.batcher
+        seconds, n = time.perf_counter() - started, len(prepared.doc_ids)
         if not restored:  # counted here, not from the engine's totals: other readers' work goes on meanwhile
             user.counters.n_prefills += 1
-            user.counters.n_prefill_tokens += len(prepared.doc_ids)
-        seconds, n = time.perf_counter() - started, len(prepared.doc_ids)
+            user.counters.n_prefill_tokens += n
+            model = self.engine.config.target
+            self.speeds.record_prefill(model, n, seconds - 8 * (book.plain_ms or 0) / 1000)  # less the probe
+            self.speeds.record_decode(model, n, book.plain_ms or 0)
         how = (f"restored from the saved snapshot in {seconds:.1f} s" if restored
                else f"{n:,} tokens in {seconds:.1f} s ({n / seconds:,.0f} tokens/s)")
         user.book, user.pending, user.editing, user.notice = book, None, False, None
         user.book_ids.add(book.book_id)
+        user.titles[book.book_id] = book.document.title
         titles = [s.title for s in chapters(book.document)]
         note = "".join(f"\n\n⚠ {n}" for n in (*book.document.notes, book.save_error) if n)
         yield {c.status: stages.set("Prefill", how, True) + "\n\nReady: ask a question." + note,
@@ -212,19 +234,59 @@ class App:
                c.chapter: gr.update(choices=titles, value=titles[0] if titles else None, visible=bool(titles)),
                c.summarize_chapter: gr.update(visible=bool(titles)), **self._library_view(user)}
 
+    def prefill_estimate(self, n_tokens: int) -> str:
+        """' · about 3 min to read here' from this machine's measured rate, and the faster model's
+        time when the wait is long; what the first book will do when nothing was measured yet."""
+        model = self.engine.config.target
+        seconds = self.speeds.prefill_s(model, n_tokens)
+        if seconds is None:
+            return " · the first book measures how fast this machine reads"
+        text = f" · about {duration(seconds)} to read here"
+        faster = self._faster_model(model, n_tokens, seconds)
+        if seconds > LONG_PREFILL_S and faster:
+            text += f"; {faster[0]} would take about {duration(faster[1])} (lower quality: choose it under Model)"
+        return text
+
+    def _faster_model(self, model: str, n_tokens: int, seconds: float) -> tuple[str, float] | None:
+        """(name, estimated seconds) of a smaller packaged chat model: measured here, or scaled from
+        this model's time by file size."""
+        this = models.PACKAGED_MODELS.get(model)
+        for other in models.PACKAGED_MODELS.values():
+            if this is None or other.n_bytes >= this.n_bytes or other.generation is None:
+                continue  # bigger, or not a chat model for books (SmolLM2)
+            estimate = self.speeds.prefill_s(other.name, n_tokens) or seconds * other.n_bytes / this.n_bytes
+            return other.name, estimate
+        return None
+
     def ask(self, message: str, history: list, temperature: float, top_p: float, max_new_tokens: float,
-            seed: float, levels: str, request: gr.Request):
-        """Answer `message` (or, after Edit, replace the last question with it); `history` is shown only."""
+            seed: float, levels: str, top_k: float | None = None, min_p: float | None = None,
+            repetition_penalty: float | None = None, presence_penalty: float | None = None,
+            frequency_penalty: float | None = None, request: gr.Request = None):
+        """Answer `message` (or, after Edit, replace the last question with it); `history` is shown only.
+        Sampling settings an API caller leaves out keep the model's defaults."""
         user = self.user(request)
         replace, user.editing = user.editing, False
-        yield from self._answer(user, message, replace, (temperature, top_p, max_new_tokens, seed, levels))
+        settings = (temperature, top_p, max_new_tokens, seed, levels, top_k, min_p, repetition_penalty,
+                    presence_penalty, frequency_penalty)
+        yield from self._answer(user, message, replace, settings)
 
     def regenerate(self, temperature: float, top_p: float, max_new_tokens: float, seed: float, levels: str,
-                   request: gr.Request):
+                   top_k: float | None = None, min_p: float | None = None, repetition_penalty: float | None = None,
+                   presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                   request: gr.Request = None):
         book = self.user(request).book
         self.user(request).editing = True  # replace the last turn with a new answer to its question
         question = book.turns[-1].question if book and book.turns else ""
-        yield from self.ask(question, [], temperature, top_p, max_new_tokens, seed, levels, request)
+        yield from self.ask(question, [], temperature, top_p, max_new_tokens, seed, levels, top_k, min_p,
+                            repetition_penalty, presence_penalty, frequency_penalty, request)
+
+    def sampling_config(self, settings: tuple) -> SamplingConfig:
+        """The UI's settings by name; any left out keep the model's defaults (Engine.default_sampling)."""
+        temperature, top_p, max_new_tokens, seed, _levels, *rest = settings
+        named = dict(zip(SAMPLING_FIELDS, rest))
+        named = {k: (int(v) if k == "top_k" else float(v)) for k, v in named.items() if v is not None}
+        return replace(self.engine.default_sampling, temperature=float(temperature), top_p=float(top_p),
+                              max_new_tokens=int(max_new_tokens), seed=int(seed), **named)
 
     def _answer(self, user: User, question: str, replace: bool, settings: tuple):
         c, book = self.c, user.book
@@ -239,8 +301,7 @@ class App:
                c.metrics: render_metrics("thinking", None, book, user.counters), c.plot: render_plot([])}
         state, stats, points = "done", None, []
         try:
-            temperature, top_p, max_new_tokens, seed, levels = settings
-            sampling = SamplingConfig(float(temperature), float(top_p), 0, int(max_new_tokens), int(seed))
+            levels, sampling = settings[4], self.sampling_config(settings)
             book.session.set_levels(levels if levels in LEVEL_STACKS else book.session.levels)
             run = book.edit_last if replace else book.ask
             last_turn = book.turns[-1] if book.turns else None
@@ -298,7 +359,8 @@ class App:
         book = user.book
         books, chats = self.library.choices(book.book_id if book else None) if self.library else ([], [])
         if self.private:  # only what this session opened or wrote
-            books, chats = [b for b in books if b[1] in user.book_ids], [c for c in chats if c[1] in user.chat_ids]
+            books = [(user.titles.get(book_id, title), book_id) for title, book_id in books if book_id in user.book_ids]
+            chats = [c for c in chats if c[1] in user.chat_ids]
         return {self.c.books: gr.update(choices=books, value=book.book_id if book else None),
                 self.c.chats: gr.update(choices=chats, value=book.chat_id if book and book.turns else None)}
 
@@ -324,13 +386,19 @@ class App:
     def build(self) -> gr.Blocks:
         c, e = SimpleNamespace(), self.engine  # c: the components handlers update, by name
         self.c = c
-        info = (f"{e.config.target} · context {e.max_context:,} tokens · {e.device.type} "
-                f"{str(e.dtype).split('.')[-1]} · levels {e.config.levels}")
+        info = f"{e.device.type} {str(e.dtype).split('.')[-1]} · context {e.max_context:,} tokens"
         with gr.Blocks(title="BookChat") as demo:
             with gr.Row(elem_id="header", equal_height=True):
                 gr.HTML(f"<div class='brand'>{(ASSETS / 'icon.svg').read_text()}<span>BookChat</span></div>",
                         elem_id="brand")
                 gr.Markdown(info, elem_id="model-info")
+            with gr.Accordion("Model", open=False, elem_id="model-picker"):
+                c.models = gr.Markdown(self.model_table(), elem_id="models")
+                with gr.Row():
+                    c.model = gr.Dropdown(list(models.PACKAGED_MODELS), value=e.config.target, show_label=False,
+                                          container=False, elem_id="model", scale=3)
+                    c.load_model = gr.Button("Load model", size="sm", elem_id="load-model", scale=1)
+                c.model_status = gr.Markdown("", elem_id="model-status")
             with gr.Row(equal_height=False):
                 with gr.Column(scale=1, min_width=240, elem_id="left"):
                     c.upload = gr.File(label="Add a book", file_types=FILE_TYPES, elem_id="upload", height=110)
@@ -380,19 +448,89 @@ class App:
             c.export_md = gr.Button("Export .md", size="sm", elem_id="export-md")
             c.export_json = gr.Button("Export .json", size="sm", elem_id="export-json")
         c.export_file = gr.File(label="Exported chat", visible=False, elem_id="export-file", interactive=False)
-        levels = [s for s in LEVEL_STACKS if "draft" not in s or self.engine.draft is not None]
-        if getattr(self.engine, "is_remote", False):  # the server's own decoding (app/remote.py)
-            levels = [self.engine.config.levels]
+        d, levels = self.engine.default_sampling, self._levels()
         with gr.Accordion("Settings", open=False, elem_id="settings"):
+            c.sampling_note = gr.Markdown(self._sampling_note(), elem_id="sampling-note")
             with gr.Row():
-                temperature = gr.Slider(0, 1.5, value=0.0, step=0.05, label="Temperature")
-                top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p")
+                temperature = gr.Slider(0, 1.5, value=d.temperature, step=0.05, label="Temperature (0: greedy)")
+                top_p = gr.Slider(0.05, 1.0, value=d.top_p, step=0.05, label="Top-p")
+                top_k = gr.Slider(0, 100, value=d.top_k, step=1, label="Top-k (0: off)")
+                min_p = gr.Slider(0, 0.5, value=d.min_p, step=0.01, label="Min-p (0: off)")
+            with gr.Row():
+                repetition = gr.Slider(1.0, 1.5, value=d.repetition_penalty, step=0.01,
+                                       label="Repetition penalty (1: off)")
+                presence = gr.Slider(-2, 2, value=d.presence_penalty, step=0.05, label="Presence penalty")
+                frequency = gr.Slider(-2, 2, value=d.frequency_penalty, step=0.05, label="Frequency penalty")
             with gr.Row():
                 max_new = gr.Slider(1, 2048, value=self.max_new_tokens, step=1, label="Max new tokens",
                                     elem_id="max-new")
                 seed = gr.Number(value=0, precision=0, label="Seed")
-                level = gr.Dropdown(levels, value=self.engine.config.levels, label="Level stack")
-        c.settings = [temperature, top_p, max_new, seed, level]
+                level = gr.Dropdown(levels, value=self.engine.config.levels, label="Level stack", elem_id="levels")
+                c.defaults = gr.Button("Model's defaults", size="sm", elem_id="defaults")
+        c.sampling, c.level = [temperature, top_p, top_k, min_p, repetition, presence, frequency], level
+        c.settings = [temperature, top_p, max_new, seed, level, top_k, min_p, repetition, presence, frequency]
+
+    def _levels(self) -> list[str]:
+        if getattr(self.engine, "is_remote", False):  # the server's own decoding (app/remote.py)
+            return [self.engine.config.levels]
+        return [s for s in LEVEL_STACKS if "draft" not in s or self.engine.draft is not None]
+
+    def model_settings(self) -> list:
+        """Updates that put the sampling widgets (c.sampling) and the level stack at the model's defaults."""
+        d = self.engine.default_sampling
+        values = [d.temperature, d.top_p, d.top_k, d.min_p, d.repetition_penalty, d.presence_penalty,
+                  d.frequency_penalty]
+        return [gr.update(value=v) for v in values] + [gr.update(choices=self._levels(),
+                                                                 value=self.engine.config.levels)]
+
+    def reset_settings(self):
+        return dict(zip([*self.c.sampling, self.c.level], self.model_settings(), strict=True))
+
+    def _sampling_note(self) -> str:
+        d = self.engine.default_sampling
+        how = ("greedy (its files give no sampling settings)" if d.is_greedy else
+               f"temperature {d.temperature:g}, top-p {d.top_p:g}, top-k {d.top_k}, repetition penalty "
+               f"{d.repetition_penalty:g}")
+        return (f"<small>Starts at how {self.engine.config.target} was tuned to be sampled: {how}. Answers are "
+                f"exact samples of the model with these settings, whichever level stack runs.</small>")
+
+    # ---- the model picker (LM Studio style): size, context, speed measured here, quality -----
+    def model_table(self) -> str:
+        current, rows = self.engine.config.target, []
+        for m in models.PACKAGED_MODELS.values():
+            mark = " **(loaded)**" if m.name == current else ""
+            rows.append(f"| `{m.name}`{mark} | {m.n_bytes / 1e9:.1f} GB | {m.n_context // 1024}K | "
+                        f"{self.speeds.describe(m.name)} | {m.note} |")
+        head = "| model | file | context | measured on this machine | quality |\n|:--|--:|--:|:--|:--|"
+        draft = f" · draft `{self.engine.config.draft}`" if self.engine.config.draft else ""
+        return f"Loaded: `{current}`{draft} · levels `{self.engine.config.levels}`\n\n{head}\n" + "\n".join(rows)
+
+    def switch_model(self, name: str | None, request: gr.Request):
+        """Load another model (and its paired draft); every open book closes (its KV cache belongs to
+        the old model) and reopens from the library with the new one. One reader's app only."""
+        user, c = self.user(request), self.c
+        if self.private:
+            yield {c.model_status: "In a shared app the model is chosen when it starts (`--model`)."}
+            return
+        if not name or name == self.engine.config.target:
+            yield {c.model_status: f"`{self.engine.config.target}` is already loaded."}
+            return
+        user.cancel.clear()
+        yield {c.model_status: f"Loading `{name}` … (the first time: download and conversion, a few minutes)"}
+        try:
+            config = replace(self.engine.config, target=name, draft="auto", levels="auto")
+            engine = yield from self._progress(user, Stages(name), load_engine, config)
+        except Exception as error:  # ModelNotFound, TokenizerMismatch, out of memory ...: keep the old one
+            yield {c.model_status: f"⚠ Could not load `{name}`: {error} `{self.engine.config.target}` stays loaded."}
+            return
+        self.engine, self.chat = engine, PlainChatFormat(engine.tokenizer, end_ids=engine.end_ids)
+        for other in self.users.values():
+            other.book = other.pending = None
+            other.notice = f"The model changed to {name}: open your book again from the library."
+        yield {c.model_status: f"`{name}` is loaded. Open a book from the library (it is read again with the new "
+                               f"model).", c.models: self.model_table(), c.title: "### No book open",
+               c.chatbot: [], c.sampling_note: self._sampling_note(), c.status: "Ready for a book.",
+               **self.reset_settings()}
 
     def _wire(self, demo: gr.Blocks, c: SimpleNamespace) -> None:
         loading = [c.status, c.upload, c.cancel, c.password_row, c.fit_row, c.first_n, c.pick, c.chatbot, c.metrics,
@@ -404,10 +542,16 @@ class App:
         load, job = dict(engine, show_progress_on=[c.status]), dict(engine, show_progress_on=[c.metrics])
         # Answers run side by side, batched by the engine (engine/batch.py); loading stays one at a time.
         answer = dict(job, concurrency_id="answer", concurrency_limit=self.batcher.max_active)
+        # New chat and opening a saved chat only truncate the reader's own cache: they never wait
+        # behind another reader's prefill, which on a busy desktop can take minutes.
+        instant = dict(show_progress="minimal", show_progress_on=[c.metrics], concurrency_limit=None)
         c.upload.upload(self.load_book, [c.upload, c.password], loading, api_name="load_book", **load)
         gr.on([c.unlock.click, c.password.submit], self.unlock, [c.password], loading, api_name="unlock", **load)
         c.load_selection.click(self.load_selection, [c.first_n, c.pick], loading, api_name="load_selection", **load)
         c.open_book.click(self.open_saved, [c.books], loading, api_name="open_book", **load)
+        switched = [c.model_status, c.models, c.title, c.chatbot, c.sampling_note, c.status, *c.sampling, c.level]
+        c.load_model.click(self.switch_model, [c.model], switched, api_name="load_model", **load)
+        c.defaults.click(self.reset_settings, None, [*c.sampling, c.level], api_name=False)
         c.cancel.click(self.request_stop, None, None, api_name="cancel_prefill", concurrency_limit=None)
         gr.on([c.send.click, c.msg.submit], self.ask, [c.msg, c.chatbot, *c.settings], answering, api_name="ask",
               **answer)
@@ -420,10 +564,10 @@ class App:
                 self.ask, [c.msg, c.chatbot, *c.settings], answering, api_name=False, **answer)
         c.edit.click(self.edit_last, None, [c.msg], api_name="edit_last")
         gr.on([c.clear.click, c.chatbot.clear], self.clear, None, [c.chatbot, c.metrics, c.plot, c.books, c.chats],
-              api_name="clear", **job)  # the chatbot's own trash button starts a new chat too
+              api_name="clear", **instant)  # the chatbot's own trash button starts a new chat too
         for button, fmt in ((c.export_md, "md"), (c.export_json, "json")):
             button.click(self.export_file, gr.State(fmt), c.export_file, api_name=False)
-        c.chats.input(self.open_chat, [c.chats], [c.chatbot, c.metrics], api_name="open_chat", **job)
+        c.chats.input(self.open_chat, [c.chats], [c.chatbot, c.metrics], api_name="open_chat", **instant)
         gr.api(self.export, api_name="export")
         gr.api(self.engine_counters, api_name="engine_counters")
         demo.load(self.show_library, None, [c.books, c.chats], api_name=False)

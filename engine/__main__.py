@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -18,14 +19,19 @@ from engine.chat import ChatFormat
 from engine.config import LEVEL_STACKS, EngineConfig, EngineError, SamplingConfig
 from engine.engine import Engine, Stats
 
+SAMPLING_FLAGS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
+                  "presence_penalty": float, "frequency_penalty": float}
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="answer questions about a text file")
     g.add_argument("--model", default=EngineConfig.target, help="folder, .gguf, hub id or packaged name")
-    g.add_argument("--draft", default=None, help="small draft model for the `draft` level")
-    g.add_argument("--levels", default=EngineConfig.levels, choices=LEVEL_STACKS)
+    g.add_argument("--draft", default=EngineConfig.draft, help="small draft model for the `draft` level; auto: "
+                   "the 0.5B for the 1.5B, none for other models")
+    g.add_argument("--levels", default=EngineConfig.levels, choices=("auto", *LEVEL_STACKS))
+    g.add_argument("--yarn", type=float, default=EngineConfig.yarn_factor, help="YaRN context extension factor")
     g.add_argument("--device", default="auto")
     g.add_argument("--dtype", default="auto", help="auto, bfloat16, float32, float16")
     g.add_argument("--gpus", type=int, default=EngineConfig.n_gpus, help="tensor parallel over N GPUs")
@@ -39,10 +45,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--max-doc-tokens", type=int, default=None, help="keep only the first N tokens")
     g.add_argument("--question", action="append", required=True, help="repeat for a multi-turn chat")
     g.add_argument("--max-new-tokens", type=int, default=SamplingConfig.max_new_tokens)
-    g.add_argument("--temperature", type=float, default=SamplingConfig.temperature)
-    g.add_argument("--top-p", type=float, default=SamplingConfig.top_p)
-    g.add_argument("--top-k", type=int, default=SamplingConfig.top_k)
     g.add_argument("--seed", type=int, default=SamplingConfig.seed)
+    for name, kind in SAMPLING_FLAGS.items():  # unset: the model's own (its generation_config)
+        g.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     serve.add_serve_parser(sub)
     return p.parse_args(argv)
@@ -68,11 +73,11 @@ def main(argv: list[str] | None = None) -> int:
                               device=args.device, dtype=args.dtype, n_gpus=args.gpus,
                               offload_kv=args.offload, resident_kv_layers=args.resident_kv_layers,
                               use_flash_attn=args.flash_attn, use_cpu_kernel=args.cpu_kernel,
-                              use_cuda_graphs=args.cuda_graphs)
-        sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                  max_new_tokens=args.max_new_tokens, seed=args.seed)
+                              use_cuda_graphs=args.cuda_graphs, yarn_factor=args.yarn)
         engine = Engine.load(config)
-        chat = ChatFormat(engine.tokenizer)
+        given = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
+        sampling = replace(engine.default_sampling, max_new_tokens=args.max_new_tokens, seed=args.seed, **given)
+        chat = ChatFormat(engine.tokenizer, end_ids=engine.end_ids)
         with open(args.file, encoding="utf-8-sig") as f:
             doc_ids = chat.document_ids(f.read())[: args.max_doc_tokens]
         t0 = time.perf_counter()

@@ -3,12 +3,16 @@
 The first user message is `book + SEPARATOR + question`; later turns append only the new
 question. The template pieces around the user text come from rendering the tokenizer's template
 with marker strings and splitting on them, so no model's template is written down here.
-User text (book, questions) is tokenized with special tokens split: a book quoting
-`<|im_start|>` gets plain-text ids, never control tokens. Template pieces are tokenized normally.
+User text (book, questions) is always plain text: a book quoting `<|im_start|>` or Qwen's
+non-special added token `<tool_call>` gets the ids of those characters, never a control token
+(`PlainText`). Template pieces are tokenized normally.
 Nothing here runs a model or knows about speculation.
 """
 
 from __future__ import annotations
+
+import json
+import weakref
 
 from engine.config import EngineError
 
@@ -108,7 +112,52 @@ class ChatFormat:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _user_text(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return plain_text(self.tokenizer).ids(text)
+
+
+class PlainText:
+    """Encodes text so that no added token (special or not) can come out of it.
+
+    `split_special_tokens=True` splits *special* tokens only; tokenizers also hold non-special
+    added tokens (Qwen2.5: `<tool_call>`) that still match. This encodes with a copy of the
+    tokenizer in which every added token is special and special tokens are split; other text gets
+    exactly the ids the tokenizer gives it.
+    """
+
+    def __init__(self, tokenizer):
+        from tokenizers import Tokenizer
+
+        self.tokenizer, self.backend = tokenizer, None
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:  # every Hugging Face "fast" tokenizer; slow ones split special tokens only
+            spec = json.loads(backend.to_str())
+            for added in spec.get("added_tokens") or []:
+                added["special"] = True
+            spec["truncation"], spec["padding"] = None, None
+            self.backend = Tokenizer.from_str(json.dumps(spec))
+            self.backend.encode_special_tokens = True
+
+    def ids(self, text: str) -> list[int]:
+        if self.backend is None:
+            return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def offsets(self, text: str) -> list[tuple[int, int]]:
+        """(start, end) characters of each token of `text`."""
+        if self.backend is None:
+            return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True,
+                                  return_offsets_mapping=True)["offset_mapping"]
+        return self.backend.encode(text, add_special_tokens=False).offsets
+
+
+_PLAIN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> PlainText
+
+
+def plain_text(tokenizer) -> PlainText:
+    """The PlainText of `tokenizer`, built once (copying a 150K-token vocabulary takes ~0.2 s)."""
+    if tokenizer not in _PLAIN:
+        _PLAIN[tokenizer] = PlainText(tokenizer)
+    return _PLAIN[tokenizer]
 
 
 def _user(content: str) -> dict[str, str]:

@@ -167,8 +167,8 @@ class EngineConfig:
     use_cuda_graphs: bool = False  # off by default, as torch.compile (STYLE.md 5); eager on CPU
 
     def __post_init__(self):
-        if self.draft == "auto":
-            object.__setattr__(self, "draft", PAIRED_DRAFTS.get(self.target))
+        if self.draft in ("auto", "none", ""):
+            object.__setattr__(self, "draft", PAIRED_DRAFTS.get(self.target) if self.draft == "auto" else None)
         if self.levels == "auto":
             object.__setattr__(self, "levels", AUTO_LEVELS[self.draft is not None])
         if not 1 <= self.yarn_factor <= 8:

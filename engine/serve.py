@@ -45,19 +45,29 @@ MAX_REQUESTS = 64  # answering or waiting; more get 429 at once rather than wait
 _END = object()
 
 
+class Served(Protocol):
+    """What answers: the engine and its chat format (the app's UI may load another model meanwhile)."""
+
+    engine: Engine
+    chat: ChatFormat
+
+
+@dataclass
+class Fixed:
+    engine: Engine
+    chat: ChatFormat
+
+
 class Documents(Protocol):
-    def open(self, text: str, doc_ids: list[int], cancel: threading.Event) -> tuple[Session, bool]:
+    def open(self, engine: Engine, text: str, doc_ids: list[int], cancel: threading.Event) -> tuple[Session, bool]:
         """A session holding exactly `doc_ids` (the prefill of `text`) and whether it was restored."""
 
 
 class NewPrefill:
     """No store: every document not in memory is prefilled."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
-
-    def open(self, text: str, doc_ids: list[int], cancel: threading.Event) -> tuple[Session, bool]:
-        return self.engine.open(doc_ids, cancel=cancel), False
+    def open(self, engine: Engine, text: str, doc_ids: list[int], cancel: threading.Event) -> tuple[Session, bool]:
+        return engine.open(doc_ids, cancel=cancel), False
 
 
 @dataclass
@@ -76,22 +86,26 @@ class Outcome:
 
 
 class ChatAPI:
-    def __init__(self, engine: Engine, chat: ChatFormat, batcher: Batcher, documents: Documents | None = None,
+    def __init__(self, served: Served, batcher: Batcher, documents: Documents | None = None,
                  api_key: str | None = None, default_max_tokens: int = 512, keep_sessions: int = 4,
                  max_requests: int = MAX_REQUESTS, min_document_chars: int = MIN_DOCUMENT_CHARS):
-        self.engine, self.chat, self.batcher = engine, chat, batcher
-        self.documents = documents or NewPrefill(engine)
-        self.api_key, self.keep_sessions = api_key, keep_sessions
-        # a field the request leaves out: the model's own sampling settings (generation_config.json)
-        self.defaults = replace(engine.default_sampling, max_new_tokens=default_max_tokens)
-        self.stop_ids = frozenset(chat.stop_ids | engine.end_ids)
+        self.served, self.batcher, self.documents = served, batcher, documents or NewPrefill()
+        self.api_key, self.keep_sessions, self.default_max_tokens = api_key, keep_sessions, default_max_tokens
         self.max_requests, self.min_document_chars = max_requests, min_document_chars
-        self.model_id, self.created = engine.config.target, int(time.time())
+        self.created = int(time.time())
         self.idle: list[tuple[Session, int]] = []  # finished answers' sessions and document lengths, oldest first
         self.lock = threading.Lock()  # guards `idle` and `n_requests`
         self.prefill_lock = threading.Lock()  # one document prefill at a time, as the UI loads books
         self.n_requests = 0
         self.recent: deque[Outcome] = deque(maxlen=64)
+
+    @property
+    def engine(self) -> Engine:
+        return self.served.engine
+
+    @property
+    def model_id(self) -> str:
+        return self.engine.config.target
 
     def routes(self) -> list[Route]:
         return [Route("/v1/models", self._endpoint(self.models), methods=["GET"]),
@@ -133,8 +147,11 @@ class ChatAPI:
             body = await request.json()
         except ValueError:
             raise ApiError(400, "The request body is not valid JSON.") from None
-        req = await run_in_threadpool(parse_request, body, self.chat, self.model_id, self.engine.max_context,
-                                      self.defaults, self.stop_ids, self.min_document_chars)  # a book: not on the loop
+        engine, chat = self.served.engine, self.served.chat
+        # a field the request leaves out: the model's own sampling settings (generation_config.json)
+        defaults = replace(engine.default_sampling, max_new_tokens=self.default_max_tokens)
+        req = await run_in_threadpool(parse_request, body, chat, engine.config.target, engine.max_context, defaults,
+                                      frozenset(chat.stop_ids | engine.end_ids), self.min_document_chars)
         with self.lock:
             if self.n_requests >= self.max_requests:
                 raise ApiError(429, f"The server is busy ({self.n_requests} requests answering or waiting); "
@@ -154,7 +171,9 @@ class ChatAPI:
     def session_for(self, req: ChatRequest, outcome: Outcome, cancel: threading.Event) -> tuple[Session, int]:
         """(session, its document's length): an idle one sharing the longest prefix with the prompt
         (never giving up its own document for a shorter match), else the document's, else a new one."""
+        engine = self.engine
         with self.lock:
+            self.idle = [(s, n) for s, n in self.idle if s.engine is engine]  # another model was loaded
             best, n_shared = None, 0
             for session, n_doc in self.idle:
                 n = _shared_prefix(session.tokens, req.ids)
@@ -168,10 +187,11 @@ class ChatAPI:
         started = time.perf_counter()
         with self.prefill_lock:
             if req.document is not None:
-                session, restored = self.documents.open(req.document, req.ids[:req.n_document_tokens], cancel)
+                session, restored = self.documents.open(engine, req.document, req.ids[:req.n_document_tokens],
+                                                        cancel)
                 outcome.cache, outcome.cached_tokens = ("disk", session.full.length) if restored else ("none", 0)
             else:
-                session = self.engine.open(req.ids[:-1], cancel=cancel)
+                session = engine.open(req.ids[:-1], cancel=cancel)
         outcome.document_s = time.perf_counter() - started
         return session, req.n_document_tokens
 
@@ -354,8 +374,8 @@ def serve_main(args: argparse.Namespace) -> int:
             pass
         else:
             chat, documents = library_documents(engine, args.library)
-    api = ChatAPI(engine, chat, Batcher(max_active=args.max_active), documents, args.api_key, args.max_tokens,
-                  keep_sessions=args.max_active)
+    api = ChatAPI(Fixed(engine, chat), Batcher(max_active=args.max_active), documents, args.api_key,
+                  args.max_tokens, keep_sessions=args.max_active)
     print(f"Serving {api.model_id} at http://{args.host}:{args.port}/v1 "
           f"({'API key required' if args.api_key else 'no API key: 127.0.0.1 only'})", flush=True)
     uvicorn.run(Starlette(routes=api.routes()), host=args.host, port=args.port, log_level="warning")

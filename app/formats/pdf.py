@@ -4,6 +4,9 @@ pypdf runs under a configuration derived from `Limits`, so a stream that would d
 gigabytes raises instead of hanging; `progress` is called before every page, so a caller can
 cancel between pages. Encryption: the empty password is tried first, then the given one.
 Cleaning (ligatures, hyphens, running headers) is `cleaning.py`; this module reads and maps.
+Word gaps: pypdf sizes them against each font's space, misread for some CID fonts, which glued
+whole lines together (`_PlausibleSpaceFont` corrects it); words that still run together are
+counted and the Document gets a note for the user.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import struct
 import unicodedata
 import zlib
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from pypdf import (
@@ -23,12 +27,14 @@ from pypdf import (
     apply_configuration,
     get_configuration,
 )
+from pypdf import _page as _pypdf_page
 from pypdf.errors import DependencyError, LimitReachedError, PyPdfError
 
 from app.formats.cleaning import (
     drop_running_lines,
     join_hyphenated,
     pdf_page_lines,
+    run_together_words,
     tidy_blank_lines,
 )
 from app.formats.document import Document, DocumentBuilder
@@ -50,6 +56,32 @@ _MIN_PAGE_CHARS = 20  # fewer visible characters than this: the page has no real
 _IMAGE_PROBE_PAGES = 20  # pages inspected for images when telling scanned from empty
 _EOF_TAIL_BYTES = 8192  # %%EOF must sit this close to the end (some writers append padding)
 _OutlineEntry = tuple[str, int, int]  # title, page index, depth (0 = chapter, 1 = section)
+_MAX_SPACE_EM = 0.6  # no text font's space is wider than a monospace one (0.6 em); wider is misread
+_MIN_RUN_TOGETHER = 10  # run-together words before the user is warned (a few are URLs or names)
+
+
+_PypdfFont = getattr(_pypdf_page.Font, "pypdf_font", _pypdf_page.Font)  # pypdf's own, even on a reload
+
+
+class _PlausibleSpaceFont(_PypdfFont):  # type: ignore[misc, valid-type]
+    """pypdf's Font, but a space width over 0.6 em is replaced by half the font's default width.
+
+    pypdf inserts a space for a TJ gap wider than half the font's space. For Identity-H fonts it
+    reads the width of CID 32, often an em-wide glyph (Debian's debian-faq.en.pdf: 1000 units),
+    so word gaps of 0.27 em were dropped and whole lines came out as one word.
+    """
+
+    pypdf_font = _PypdfFont
+
+    @classmethod
+    def from_font_resource(cls, pdf_font_dict: Any) -> Any:
+        font = _PypdfFont.from_font_resource(pdf_font_dict)
+        if font.space_width > 1000 * _MAX_SPACE_EM:
+            font.space_width = font.character_widths.get("default", 500) // 2
+        return font
+
+
+_pypdf_page.Font = _PlausibleSpaceFont  # page text extraction builds its fonts through this name
 
 
 def load_pdf(path: str, password: str | None, limits: Limits, progress: Progress) -> Document:
@@ -66,7 +98,18 @@ def load_pdf(path: str, password: str | None, limits: Limits, progress: Progress
         pages = join_hyphenated(drop_running_lines([pdf_page_lines(raw) for raw in raw_pages], labels))
         document = _assemble(pages, labels, _outline(reader), _title(reader, path), limits)
         progress("clean", 1, 1)
-    return document
+    return _with_spacing_note(document)
+
+
+def _with_spacing_note(document: Document) -> Document:
+    """Warn when many words ran together: the model would read them as garbage."""
+    words = run_together_words(document.text)
+    if len(words) < _MIN_RUN_TOGETHER:
+        return document
+    note = (f"{len(words)} words in this PDF ran together without spaces (for example "
+            f"'{words[0][:40]}'), so answers about those passages may be poor. If another copy of the "
+            "book exists (EPUB, HTML, or a PDF from another tool), load that instead.")
+    return replace(document, notes=(*document.notes, note))
 
 
 def _pypdf_limits(limits: Limits) -> dict[str, int]:

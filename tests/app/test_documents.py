@@ -34,6 +34,7 @@ from app.documents import (
     chapters,
     load_document,
 )
+from app.formats.cleaning import run_together_words
 from app.formats.document import heading_kinds
 
 ASSETS = Path(os.environ.get("BOOKCHAT_CACHE", Path.home() / ".cache" / "bookchat")) / "assets"
@@ -112,6 +113,27 @@ def test_hyphenated_line_ends_are_rejoined_but_real_compounds_keep_their_hyphen(
 def test_dot_leaders_of_the_table_of_contents_collapse(r_intro: Document) -> None:
     assert "5.3 Index matrices ... 21" in r_intro.text
     assert ". . . ." not in r_intro.text and "....." not in r_intro.text
+
+
+def test_debian_faq_words_keep_their_spaces() -> None:
+    # Its CID fonts report an em-wide space, so pypdf dropped the 0.27 em word gaps: 1,500+ lines
+    # came out as single words ("Permissionisgrantedtomake...").
+    faq = load_document(asset("debian-faq.en.pdf"))
+    assert "Permission is granted to make and distribute verbatim copies of this document" in flat(faq.text)
+    assert "Permissionisgranted" not in faq.text
+    assert len(run_together_words(faq.text)) < 5 and faq.notes == ()
+
+
+def test_words_that_still_run_together_are_counted_and_the_user_warned(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert run_together_words("Permissionisgrantedtomakeanddistribute; a SecurityHardeningBuildFlags page, "
+                              "SecurityHardeningBuildFlags again; antidisestablishment") == [
+        "Permissionisgrantedtomakeanddistribute"]
+    import pypdf._page
+
+    from app.formats import pdf
+    monkeypatch.setattr(pypdf._page, "Font", pdf._PypdfFont)  # pypdf's own space widths, as before the fix
+    faq = load_document(asset("debian-faq.en.pdf"))
+    assert len(faq.notes) == 1 and re.match(r"\d{3,} words in this PDF ran together without spaces", faq.notes[0])
 
 
 def test_bashref_running_chapter_headers_are_gone(bashref: Document) -> None:
@@ -268,6 +290,47 @@ def test_epub2_with_ncx_and_epub_without_toc_use_their_headings(tmp_path: Path) 
     assert [(c.title, c.kind) for c in bare.sections] == [
         ("The Beginning", "chapter"), ("A scene", "section"), ("The End", "chapter")]
     assert bare.locate(bare.text.index("More.")) == "A scene"
+
+
+def test_live_manual_epub_with_fragment_links_in_its_manifest_reads_by_chapter() -> None:
+    # Its OPF lists 'about-manual.xhtml#o8' etc. as items of the spine: once read as file names.
+    manual = load_document(asset("live-manual.en.epub"))
+    titles = [c.title for c in chapters(manual)]
+    assert len(titles) >= 20 and "Installation" in titles and "Customizing run time behaviours" in titles
+    assert manual.text.count("This manual serves as a single access point to all documentation") == 1
+    start, end = manual.span(chapters(manual)[titles.index("Installation")])
+    assert "3.1 Requirements" in manual.text[start:end] and "4. The basics" not in manual.text[start:end]
+
+
+def test_epub_manifest_fragments_are_not_file_names_and_repeats_are_read_once(tmp_path: Path) -> None:
+    body = [("one.xhtml", "<h1>One</h1><p id='a'>First.</p>"), ("two.xhtml", "<h1>Two</h1><p>Second.</p>")]
+    build_epub(tmp_path / "frag.epub", body, nav=True, ncx=False,
+               extra_items=(("one.xhtml#a", "doc0a"), ("two.xhtml#b", "doc1b")))
+    book = load_document(tmp_path / "frag.epub")
+    assert book.text == "One\n\nFirst.\n\nTwo\n\nSecond."
+
+
+def test_ubuntu_packaging_guide_with_broken_toc_links_reads_chapter_by_chapter() -> None:
+    # Its NCX and nav link 'getting-set-up.xhtml', the file is 'ubuntu-packaging-guide/getting-set-up.xhtml':
+    # only the first link resolved, so the whole guide was one chapter.
+    guide = load_document(asset("ubuntu-packaging-guide.epub"))
+    titles = [c.title for c in chapters(guide)]
+    assert len(titles) > 50 and "2. Getting Set Up" in titles
+    start, end = guide.span(chapters(guide)[titles.index("2. Getting Set Up")])
+    assert 2_000 < end - start < 100_000 and "pbuilder" in guide.text[start:end]
+
+
+def test_epub_with_broken_toc_links_falls_back_to_headings_then_to_spine_items(tmp_path: Path) -> None:
+    body = [("one.xhtml", "<h1>The Beginning</h1><p>First.</p><h2>A scene</h2><p>More.</p>"),
+            ("two.xhtml", "<h1>The End</h1><p>Last words.</p>")]
+    build_epub(tmp_path / "broken.epub", body, nav=True, ncx=True, link_prefix="missing/")
+    book = load_document(tmp_path / "broken.epub")
+    assert [(c.title, c.kind) for c in book.sections] == [
+        ("The Beginning", "chapter"), ("A scene", "section"), ("The End", "chapter")]
+    plain = [("part1.xhtml", "<p>First.</p>"), ("part2.xhtml", "<p>Last words.</p>")]
+    build_epub(tmp_path / "plain.epub", plain, nav=True, ncx=False, link_prefix="missing/")
+    assert [(c.title, c.kind) for c in load_document(tmp_path / "plain.epub").sections] == [
+        ("part1", "chapter"), ("part2", "chapter")]
 
 
 def test_drm_epub_is_refused(tmp_path: Path) -> None:
@@ -531,22 +594,30 @@ def opf(items: list[tuple[str, str]], nav: bool = False, ncx: bool = False) -> b
             f'</package>').encode()
 
 
-def build_epub(path: Path, documents: list[tuple[str, str]], nav: bool, ncx: bool) -> None:
-    """A small EPUB: one XHTML file per (name, body); a nav or NCX listing each file's first <h1>."""
-    items = [(name, f"doc{idx}") for idx, (name, _) in enumerate(documents)]
-    titles = [re.search(r"<h1>(.*?)</h1>", body).group(1) for _, body in documents]  # type: ignore[union-attr]
+def build_epub(path: Path, documents: list[tuple[str, str]], nav: bool, ncx: bool,
+               extra_items: tuple[tuple[str, str], ...] = (), link_prefix: str = "") -> None:
+    """A small EPUB: one XHTML file per (name, body); a nav or NCX listing each file's first <h1>.
+
+    `extra_items` are more (href, id) manifest items, in the spine too; `link_prefix` breaks the
+    table of contents' links.
+    """
+    items = [(name, f"doc{idx}") for idx, (name, _) in enumerate(documents)] + list(extra_items)
+    titles = [found.group(1) if (found := re.search(r"<h1>(.*?)</h1>", body)) else name
+              for name, body in documents]
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
         archive.writestr("mimetype", "application/epub+zip", compress_type=zipfile.ZIP_STORED)
         archive.writestr("META-INF/container.xml", CONTAINER)
         archive.writestr("content.opf", opf(items, nav, ncx))
         for name, body in documents:
             archive.writestr(name, f'<html xmlns="http://www.w3.org/1999/xhtml"><body>{body}</body></html>')
-        links = "".join(f'<li><a href="{name}">{title}</a></li>' for (name, _), title in zip(documents, titles))
+        links = "".join(f'<li><a href="{link_prefix}{name}">{title}</a></li>'
+                        for (name, _), title in zip(documents, titles))
         if nav:
             archive.writestr("nav.xhtml", f'<html><body><nav epub:type="toc"><ol>{links}</ol></nav></body></html>')
         if ncx:
-            points = "".join(f'<navPoint id="p{i}"><navLabel><text>{t}</text></navLabel><content src="{n}"/>'
-                             f'</navPoint>' for i, ((n, _), t) in enumerate(zip(documents, titles)))
+            points = "".join(f'<navPoint id="p{i}"><navLabel><text>{t}</text></navLabel>'
+                             f'<content src="{link_prefix}{n}"/></navPoint>'
+                             for i, ((n, _), t) in enumerate(zip(documents, titles)))
             archive.writestr("toc.ncx", f'<ncx xmlns="http://www.daisy.org/z3986/2005/ncx/"><navMap>{points}'
                                         f'</navMap></ncx>')
 

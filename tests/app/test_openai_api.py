@@ -221,9 +221,9 @@ def api_routes(engine, chat, **kw):
     from starlette.testclient import TestClient
 
     from engine.batch import Batcher
-    from engine.serve import ChatAPI
+    from engine.serve import ChatAPI, Fixed
 
-    return TestClient(Starlette(routes=ChatAPI(engine, chat, Batcher(max_active=1), **kw).routes()))
+    return TestClient(Starlette(routes=ChatAPI(Fixed(engine, chat), Batcher(max_active=1), **kw).routes()))
 
 
 def test_without_a_key_only_local_clients_are_answered(engine, chat):

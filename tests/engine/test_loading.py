@@ -292,3 +292,33 @@ def test_packaged_model_resolves_offline_and_loads(name, no_network):
     assert state["model.embed_tokens.weight"].shape == (config.vocab_size, config.dim)
     assert sum(k.endswith("q_proj.weight") for k in state) == config.n_layers
     assert ("lm_head.weight" in state) != config.has_tied_embeddings
+
+
+def test_yarn_extension_is_qwens_rope_scaling_and_matches_transformers():
+    """`extend_context` gives the config Qwen documents for 128K (yarn, factor 4 over the native
+    context); our decoder built from it equals transformers' YaRN model, and differs from native."""
+    import torch
+
+    from engine.loading import extend_context
+    from tests.conftest import ours, tiny_hf
+
+    hf = tiny_hf("qwen2", seed=3, max_positions=64)
+    native = ours(hf)
+    extend_context(hf.config, 4.0)
+    assert hf.config.max_position_embeddings == 256
+    assert {k: hf.config.rope_parameters[k] for k in ("rope_type", "factor", "original_max_position_embeddings")} \
+        == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    reference = tiny_hf("qwen2", seed=3, max_positions=256, rope=dict(hf.config.rope_parameters))
+    extended = ours(hf)
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(200)
+    want = reference(ids).logits
+    from engine.kv.full import FullCache
+
+    def logits(model):
+        c = model.config
+        cache = FullCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, 200, torch.float64, torch.device("cpu"))
+        return model(ids, pos, cache)
+
+    assert torch.allclose(logits(extended), want, atol=1e-10, rtol=0)
+    assert not torch.allclose(logits(native), want, atol=1e-3)

@@ -195,3 +195,49 @@ def test_a_full_disk_is_reported_and_the_book_and_chat_keep_working(engine, tmp_
     second = app.users["full-disk"].book
     assert read_json(app.library.book_dir(second.book_id) / "chats" / f"{second.chat_id}.json")["turns"]
     assert second.book_id in [b["id"] for b in app.library.books()]
+
+
+# ---- what a kill leaves behind -----------------------------------------------------------------------
+
+def test_temp_files_left_by_a_kill_are_removed_when_the_library_opens(tmp_path):
+    """A kill mid-write leaves `.<name>.<random>.tmp` (JSON) and `.snapshot.<random>.tmp` (up to
+    hundreds of MB); the next start removes them, however fresh, and keeps every real file."""
+    root, book = tmp_path / "lib", tmp_path / "lib" / "00000000000000aa"
+    (book / "chats").mkdir(parents=True)
+    real = {root / "model-hashes.json": b"{}", book / "meta.json": b'{"title": "T"}',
+            book / "snapshot.pt": b"snapshot", book / "chats" / "chat1.json": b'{"id": "chat1"}'}
+    left = [root / ".model-hashes.json.k2j3.tmp", book / ".meta.json.x81q.tmp", book / ".snapshot.ab12.tmp",
+            book / "chats" / ".chat1.json.9zz1.tmp"]
+    for path, data in [*real.items(), *((p, b"half") for p in left)]:
+        path.write_bytes(data)
+    Library(root)
+    assert sorted(p for p in root.rglob("*") if p.is_file()) == sorted(real)
+    assert all(path.read_bytes() == data for path, data in real.items())
+
+
+def test_a_snapshot_is_on_disk_before_it_is_renamed_into_place(tmp_path, monkeypatch):
+    from app import snapshots
+
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(src)))
+        real_replace(src, dst)
+
+    class Session:  # what save_snapshot uses of an engine Session
+        def save(self, path, meta):
+            Path(path).write_bytes(json.dumps(meta).encode() * 1000)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    snapshots.save_snapshot(tmp_path, Session(), {"n_tokens": 3})
+    renamed = next(src for kind, src in events if kind == "replace")
+    assert Path(renamed).name.startswith(".snapshot.")
+    assert events.index(("fsync", renamed)) < events.index(("replace", renamed))  # data first, then the name
+    assert events[-1] == ("fsync", str(tmp_path))  # and the folder, so the rename itself survives
+    assert (tmp_path / "snapshot.pt").is_file() and not list(tmp_path.glob(".*.tmp"))

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -26,7 +27,10 @@ from tests.reliability.conftest import (
     SlowForwards,
     client,
     free_port,
+    last,
     make_app,
+    request,
+    run,
     wait_until,
     write_book,
 )
@@ -229,3 +233,93 @@ def test_uploads_over_the_limit_are_refused_before_the_app_reads_them(served, tm
     user = served.app.users.get(reader.session_hash)
     assert user is None or user.file is None  # the handler never saw the file
     reader.close()
+
+
+# ---- sessions that only their own login may end, titles that stay with their reader ------------------
+
+def test_with_a_login_no_visitor_can_end_another_readers_session_through_gradio_routes(engine, tmp_path):
+    """Gradio's heartbeat route needs no login, and when its stream ends it runs the app's unload
+    hook (App.forget) for the session it names; /cancel and /stream/<id>/close need none either."""
+    app = make_app(engine, tmp_path / "lib", private=True)
+    url, _ = serve(app.demo, free_port(), share=False, auth=("ann", "pw"), max_file_mb=1, say=lambda m: None)
+    try:
+        from gradio_client import handle_file
+
+        ann = client(url, auth=("ann", "pw"))
+        assert "Ready" in ann.predict(handle_file(str(write_book(tmp_path))), "", api_name="/load_book")[0]
+        book = app.users[ann.session_hash].book
+        with httpx.Client(base_url=url, timeout=5) as visitor:
+            with visitor.stream("GET", f"gradio_api/heartbeat/{ann.session_hash}") as response:
+                status = response.status_code  # then the stream is dropped, as a closed tab would
+            time.sleep(1.5)  # the unload hook runs in the background right after the stream ends
+            user = app.users.get(ann.session_hash)
+            assert user is not None and user.book is book, "the visitor closed the reader's book"
+            assert status == 401
+            cancel = {"session_hash": ann.session_hash, "fn_index": 0, "event_id": "e"}
+            assert visitor.post("gradio_api/cancel", json=cancel).status_code == 401
+            assert visitor.post("gradio_api/stream/e/close").status_code == 401
+            assert visitor.get(f"gradio_api/stream/{ann.session_hash}/0/1/playlist.m3u8").status_code == 401
+        assert ann.predict(api_name="/engine_counters")["n_prefills"] == 1  # the reader goes on
+        ann.close()  # the reader's own client goes away: its logged-in heartbeat ends, the book is freed
+        wait_until(lambda: ann.session_hash not in app.users, 10, "the reader's own unload")
+    finally:
+        app.demo.close()
+
+
+def test_an_unload_without_the_sessions_own_login_is_ignored(engine, tmp_path):
+    app = make_app(engine, None)
+    ann = SimpleNamespace(session_hash="s1", username="ann")
+    app.user(ann).book_ids.add("0" * 16)
+    app.forget(SimpleNamespace(session_hash="s1", username=None))  # someone without a login
+    app.forget(SimpleNamespace(session_hash="s1", username="bob"))  # another login
+    assert "s1" in app.users
+    app.forget(ann)  # the reader's own browser went away
+    assert "s1" not in app.users
+
+
+def test_in_private_mode_a_reader_never_sees_another_readers_title_for_the_same_text(engine, tmp_path):
+    app = make_app(engine, tmp_path / "lib", private=True)
+    secret = write_book(tmp_path, "Ann's confidential notes.txt")
+    plain = write_book(tmp_path, "bob-book.txt")  # the same text, so the same book id
+    assert "Ready" in last(app, run(app.load_book(str(secret), "", request("ann"))), "status")
+    updates = run(app.load_book(str(plain), "", request("bob")))
+    book_id = app.users["bob"].book.book_id
+    assert last(app, updates, "books")["choices"] == [("bob-book", book_id)]
+    assert last(app, run(app.show_library(request("bob"))), "books")["choices"] == [("bob-book", book_id)]
+    reopened = run(app.open_saved(book_id, request("bob")))
+    assert last(app, reopened, "title") == "### bob-book" and "confidential" not in str(reopened)
+    assert last(app, run(app.show_library(request("ann"))), "books")["choices"] == [
+        ("Ann's confidential notes", book_id)]
+
+
+@pytest.mark.parametrize("typed", ["../../etc", "/etc/passwd", "00000000000000zz", " "])
+def test_a_bad_book_id_typed_into_the_library_gets_a_message(engine, tmp_path, typed):
+    app = make_app(engine, tmp_path / "lib")  # not private: any id is looked up in the library
+    status = last(app, run(app.open_saved(typed, request("ann"))), "status")
+    assert status in (f"There is no book {typed!r} in the library: pick one from the list.",
+                      "Pick a book from the library first.")
+    assert typed.strip() == "" or "pick one from the list" in status
+
+
+def test_new_chat_and_opening_a_chat_never_wait_behind_another_readers_prefill(served, engine, tmp_path):
+    """Loading is one at a time; New chat and picking a saved chat touch only the reader's own cache."""
+    from gradio_client import handle_file
+
+    bob = client(served.url)
+    loaded = bob.predict(handle_file(str(write_book(tmp_path, "busy-b.txt", start=30_000))), "", api_name="/load_book")
+    assert "Ready" in loaded[0]
+    ann, slow = client(served.url), SlowForwards(engine, delay_s=0.5)
+    try:
+        loading = ann.submit(handle_file(str(write_book(tmp_path, "busy-a.txt", start=40_000))), "",
+                             api_name="/load_book")
+        wait_until(lambda: slow.n_calls >= 1, 30, "the first book's prefill to start")
+        started = time.monotonic()
+        bob.predict(api_name="/clear")
+        bob.predict("", api_name="/open_chat")
+        assert time.monotonic() - started < 3.0 and not loading.done()  # done while the prefill still runs
+        slow.delay_s = 0.0
+        assert "Ready" in str(loading.result()[0])
+    finally:
+        slow.remove()
+        ann.close()
+        bob.close()

@@ -45,16 +45,22 @@ def added_ids(tokenizer, ids: list[int]) -> Counter:
     return Counter(i for i in ids if i in added)
 
 
-def test_book_text_spelling_control_tokens_gets_only_the_templates_control_tokens(tokenizer):
-    chat = PlainChatFormat(tokenizer)
+# The engine's own ChatFormat (its CLI, any other caller) as well as the app's name for it.
+FORMATS = pytest.mark.parametrize("chat_format", [ChatFormat, PlainChatFormat], ids=["engine", "app"])
+
+
+@FORMATS
+def test_book_text_spelling_control_tokens_gets_only_the_templates_control_tokens(tokenizer, chat_format):
+    chat = chat_format(tokenizer)
     clean, hostile = chat.document_ids("A plain book."), chat.document_ids("A plain book. " + injection(tokenizer))
     assert added_ids(tokenizer, hostile) == added_ids(tokenizer, clean)  # the template's own, no more
     body = plain_text(tokenizer).ids(injection(tokenizer))
     assert not added_ids(tokenizer, body) and tokenizer.decode(body) == injection(tokenizer)
 
 
-def test_questions_spelling_control_tokens_get_only_the_templates_control_tokens(tokenizer):
-    chat = PlainChatFormat(tokenizer)
+@FORMATS
+def test_questions_spelling_control_tokens_get_only_the_templates_control_tokens(tokenizer, chat_format):
+    chat = chat_format(tokenizer)
     for is_first in (True, False):
         clean = chat.question_ids("Who is Anne?", is_first, previous_answer_ended=True)
         hostile = chat.question_ids("Who is Anne? " + injection(tokenizer), is_first, previous_answer_ended=True)

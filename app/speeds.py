@@ -1,0 +1,77 @@
+"""What each model measured on this machine: prefill rate and plain decoding time per token.
+
+Every prefill the app runs and every plain-decoding probe (the speedup's baseline) is recorded in
+`speeds.json` in the library folder, so the model picker shows speeds measured here, and a book
+about to be prefilled gets a time estimate before it starts (issue 21). Estimates are linear in
+the number of tokens from the nearest measured length: prefill attention grows faster than that,
+so long books are labelled "about" and the estimate improves as books of that length are read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+KEEP = 8  # measurements kept per model and kind
+
+
+class Speeds:
+    def __init__(self, root: Path | None):
+        self.path = None if root is None else Path(root) / "speeds.json"
+        try:
+            self.data: dict = json.loads(self.path.read_text()) if self.path and self.path.is_file() else {}
+        except (OSError, ValueError):  # unreadable: start again, it only holds measurements
+            self.data = {}
+
+    def record_prefill(self, model: str, n_tokens: int, seconds: float) -> None:
+        if n_tokens >= 256 and seconds > 0:  # a few tokens time the overheads, not the model
+            self._add(model, "prefill", [n_tokens, round(seconds, 2)])
+
+    def record_decode(self, model: str, n_context: int, ms_per_token: float) -> None:
+        if ms_per_token > 0:
+            self._add(model, "decode", [n_context, round(ms_per_token, 1)])
+
+    def prefill_s(self, model: str, n_tokens: int) -> float | None:
+        """Estimated seconds to prefill `n_tokens`, from the nearest measured length; None if never measured."""
+        near = self._nearest(model, "prefill", n_tokens)
+        return None if near is None else near[1] * n_tokens / near[0]
+
+    def decode_ms(self, model: str, n_context: int) -> float | None:
+        near = self._nearest(model, "decode", n_context)
+        return None if near is None else near[1]
+
+    def describe(self, model: str) -> str:
+        """'410 tokens/s prefill (8,192 tokens), 120 ms/token (8,192)' or 'not measured here yet'."""
+        parts = []
+        if self.data.get(model, {}).get("prefill"):
+            n, s = self.data[model]["prefill"][-1]
+            parts.append(f"{n / s:,.0f} tokens/s prefill ({n:,} tokens)")
+        if self.data.get(model, {}).get("decode"):
+            n, ms = self.data[model]["decode"][-1]
+            parts.append(f"{ms:,.0f} ms/token ({n:,} tokens)")
+        return ", ".join(parts) or "not measured here yet"
+
+    def _nearest(self, model: str, kind: str, n: int) -> list | None:
+        rows = self.data.get(model, {}).get(kind) or []
+        return min(rows, key=lambda row: abs(row[0] - n), default=None)
+
+    def _add(self, model: str, kind: str, row: list) -> None:
+        rows = self.data.setdefault(model, {}).setdefault(kind, [])
+        rows[:] = (rows + [row])[-KEEP:]
+        if self.path is None:
+            return
+        try:  # best effort: a full disk must not break a prefill
+            tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+            tmp.write_text(json.dumps(self.data, indent=1))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass
+
+
+def duration(seconds: float) -> str:
+    """'45 s', '3 min', '1 h 20 min'."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    minutes = round(seconds / 60)
+    return f"{minutes} min" if minutes < 60 else f"{minutes // 60} h {minutes % 60} min"

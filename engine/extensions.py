@@ -1,0 +1,110 @@
+"""Compiling an engine/csrc kernel with torch's JIT extension builder, without hanging or rebuilding.
+
+`torch.utils.cpp_extension.load` builds in one folder per extension name, guarded by an empty
+`lock` file (torch/utils/file_baton.py). A build killed midway (Ctrl-C during a first start)
+leaves that file, and every later start waits on it forever, silently. And a folder shared by
+checkouts whose build commands differ (source paths, torch's include paths under each
+checkout's `.venv`, another version of the source) is rebuilt each time another one loads it.
+So `load_extension`:
+- builds in a folder named by a hash of everything its build command holds (source text, flags,
+  torch's include paths, torch and Python versions), with the source copied in under a fixed
+  name, so where the checkout lies does not matter: one build per distinct command, found again
+  by every later start; no two commands take turns rebuilding one folder (`build_dir`). (torch
+  writes its include paths as its package's path as imported: a `.venv` symlink in each of
+  several checkouts means one build per checkout, once.)
+- serialises builders with an flock on `<folder>/builder.lock`, which the kernel releases when
+  its holder dies however it dies, and which names the holder's PID. Whoever holds it knows a
+  torch `lock` file there is a dead build's: it is removed and the build runs again;
+- waits at most `wait_s` for a live builder, saying so in the log when it starts waiting, then
+  raises `BuildBusy` so the caller runs its exact fallback (and says so) instead of hanging.
+Every kernel loader goes through `engine.device.build_cpu_extension`, which calls this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+WAIT_S = 180.0  # a first build takes 30-50 s on 2 free cores, longer on a busy desktop
+_POLL_S = 0.2
+
+
+class BuildBusy(RuntimeError):
+    """Another live process has held the build lock for longer than we wait."""
+
+
+def build_dir(name: str, source: Path, cflags: list[str]) -> Path:
+    """The folder of this exact build: `<torch extensions root>/<name>-<hash of the command>`."""
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    digest = hashlib.sha256(source.read_bytes())
+    for part in (*cflags, *cpp_extension.include_paths(), torch.__version__, sys.version, sys.platform):
+        digest.update(b"\0" + part.encode())
+    return Path(root) / f"{name}-{digest.hexdigest()[:12]}"
+
+
+def load_extension(name: str, source: Path, cflags: list[str], wait_s: float = WAIT_S):
+    """The compiled module (built now, or found from an earlier start); raises BuildBusy after
+    `wait_s` when a live process is building it, or what torch raises when the build fails."""
+    from torch.utils import cpp_extension
+
+    folder = build_dir(name, source, cflags)
+    folder.mkdir(parents=True, exist_ok=True)
+    with _builder_lock(folder / "builder.lock", name, wait_s):
+        stale = folder / "lock"  # torch's baton: nobody builds here but us, so a dead build left it
+        if stale.exists():
+            log.warning("removing %s, left by a build of %s that was interrupted; building again", stale, name)
+            stale.unlink(missing_ok=True)
+        copy = folder / f"{name}.cpp"  # a fixed path: the build command is the same from any checkout
+        if not copy.is_file() or copy.read_bytes() != source.read_bytes():
+            shutil.copyfile(source, copy)
+        return cpp_extension.load(name, [str(copy)], extra_cflags=cflags, build_directory=str(folder))
+
+
+@contextlib.contextmanager
+def _builder_lock(path: Path, name: str, wait_s: float) -> Iterator[None]:
+    try:
+        import fcntl
+    except ImportError:  # Windows: no flock; torch's own baton is all there is
+        yield
+        return
+    with open(path, "a+") as file:
+        deadline, has_said = time.monotonic() + wait_s, False
+        while True:
+            try:
+                fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = _holder(file)
+                if time.monotonic() >= deadline:
+                    raise BuildBusy(f"process {holder} has been building {name} for more than {wait_s:.0f} s "
+                                    f"(lock {path})") from None
+                if not has_said:
+                    log.warning("waiting up to %.0f s for process %s, which is building %s", wait_s, holder, name)
+                    has_said = True
+                time.sleep(_POLL_S)
+        file.seek(0)
+        file.truncate()
+        file.write(str(os.getpid()))
+        file.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(file, fcntl.LOCK_UN)
+
+
+def _holder(file) -> str:
+    file.seek(0)
+    return file.read().strip() or "?"

@@ -1,0 +1,46 @@
+"""The quality benchmark's scoring, exactly, and a smoke run of benchmarks/quality.py --quick on
+SmolLM2: one prefill answers the facts, the three pass keys and the summary, and the report holds
+them. No quality or speed assertions: those are measured, not tested."""
+
+import json
+
+import pytest
+
+from benchmarks import quality
+from engine.models import packaged_model_dir
+
+
+def test_a_phrase_four_times_is_a_loop_and_key_words_must_all_appear():
+    assert quality.loops("Pip, Pip, Pip, Pip, Pip, Pip, Pip.")  # "pip pip pip pip" occurs 4 times
+    assert quality.loops("He is the man. He is the man. He is the man. He is the man.")
+    assert not quality.loops("He is the man. He is the man. He is the man.")  # three times is allowed
+    assert quality.is_right("Louisa and Henrietta Musgrove.", ("Louisa", "Henrietta"))
+    assert not quality.is_right("Louisa Musgrove.", ("Louisa", "Henrietta"))
+    assert not quality.is_right("Kellynch " + "the hall the hall " * 4, ("Kellynch",))  # right word, but loops
+
+
+def test_needles_sit_at_their_depths_and_only_answerable_facts_count():
+    text = "\n\n".join(f"Paragraph {i} about Kellynch." for i in range(100))
+    keys = {"red": "11111", "green": "22222", "blue": "33333"}
+    hidden = quality.with_needles(text, keys)
+    for door, depth in quality.NEEDLES:
+        at = hidden.index(f"The pass key of the {door} door is {keys[door]}.")
+        assert abs(at / len(hidden) - depth) < 0.03
+    asked = quality.questions(hidden, keys)
+    facts = [q for kind, q, _ in asked if kind == "fact"]
+    assert facts == [quality.FACTS[0][0] + quality.ONE_SENTENCE]  # only Kellynch is in this text
+    assert [k for kind, _, k in asked if kind == "passkey"] == [("11111",), ("22222",), ("33333",)]
+
+
+@pytest.mark.slow
+def test_quick_run_reports_every_question(tmp_path):
+    if packaged_model_dir("smollm2-135m", assemble=False) is None:
+        pytest.skip("smollm2-135m is not assembled: run `python -m engine.models --only smollm2-135m`")
+    out = tmp_path / "quality.json"
+    assert quality.main(["--quick", "--out", str(out)]) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert 900 <= run["context"] <= 1100 and run["setting"] == "greedy"
+    kinds = [r["kind"] for r in run["rows"]]
+    assert kinds.count("passkey") == 3 and kinds[-1] == "summary" and "fact" in kinds
+    assert all(isinstance(r["right"], bool) for r in run["rows"] if r["kind"] != "summary")
+    assert "| smollm2-135m |" in out.with_suffix(".md").read_text()
