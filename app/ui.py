@@ -471,6 +471,8 @@ class App:
         c.settings = [temperature, top_p, max_new, seed, level, top_k, min_p, repetition, presence, frequency]
 
     def _levels(self) -> list[str]:
+        if getattr(self.engine, "is_remote", False):  # the server's own decoding (app/remote.py)
+            return [self.engine.config.levels]
         return [s for s in LEVEL_STACKS if "draft" not in s or self.engine.draft is not None]
 
     def model_settings(self) -> list:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
+from app.remote import NOT_AVAILABLE, RemoteBook
 from app.session import BookSession
 from engine.engine import Stats
 
@@ -54,13 +55,20 @@ def render_metrics(state: str, stats: Stats | None, book: BookSession | None, co
                  f"first token {stats.ttft_s:.2f} s"]
         # a level that tested nothing shows "–", not 0%: on CPUs the middle level is often skipped
         # (the top checks the bottom drafter's drafts itself, engine/speculative.py `LevelStack`)
+        if is_remote(book):
+            blocks.append(f"Speculative-decoding metrics: {NOT_AVAILABLE}.")
         rows = [f"| {s.name} | {f'{100 * s.acceptance:.0f}%' if s.n_tested else '–'} | "
                 f"{f'{s.tokens_per_check:.2f}' if s.n_checks else '–'} | {s.n_checks} |" for s in stats.levels]
-        blocks.append("\n".join(["| level | accepted | tokens/check | checks |", "|:--|--:|--:|--:|", *rows]))
+        if rows:
+            blocks.append("\n".join(["| level | accepted | tokens/check | checks |", "|:--|--:|--:|--:|", *rows]))
     if book is not None and book.save_error:
         blocks.append(f"⚠ {book.save_error}")
     blocks.append(f"<small>prefills: {counters.n_prefills} · prefilled tokens: {counters.n_prefill_tokens:,}</small>")
     return "\n\n".join(["  \n".join(head), *blocks])
+
+
+def is_remote(book: BookSession | None) -> bool:
+    return isinstance(book, RemoteBook)
 
 
 def render_plot(points: list[tuple[float, float]]) -> str:
@@ -82,6 +90,8 @@ def render_plot(points: list[tuple[float, float]]) -> str:
 def render_reading(book: BookSession | None, passages) -> str:
     if book is None:
         return "Load a book to see which passages the model reads."
+    if is_remote(book):
+        return f"Where the model is reading: {NOT_AVAILABLE}."
     if "retrieval" not in book.session.levels:
         return f"The level stack `{book.session.levels}` has no retrieval level: every check reads the whole book."
     if not passages:

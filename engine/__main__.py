@@ -1,4 +1,5 @@
-"""Command line: `python -m engine generate --file book.txt --question "..." [--levels ...]`.
+"""Command line: `python -m engine generate --file book.txt --question "..." [--levels ...]`,
+`python -m engine serve` (an OpenAI-compatible API, engine/serve.py).
 
 Reads a text file as the document, prefills it once, answers each --question in turn (a chat),
 streams the answer to the terminal and prints per-level statistics after each answer.
@@ -13,7 +14,7 @@ from dataclasses import replace
 
 import torch
 
-from engine import parallel
+from engine import parallel, serve
 from engine.chat import ChatFormat
 from engine.config import LEVEL_STACKS, EngineConfig, EngineError, SamplingConfig
 from engine.engine import Engine, Stats
@@ -48,6 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, kind in SAMPLING_FLAGS.items():  # unset: the model's own (its generation_config)
         g.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    serve.add_serve_parser(sub)
     return p.parse_args(argv)
 
 
@@ -62,6 +64,8 @@ def format_stats(stats: Stats) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.command == "serve":
+        return serve.serve_main(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
