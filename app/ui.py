@@ -396,7 +396,8 @@ class App:
                 c.models = gr.Markdown(self.model_table(), elem_id="models")
                 with gr.Row():
                     c.model = gr.Dropdown(list(models.PACKAGED_MODELS), value=e.config.target, show_label=False,
-                                          container=False, elem_id="model", scale=3)
+                                          container=False, elem_id="model", scale=3, allow_custom_value=True,
+                                          info="or type a local folder, a .gguf file or a hub id")
                     c.load_model = gr.Button("Load model", size="sm", elem_id="load-model", scale=1)
                 c.model_status = gr.Markdown("", elem_id="model-status")
             with gr.Row(equal_height=False):
@@ -521,7 +522,8 @@ class App:
             config = replace(self.engine.config, target=name, draft="auto", levels="auto")
             engine = yield from self._progress(user, Stages(name), load_engine, config)
         except Exception as error:  # ModelNotFound, TokenizerMismatch, out of memory ...: keep the old one
-            yield {c.model_status: f"⚠ Could not load `{name}`: {error} `{self.engine.config.target}` stays loaded."}
+            yield {c.model_status: f"⚠ Could not load `{name}`: {error} `{self.engine.config.target}` stays loaded.",
+                   c.models: self.model_table()}
             return
         self.engine, self.chat = engine, PlainChatFormat(engine.tokenizer, end_ids=engine.end_ids)
         for other in self.users.values():

@@ -226,3 +226,29 @@ def test_clear_starts_an_empty_chat(loaded):
     chatbot, metrics, *_ = client.predict(api_name="/clear")
     assert chatbot == [] and "ready" in metrics
     assert "**You:**" not in client.predict("md", api_name="/export")
+
+
+def test_an_unknown_model_gets_a_message_and_the_open_book_stays(loaded):
+    client, _ = loaded
+    status, models_table, *_ = client.predict("/nowhere/such-model", api_name="/load_model")
+    assert "Could not load" in status and "smollm2-135m` stays loaded" in status, status
+    assert "qwen2.5-coder-1.5b" in models_table and "measured on this machine" in models_table
+    assert "tokens/s prefill" in models_table  # this app's prefill was recorded for smollm2-135m
+    (_, _, metrics, *_), _ = ask(client, "Who is Anne?", 4)
+    assert "done" in metrics
+
+
+def test_every_sampling_setting_reaches_the_engine_and_out_of_range_is_refused(loaded):
+    """The sliders' ranges are SamplingConfig's valid ranges, so Gradio refuses what the engine would."""
+    from gradio_client.exceptions import AppError
+
+    client, _ = loaded
+    (_, before, *_), _ = ask(client, "Who is Anne?", 4)
+    with pytest.raises(AppError, match="less than minimum"):
+        client.predict("Who is Anne?", [], 0.7, 0.9, 4, 0, LEVELS, -1, 0.0, 1.0, 0.0, 0.0, api_name="/ask")
+    (_, after, *_), _ = ask(client, "Who is Anne?", 4)
+    assert len(after) == len(before) + 2  # the refused question left the chat alone
+    before = after
+    job = client.submit("Who is Anne?", [], 0.7, 0.9, 4, 0, LEVELS, 20, 0.05, 1.1, 0.5, 0.5, api_name="/ask")
+    _, chatbot, metrics, *_ = job.result()  # penalties, min-p and top-k on: an answer
+    assert "done" in metrics and len(chatbot) == len(before) + 2
