@@ -195,6 +195,9 @@ class App:
                    for i, s in enumerate(found)]
         most = max(256, prepared.budget_tokens - 64)
         note = "The book is longer than the model's context. Choose what to read below; nothing is cut silently."
+        if self.engine.config.yarn_factor == 1:  # the context can grow, at a cost the reader should know
+            note += (" Or restart with `--yarn 4` to read up to 4× the native context (131,072 tokens for Qwen2.5): "
+                     "answers may get less precise, also on short books, and reading 128K tokens takes hours on a CPU.")
         yield {**self._kept(user, f"{stages.render()}\n\n{note}"), c.first_n: gr.update(maximum=most, value=most),
                c.fit_row: gr.update(visible=True), c.pick: gr.update(choices=choices, value=[], visible=bool(choices))}
 
