@@ -263,9 +263,16 @@ class LeaderSession:
                 for _ in events:
                     pass
 
-    def answer_steps(self, *args, **kwargs):
-        raise EngineError("Batching several readers (engine/batch.py) does not run under tensor parallel "
-                          "yet: ask one question at a time (session.ask), or use one GPU.")
+    def answer_steps(self, question_ids: list[int], sampling: SamplingConfig = SamplingConfig(), cancel=None,
+                     stop_ids: set[int] | None = None) -> Iterator:
+        """`ask` in the form engine/batch.py runs (the app always does): events and no forward
+        requests, so the batcher runs the whole answer in one step. Under tensor parallel one
+        answer runs at a time; other readers wait in the batcher's line."""
+        events = self.ask(question_ids, sampling, cancel, stop_ids)
+        try:
+            yield from events
+        finally:
+            events.close()
 
 
 def follow(engine) -> None:

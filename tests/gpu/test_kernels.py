@@ -12,6 +12,7 @@ import torch
 
 from engine import attention, graphs
 from engine.attention import flash_attention, pick_attention, sdpa_attention
+from engine.config import SamplingConfig
 from tests.conftest import tiny_engine
 
 CUDA = torch.device("cuda")  # only a name here: picking a kernel does not touch the device
@@ -72,3 +73,41 @@ def test_engine_switches_reach_the_kernels(no_flash_attn):
     engine = tiny_engine("plain", use_cpu_kernel=True)
     want = attention.cpu_attention if attention.cpu_kernel() is not None else sdpa_attention
     assert engine.target.model.layers[0].self_attn.attend is want
+
+
+def test_flash_path_takes_the_tree_classification_from_the_call(monkeypatch):
+    """The route (flash-attn for chains, SDPA for trees) comes with each call, from the segment:
+    no module state that a prefill thread and the batcher thread could overwrite between their
+    check and their read, and no look at the (device) mask per layer."""
+    calls = []
+    fake = type(sys)("flash_attn")
+    fake.flash_attn_with_kvcache = lambda q, k, v, causal: (calls.append(causal), q)[1]
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    monkeypatch.setattr(attention, "is_tree_mask", lambda tail: pytest.fail("the mask was inspected"))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 3, 8, generator=g).bfloat16()
+    k, v = (torch.randn(1, 2, 10, 8, generator=g).bfloat16() for _ in "kv")
+    chain = torch.ones(3, 3, dtype=torch.bool).tril()
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    for tail, is_tree in ((tree, True), (chain, False), (tree, True)):  # alternating, as two threads do
+        out = flash_attention(q, k, v, tail, is_tree)
+        if is_tree:
+            assert torch.equal(out, sdpa_attention(q, k, v, tail, True))
+    assert calls == [True]  # the chain only
+
+
+def test_segments_carry_whether_their_tail_is_a_tree():
+    engine = tiny_engine("ngram>full")  # 3 n-gram candidates: token trees and chains
+    seen = []
+
+    def attend(q, k, v, tail, is_tree):
+        seen.append((is_tree, tail is not None and attention.is_tree_mask(tail)))
+        return sdpa_attention(q, k, v, tail, is_tree)
+
+    engine.target.set_attention(attend)
+    part = list(range(5, 25))
+    session = engine.open(part + part + part[:8])
+    for _ in session.ask([3, 4], SamplingConfig(max_new_tokens=12)):
+        pass
+    assert all(said == actual for said, actual in seen)
+    assert any(said for said, _ in seen) and not all(said for said, _ in seen)
