@@ -36,12 +36,15 @@ from engine.kv.full import FullCache
 from engine.kv.offload import OffloadCache
 from engine.kv.retrieval import RetrievalCache
 from engine.kv.streaming import StreamingCache
-from engine.memory import Workload, resident_kv_layers
+from engine.memory import Workload, free_memory_bytes, resident_kv_layers
 from engine.model import Forward, QueryLog, Segment, Steps, Transformer, run
 from engine.sampling import Coins, GeneratorCoins
 from engine.speculative import CheckingDrafter, GammaTuner, LevelStack, LevelStats, Scorer
 
 Progress = Callable[[int, int], None]  # (tokens done, tokens total)
+# Full-cache slots after the document, allocated (and planned) with it once: a cache that grows
+# holds its old and new copies at once, so growing a 128K cache can run a GPU out of memory.
+CHAT_ROOM_TOKENS = 2048
 
 
 @dataclass
@@ -125,17 +128,33 @@ class Engine:
         c, cfg = self.target.config, self.config
         if not cfg.offload_kv:
             if state is not None:
-                return FullCache.from_state(state, capacity)
+                return FullCache.from_state(state, capacity, self.device)
             return FullCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, capacity, self.dtype, self.device)
         n_resident = cfg.resident_kv_layers
         if n_resident is None:
-            work = Workload(self.dtype.itemsize, self.draft and self.draft.config, cfg.retrieval.budget_tokens,
-                            cfg.prefill_chunk_tokens)
-            n_resident = resident_kv_layers(c, capacity, self.device, work)
+            n_resident = self._planned_resident_layers(capacity)
         n_resident = min(n_resident, c.n_layers)
         if state is not None:
             return OffloadCache.from_state(state, capacity, self.device, n_resident)
         return OffloadCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, capacity, self.dtype, self.device, n_resident)
+
+    def _planned_resident_layers(self, capacity: int) -> int:
+        """The memory plan's resident layers for `capacity` tokens (0 on CPU: one memory). Under
+        tensor parallel every rank measures its GPU and the plan is made from all ranks' numbers
+        and rank 0's host figure, so every rank keeps the same layers (a collective: every rank
+        calls this at the same point, from `open` or `restore`)."""
+        if self.device.type != "cuda":
+            return 0
+        c, n_ranks = self.target.config, self.config.n_gpus
+        whole = replace(c, n_heads=c.n_heads * n_ranks, n_kv_heads=c.n_kv_heads * n_ranks,
+                        intermediate=c.intermediate * n_ranks)  # the planner splits it again
+        loaded = sum(p.numel() * p.element_size() for m in (self.target, self.draft) if m is not None
+                     for p in m.parameters())  # on the GPU already, out of the free memory measured now
+        gpus = parallel.gathered(free_memory_bytes(self.device) + loaded)
+        host = parallel.gathered(free_memory_bytes("cpu"))[0]
+        work = Workload(self.dtype.itemsize, self.draft and self.draft.config, self.config.retrieval.budget_tokens,
+                        self.config.prefill_chunk_tokens)
+        return resident_kv_layers(whole, capacity, gpus, host, work)
 
     def prefill(self, cache: FullCache, ids: list[int], query_log: QueryLog | None,
                 on_progress: Progress | None = None, cancel=None) -> None:
@@ -177,7 +196,7 @@ class Engine:
             raise EmptyPrompt("document")
         self.check_tokens(doc_ids, "document")
         self.check_fits(len(doc_ids) + 1)
-        session = Session(self, self.new_full_cache(len(doc_ids) + 1024))
+        session = Session(self, self.new_full_cache(min(self.max_context, len(doc_ids) + CHAT_ROOM_TOKENS)))
         self.prefill(session.full, doc_ids, session.query_log, on_progress, cancel)
         self.n_prefills += 1
         session.start(list(doc_ids))
@@ -374,10 +393,12 @@ class Session:
 
     @classmethod
     def restore(cls, engine: Engine, path: str | Path) -> Session:
-        state = torch.load(path, map_location=engine.device, weights_only=True)
-        full = engine.new_full_cache(state["cache"]["k"].shape[3] + 1024, state["cache"])
+        # memory-mapped in host memory: the cache copies it to the device a layer at a time
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        n_tokens = state["cache"]["k"].shape[3]
+        full = engine.new_full_cache(min(engine.max_context, n_tokens + CHAT_ROOM_TOKENS), state["cache"])
         session = cls(engine, full)
-        session.query_log.queries = state["queries"]
+        session.query_log.queries = [q if q is None else q.to(engine.device) for q in state["queries"]]
         session.start(state["tokens"])
         return session
 

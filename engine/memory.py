@@ -225,17 +225,14 @@ def free_memory_bytes(device: str | torch.device) -> int:
     raise ValueError(f"cannot measure free memory on {device}: no such device here")
 
 
-def resident_kv_layers(target: ModelConfig, n_tokens: int, device: torch.device, work: Workload) -> int:
-    """Layers of an offloaded full cache that stay on `device` for `n_tokens` (0 on CPU, where
-    device and host memory are one). `target` as loaded on this rank (tensor parallel: its
-    sharded shapes); its weights and `work.draft`'s are on the device already, so the free
-    memory measured now is topped up by them, as the plan counts them."""
-    if device.type != "cuda":
-        return 0
-    loaded = weight_bytes(target, work.dtype_bytes)
-    if work.draft not in (None, target):
-        loaded += weight_bytes(work.draft, work.dtype_bytes)
-    devices = [DeviceBudget(str(device), free_memory_bytes(device) + loaded, "cuda"),
-               DeviceBudget("cpu", free_memory_bytes("cpu"), "cpu")]
+def resident_kv_layers(target: ModelConfig, n_tokens: int, gpu_free_bytes: list[int], host_free_bytes: int,
+                       work: Workload) -> int:
+    """Layers of an offloaded full cache that stay on each GPU for `n_tokens`. `target` whole (not
+    one rank's shard); `gpu_free_bytes`: each rank's free memory measured now plus the weights it
+    holds already (the plan counts them), `host_free_bytes` the host's, the same numbers on every
+    rank (engine.py gathers them), so every rank reaches the same plan and the host is planned
+    for all ranks' KV together."""
+    devices = [DeviceBudget(f"cuda:{i}", free, "cuda") for i, free in enumerate(gpu_free_bytes)]
+    devices.append(DeviceBudget("cpu", host_free_bytes, "cpu"))
     return plan_memory(target, n_tokens, devices, work.dtype_bytes, work.draft, work.retrieval_budget_tokens,
                        work.prefill_chunk_tokens, work.batch, True, work.draft_cache_tokens).n_resident_kv_layers

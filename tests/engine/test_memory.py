@@ -1,9 +1,7 @@
 """Memory planner: hand-checked bytes for real model shapes at 128K tokens (no network)."""
 
 import pytest
-import torch
 
-from engine import memory
 from engine.config import ModelConfig, OutOfMemoryPlan
 from engine.memory import (
     GIB,
@@ -158,10 +156,14 @@ def test_plan_is_a_memory_plan_on_chip():
     assert [d.name for d in plan.devices] == ["cuda:0"]
 
 
-def test_resident_layers_on_a_gpu_count_the_loaded_weights_as_available(monkeypatch):
-    # a 4090 with Llama-2-7B loaded: its weights are already out of the free memory measured now
-    free = {"cuda:0": 24 * GIB - weight_bytes(llama2_7b(), 2), "cpu": 128 * GIB}
-    monkeypatch.setattr(memory, "free_memory_bytes", lambda device: free[str(device)])
-    n_resident = resident_kv_layers(llama2_7b(), N_128K, torch.device("cuda:0"), Workload())
-    assert n_resident == plan_memory(llama2_7b(), N_128K, rtx4090s(1)).n_resident_kv_layers == 2
-    assert resident_kv_layers(llama2_7b(), N_128K, torch.device("cpu"), Workload()) == 0  # one memory
+def test_resident_layers_are_planned_for_every_rank_and_the_host_together():
+    # 4090s with their shard of Llama-2-7B loaded: the measured free memory plus those weights
+    one = resident_kv_layers(llama2_7b(), N_128K, [24 * GIB], 128 * GIB, Workload())
+    assert one == plan_memory(llama2_7b(), N_128K, rtx4090s(1)).n_resident_kv_layers == 2
+    two = resident_kv_layers(llama2_7b(), N_128K, [24 * GIB, 24 * GIB], 128 * GIB, Workload())
+    assert two == plan_memory(llama2_7b(), N_128K, rtx4090s(2)).n_resident_kv_layers
+    # GPU 0 drives a display: both ranks keep what the fuller one can hold
+    assert resident_kv_layers(llama2_7b(), N_128K, [22 * GIB, 24 * GIB], 128 * GIB, Workload()) < two
+    # the host holds both ranks' halves: 64 GiB of KV does not fit in 60 GiB of RAM for two ranks
+    with pytest.raises(OutOfMemoryPlan, match="cpu needs 64.00 GiB"):
+        resident_kv_layers(llama2_7b(), N_128K, [24 * GIB, 24 * GIB], 60 * GIB, Workload())
