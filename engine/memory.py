@@ -7,7 +7,8 @@ replicated) and on the host. When the full cache does not fit on the GPUs, it li
 memory and its first `n_resident_kv_layers` layers also stay on the GPU (`resident_kv_layers`
 asks the planner for that number on this machine). Nothing is allocated here, and only
 `free_memory_bytes` asks a device. Assumes fused attention (flash / memory-efficient SDPA), which
-never materialises [T, S] scores, and a full cache allocated once at the planned length.
+never materialises [T, S] scores (only the masks SDPA is given), and a full cache allocated once
+at the planned length.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import psutil
 import torch
 
 from engine.config import EngineConfig, ModelConfig, OutOfMemoryPlan, RetrievalConfig, SamplingConfig
+from engine.kv.retrieval import MEAN_SLICE_TOKENS
 
 GIB = 1 << 30
 RESERVE_FRACTION = 0.05  # of each device's free memory left unplanned: allocator fragmentation
@@ -50,7 +52,7 @@ class DevicePlan:
     retrieval_kv_bytes: int = 0
     drafter_weights_bytes: int = 0
     drafter_cache_bytes: int = 0
-    activation_bytes: int = 0  # one prefill chunk, its [T, S] mask and float32 [T, V] logits
+    activation_bytes: int = 0  # one prefill chunk (its masks, float32 logits) or a retrieval rebuild
 
     @property
     def total_bytes(self) -> int:
@@ -118,9 +120,23 @@ def activation_bytes(cfg: ModelConfig, chunk_tokens: int, n_tokens: int, dtype_b
     q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     hidden = 2 * cfg.dim + 2 * (q_dim + kv_dim) // n_ranks  # residual, normed, q, k, v, attn out
     mlp = 3 * cfg.intermediate // n_ranks  # gate, up, act(gate) * up
-    mask = (cfg.n_heads // cfg.n_kv_heads) * chunk_tokens * n_tokens  # bool [G*T, S] tail mask
+    # the tail mask on CUDA without flash-attn (engine/attention.py `sdpa_attention`): bool
+    # [T, S], repeated to [G*T, S]; SDPA turns a bool mask into one of q's dtype and the
+    # memory-efficient kernel pads that to a multiple of 16 keys: (1 + G * (1 + 2 * dtype)) T S
+    G = cfg.n_heads // cfg.n_kv_heads
+    mask = chunk_tokens * n_tokens * (1 + G * (1 + 2 * dtype_bytes))
     logits = batch * chunk_tokens * cfg.vocab_size * 4  # float32 [T, V]
     return batch * chunk_tokens * (hidden + mlp) * dtype_bytes + mask + logits
+
+
+def rebuild_bytes(cfg: ModelConfig, n_tokens: int, dtype_bytes: int, n_ranks: int = 1,
+                  retrieval: RetrievalConfig = RetrievalConfig()) -> int:
+    """Scratch of one layer's retrieval rebuild on one rank (engine/kv/retrieval.py `score_chunks`):
+    a slice of keys and its float32 copy, every chunk's float32 mean, and the [G*M, n] scores."""
+    Hkv, D = cfg.n_kv_heads // n_ranks, cfg.head_dim
+    n_chunks, G = n_tokens // retrieval.chunk_tokens, cfg.n_heads // cfg.n_kv_heads
+    key_slice = MEAN_SLICE_TOKENS * Hkv * D * (dtype_bytes + 4)
+    return key_slice + n_chunks * Hkv * (D + 2 * G * retrieval.n_score_queries) * 4  # scores and softmax
 
 
 def _fixed_parts(target: ModelConfig, n_tokens: int, n_ranks: int, work: Workload) -> DevicePlan:
@@ -134,8 +150,11 @@ def _fixed_parts(target: ModelConfig, n_tokens: int, n_ranks: int, work: Workloa
         drafter_weights_bytes=weight_bytes(draft, dtype_bytes) if has_own_weights else 0,
         drafter_cache_bytes=(work.draft_cache_tokens * work.batch
                              * draft.kv_bytes_per_token(dtype_bytes) if draft else 0),
-        activation_bytes=activation_bytes(target, work.prefill_chunk_tokens, n_tokens,
-                                          dtype_bytes, work.batch, n_ranks))
+        # a prefill chunk's, or (while decoding, after prefill) a retrieval rebuild's
+        activation_bytes=max(activation_bytes(target, work.prefill_chunk_tokens, n_tokens, dtype_bytes,
+                                              work.batch, n_ranks),
+                             rebuild_bytes(target, n_tokens, dtype_bytes, n_ranks) if work.retrieval_budget_tokens
+                             else 0))
 
 
 def _plan(target: ModelConfig, n_tokens: int, devices: list[DeviceBudget],
