@@ -111,3 +111,16 @@ def test_segments_carry_whether_their_tail_is_a_tree():
         pass
     assert all(said == actual for said, actual in seen)
     assert any(said for said, _ in seen) and not all(said for said, _ in seen)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the first thing a GPU user runs)")
+def test_flash_attn_equals_sdpa_over_the_offload_caches_token_major_views():
+    """flash_attn_with_kvcache on the [B, S, Hkv, D] views of the offloaded cache's token-major
+    buffers (resident and streamed layers), decoding, a check and a prefill chunk, against
+    SDPA in float32 (engine/selftest.py runs the same comparison for users)."""
+    from engine import selftest
+
+    if not attention.has_flash_attn():
+        pytest.skip("flash-attn is not installed")
+    status, detail = selftest.check_flash_attn(torch.device("cuda"), torch.bfloat16)
+    assert status == "pass", detail
