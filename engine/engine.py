@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from engine import parallel
-from engine.attention import pick_attention
+from engine.attention import flash_attention, pick_attention
 from engine.config import (
     BadTokens,
     Busy,
@@ -45,6 +45,7 @@ Progress = Callable[[int, int], None]  # (tokens done, tokens total)
 # Full-cache slots after the document, allocated (and planned) with it once: a cache that grows
 # holds its old and new copies at once, so growing a 128K cache can run a GPU out of memory.
 CHAT_ROOM_TOKENS = 2048
+OFFLOAD_PREFILL_CHUNK_TOKENS = 8192  # see Engine.prefill_chunk_tokens
 
 
 @dataclass
@@ -82,7 +83,7 @@ class Engine:
         self.config, self.target, self.draft, self.tokenizer = config, target, draft, tokenizer
         self.device = target.lm_head.weight.device
         self.dtype = target.dtype
-        attend = pick_attention(self.device, config.use_flash_attn, config.use_cpu_kernel)
+        attend = self.attend = pick_attention(self.device, config.use_flash_attn, config.use_cpu_kernel)
         # one-token drafter and middle-level steps (engine/graphs.py); one process only: tensor
         # parallel's all-reduces (NCCL) inside a captured graph are not attempted
         self.uses_cuda_graphs = graphs_available(self.device, config.use_cuda_graphs and config.n_gpus == 1)
@@ -138,6 +139,17 @@ class Engine:
             return OffloadCache.from_state(state, capacity, self.device, n_resident)
         return OffloadCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, capacity, self.dtype, self.device, n_resident)
 
+    @property
+    def prefill_chunk_tokens(self) -> int:
+        """Tokens per prefill forward. An offloaded forward copies every offloaded layer's filled
+        prefix to the GPU, so a 128K prefill in 512-token chunks moves terabytes over PCIe;
+        with flash-attn (no [T, S] masks) chunks of `OFFLOAD_PREFILL_CHUNK_TOKENS` move 16x less
+        (the planner counts their activations)."""
+        chunk = self.config.prefill_chunk_tokens
+        if self.config.offload_kv and self.attend is flash_attention:
+            return max(chunk, OFFLOAD_PREFILL_CHUNK_TOKENS)
+        return chunk
+
     def _planned_resident_layers(self, capacity: int) -> int:
         """The memory plan's resident layers for `capacity` tokens (0 on CPU: one memory). Under
         tensor parallel every rank measures its GPU and the plan is made from all ranks' numbers
@@ -153,7 +165,7 @@ class Engine:
         gpus = parallel.gathered(free_memory_bytes(self.device) + loaded)
         host = parallel.gathered(free_memory_bytes("cpu"))[0]
         work = Workload(self.dtype.itemsize, self.draft and self.draft.config, self.config.retrieval.budget_tokens,
-                        self.config.prefill_chunk_tokens)
+                        self.prefill_chunk_tokens, has_tail_masks=self.attend is not flash_attention)
         return resident_kv_layers(whole, capacity, gpus, host, work)
 
     def prefill(self, cache: FullCache, ids: list[int], query_log: QueryLog | None,
@@ -163,7 +175,7 @@ class Engine:
 
     def prefill_steps(self, cache: FullCache, ids: list[int], query_log: QueryLog | None,
                       on_progress: Progress | None = None, cancel=None) -> Steps[None]:
-        chunk = self.config.prefill_chunk_tokens
+        chunk = self.prefill_chunk_tokens
         cache.reserve(len(ids))
         for i in range(0, len(ids), chunk):
             if is_set(cancel):

@@ -100,6 +100,7 @@ class Workload:
     batch: int = 1
     offload_allowed: bool = True
     draft_cache_tokens: int = DRAFT_CACHE_TOKENS
+    has_tail_masks: bool = True  # prefill builds [T, S] masks (SDPA); flash-attn's causal chains do not
 
 
 def weight_bytes(cfg: ModelConfig, dtype_bytes: int, n_ranks: int = 1) -> int:
@@ -115,7 +116,7 @@ def weight_bytes(cfg: ModelConfig, dtype_bytes: int, n_ranks: int = 1) -> int:
 
 
 def activation_bytes(cfg: ModelConfig, chunk_tokens: int, n_tokens: int, dtype_bytes: int,
-                     batch: int = 1, n_ranks: int = 1) -> int:
+                     batch: int = 1, n_ranks: int = 1, has_tail_masks: bool = True) -> int:
     """Upper bound of one prefill chunk's live tensors on one rank (their sum, not their peak)."""
     q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     hidden = 2 * cfg.dim + 2 * (q_dim + kv_dim) // n_ranks  # residual, normed, q, k, v, attn out
@@ -124,7 +125,7 @@ def activation_bytes(cfg: ModelConfig, chunk_tokens: int, n_tokens: int, dtype_b
     # [T, S], repeated to [G*T, S]; SDPA turns a bool mask into one of q's dtype and the
     # memory-efficient kernel pads that to a multiple of 16 keys: (1 + G * (1 + 2 * dtype)) T S
     G = cfg.n_heads // cfg.n_kv_heads
-    mask = chunk_tokens * n_tokens * (1 + G * (1 + 2 * dtype_bytes))
+    mask = chunk_tokens * n_tokens * (1 + G * (1 + 2 * dtype_bytes)) if has_tail_masks else 0
     logits = batch * chunk_tokens * cfg.vocab_size * 4  # float32 [T, V]
     return batch * chunk_tokens * (hidden + mlp) * dtype_bytes + mask + logits
 
@@ -152,7 +153,7 @@ def _fixed_parts(target: ModelConfig, n_tokens: int, n_ranks: int, work: Workloa
                              * draft.kv_bytes_per_token(dtype_bytes) if draft else 0),
         # a prefill chunk's, or (while decoding, after prefill) a retrieval rebuild's
         activation_bytes=max(activation_bytes(target, work.prefill_chunk_tokens, n_tokens, dtype_bytes,
-                                              work.batch, n_ranks),
+                                              work.batch, n_ranks, work.has_tail_masks),
                              rebuild_bytes(target, n_tokens, dtype_bytes, n_ranks) if work.retrieval_budget_tokens
                              else 0))
 
@@ -203,7 +204,7 @@ def plan_memory(target: ModelConfig, n_tokens: int, devices: list[DeviceBudget],
                 retrieval_budget_tokens: int = RetrievalConfig.budget_tokens,
                 prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens, batch: int = 1,
                 offload_allowed: bool = True,
-                draft_cache_tokens: int = DRAFT_CACHE_TOKENS) -> MemoryPlan:
+                draft_cache_tokens: int = DRAFT_CACHE_TOKENS, has_tail_masks: bool = True) -> MemoryPlan:
     """Where each part lives for a document of `n_tokens`; raises `OutOfMemoryPlan` if nowhere.
 
     `devices`: the GPUs (tensor-parallel ranks) and at most one host ("cpu"); CPU only when no
@@ -211,7 +212,7 @@ def plan_memory(target: ModelConfig, n_tokens: int, devices: list[DeviceBudget],
     StreamingLLM cache is counted). `retrieval_budget_tokens=0` when the stack has no middle level.
     """
     work = Workload(dtype_bytes, draft, retrieval_budget_tokens, prefill_chunk_tokens, batch,
-                    offload_allowed, draft_cache_tokens)
+                    offload_allowed, draft_cache_tokens, has_tail_masks)
     plan = _plan(target, n_tokens, devices, work)
     if isinstance(plan, MemoryPlan):
         return plan
@@ -254,4 +255,5 @@ def resident_kv_layers(target: ModelConfig, n_tokens: int, gpu_free_bytes: list[
     devices = [DeviceBudget(f"cuda:{i}", free, "cuda") for i, free in enumerate(gpu_free_bytes)]
     devices.append(DeviceBudget("cpu", host_free_bytes, "cpu"))
     return plan_memory(target, n_tokens, devices, work.dtype_bytes, work.draft, work.retrieval_budget_tokens,
-                       work.prefill_chunk_tokens, work.batch, True, work.draft_cache_tokens).n_resident_kv_layers
+                       work.prefill_chunk_tokens, work.batch, True, work.draft_cache_tokens,
+                       work.has_tail_masks).n_resident_kv_layers

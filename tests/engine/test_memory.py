@@ -186,3 +186,9 @@ def test_a_retrieval_rebuild_is_planned_in_slices():
     plan = plan_memory(llama31_8b(), N_128K, rtx4090s(2))
     assert plan.devices[0].activation_bytes >= rebuild_bytes(llama31_8b(), N_128K, 2, n_ranks=2)
     assert plan.devices[0].activation_bytes >= without.devices[0].activation_bytes
+
+
+def test_flash_attn_prefill_plans_no_tail_masks():
+    no_masks = activation_bytes(llama31_8b(), 8192, N_128K, 2, has_tail_masks=False)
+    assert no_masks == activation_bytes(llama31_8b(), 8192, 0, 2)  # nothing grows with the length
+    assert activation_bytes(llama31_8b(), 8192, N_128K, 2) - no_masks == 21 * 8192 * N_128K

@@ -205,3 +205,20 @@ def test_snapshots_go_through_host_memory_and_restore_the_same_answers(tmp_path,
     got = [t for e in restored.ask(random_ids(4, 128, 9), SamplingConfig(max_new_tokens=16)) for t in e.tokens]
     assert got == want and len(got) == 16
     assert all(t.device.type == "cpu" for t in session.full.state().values())
+
+
+def test_offloaded_prefill_with_flash_attn_runs_in_large_chunks():
+    """Each offloaded prefill forward copies every offloaded layer's filled prefix to the device:
+    with flash-attn (no [T, S] masks to plan) the prefill runs in chunks of 8192 tokens."""
+    from engine.attention import flash_attention
+    from engine.engine import OFFLOAD_PREFILL_CHUNK_TOKENS
+
+    engine = tiny_engine("plain", offload_kv=True, resident_kv_layers=0)  # chunks of 7 tokens
+    doc = random_ids(300, 128, 4)
+    small_chunks = engine.open(doc)
+    engine.attend = flash_attention  # as picked on CUDA with flash-attn (the layers keep SDPA here)
+    assert engine.prefill_chunk_tokens == OFFLOAD_PREFILL_CHUNK_TOKENS
+    large_chunks = engine.open(doc)
+    assert large_chunks.full.n_copied_bytes == 0 < small_chunks.full.n_copied_bytes  # 1 forward: nothing filled
+    for a, b in zip(small_chunks.full.entries(0, 300), large_chunks.full.entries(0, 300)):
+        assert torch.allclose(a, b, atol=1e-12)
