@@ -193,6 +193,10 @@ class Engine:
         """Reopen a prefill snapshot (`Session.save`) without prefilling again."""
         return Session.restore(self, path)
 
+    def restore_state(self, state: dict) -> Session:
+        """A session from a snapshot's state (`Session.state`), e.g. one rank's heads of it."""
+        return Session.from_state(self, state)
+
     def check_tokens(self, ids: list[int], what: str) -> None:
         vocab = self.target.config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
@@ -400,13 +404,21 @@ class Session:
 
     def save(self, path: str | Path, meta: dict | None = None) -> None:
         """A prefill snapshot: tokens and full cache (the app adds model and document hashes)."""
-        torch.save({"tokens": self.tokens, "cache": self.full.state(), "queries": self.query_log.queries,
-                    "meta": meta or {}}, path)
+        torch.save(self.state(meta), path)
+
+    def state(self, meta: dict | None = None) -> dict:
+        """What a snapshot holds, in host memory: {"tokens", "cache": {"k", "v"} of
+        [L, B, Hkv, S, D], "queries": per layer [B, H, M, D] or None, "meta"}."""
+        queries = [q if q is None else q.cpu() for q in self.query_log.queries]
+        return {"tokens": self.tokens, "cache": self.full.state(), "queries": queries, "meta": meta or {}}
 
     @classmethod
     def restore(cls, engine: Engine, path: str | Path) -> Session:
         # memory-mapped in host memory: the cache copies it to the device a layer at a time
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        return cls.from_state(engine, torch.load(path, map_location="cpu", mmap=True, weights_only=True))
+
+    @classmethod
+    def from_state(cls, engine: Engine, state: dict) -> Session:
         n_tokens = state["cache"]["k"].shape[3]
         full = engine.new_full_cache(min(engine.max_context, n_tokens + CHAT_ROOM_TOKENS), state["cache"])
         session = cls(engine, full)

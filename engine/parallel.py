@@ -199,12 +199,40 @@ def _method(ranks: Ranks, sid: int, name: str, *args):
     return getattr(session, name)(*args)
 
 
+def _gathered_heads(t: torch.Tensor, dim: int) -> torch.Tensor | None:
+    """Every rank's `t` ([L, ...], host) joined along its heads `dim`, on rank 0 (None elsewhere); one
+    layer at a time through this rank's device, so no device holds more than one layer."""
+    device, is_root = _device(), dist.get_rank() == 0
+    layers = []
+    for part in t.unbind(0):  # t: [L, ...]
+        part = part.contiguous().to(device)
+        parts = [torch.empty_like(part) for _ in range(dist.get_world_size())] if is_root else None
+        dist.gather(part, parts, dst=0)
+        if is_root:
+            layers.append(torch.cat(parts, dim=dim - 1).cpu())
+    return torch.stack(layers) if is_root else None
+
+
 def _save(ranks: Ranks, sid: int, path: str, meta: dict | None):
-    ranks.sessions[sid].save(f"{path}.rank{dist.get_rank()}", meta)
+    """One snapshot file, written by rank 0, with every rank's KV heads: the same format as one
+    process's, so the library stores and verifies one file (and any number of ranks restores it)."""
+    state = ranks.sessions[sid].state(meta)
+    cache = {name: _gathered_heads(t, 2) for name, t in state["cache"].items()}  # [L, B, Hkv, S, D]
+    has_queries = all(q is not None for q in state["queries"])
+    queries = _gathered_heads(torch.stack(state["queries"]), 2) if has_queries else None  # [L, B, H, M, D]
+    if dist.get_rank() == 0:
+        state["cache"] = cache
+        state["queries"] = list(queries.unbind(0)) if has_queries else [None] * len(state["queries"])
+        torch.save(state, path)
 
 
 def _restore(ranks: Ranks, sid: int, path: str):
-    ranks.sessions[sid] = ranks.engine.restore(f"{path}.rank{dist.get_rank()}")
+    """Each rank memory-maps the snapshot and takes its own KV and query heads."""
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    c, r = ranks.engine.target.config, dist.get_rank()
+    state["cache"] = {name: t.narrow(2, r * c.n_kv_heads, c.n_kv_heads) for name, t in state["cache"].items()}
+    state["queries"] = [q if q is None else q.narrow(1, r * c.n_heads, c.n_heads) for q in state["queries"]]
+    ranks.sessions[sid] = ranks.engine.restore_state(state)
 
 
 def _close(ranks: Ranks, sid: int):
@@ -331,10 +359,9 @@ class LeaderSession:
         return self._call("probe_plain_tbt", n_tokens)
 
     def save(self, path, meta: dict | None = None) -> None:
-        """Each rank saves its shard to `path`.rank<r>; `path` itself says so (Leader.restore)."""
+        """One snapshot at `path` with every rank's heads (`_save`); any engine restores it."""
         with self.leader.lock:
             self.leader.call(_save, self.sid, str(path), meta)
-            torch.save({"tensor_parallel_shards": dist.get_world_size()}, path)
 
     def close(self) -> None:
         with self.leader.lock:

@@ -12,7 +12,6 @@ import torch
 
 from engine import attention, graphs
 from engine.attention import flash_attention, pick_attention, sdpa_attention
-from engine.config import SamplingConfig
 from tests.conftest import tiny_engine
 
 CUDA = torch.device("cuda")  # only a name here: picking a kernel does not touch the device
@@ -97,7 +96,13 @@ def test_flash_path_takes_the_tree_classification_from_the_call(monkeypatch):
 
 
 def test_segments_carry_whether_their_tail_is_a_tree():
-    engine = tiny_engine("ngram>full")  # 3 n-gram candidates: token trees and chains
+    """The checker classifies its tail where it builds it (on the host): a tree of two siblings
+    is a tree, a chain is not; prefill chains are not; and the kernels are told so."""
+    from engine.model import QueryLog
+    from engine.sampling import Draft
+    from engine.speculative import Scorer
+
+    engine = tiny_engine("plain")
     seen = []
 
     def attend(q, k, v, tail, is_tree):
@@ -105,22 +110,14 @@ def test_segments_carry_whether_their_tail_is_a_tree():
         return sdpa_attention(q, k, v, tail, is_tree)
 
     engine.target.set_attention(attend)
-    part = list(range(5, 25))
-    session = engine.open(part + part + part[:8])
-    for _ in session.ask([3, 4], SamplingConfig(max_new_tokens=12)):
-        pass
+    cache = engine.new_full_cache(64)
+    engine.prefill(cache, list(range(5, 25)), None)
+    scorer = Scorer(engine.target, cache, QueryLog(2, 4))
+    siblings = Draft(torch.tensor([7, 8, 9]), torch.tensor([-1, -1, 0]), None)  # 7 and 8 both follow the root
+    for draft in (siblings, Draft.chain([7, 8, 9])):
+        request = scorer._request([6], 20, draft)
+        assert request.segment.is_tree == (draft is siblings)
+        engine.target.forward_packed([request.segment])
+        cache.truncate(20)
     assert all(said == actual for said, actual in seen)
     assert any(said for said, _ in seen) and not all(said for said, _ in seen)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the first thing a GPU user runs)")
-def test_flash_attn_equals_sdpa_over_the_offload_caches_token_major_views():
-    """flash_attn_with_kvcache on the [B, S, Hkv, D] views of the offloaded cache's token-major
-    buffers (resident and streamed layers), decoding, a check and a prefill chunk, against
-    SDPA in float32 (engine/selftest.py runs the same comparison for users)."""
-    from engine import selftest
-
-    if not attention.has_flash_attn():
-        pytest.skip("flash-attn is not installed")
-    status, detail = selftest.check_flash_attn(torch.device("cuda"), torch.bfloat16)
-    assert status == "pass", detail
