@@ -128,6 +128,7 @@ class Engine:
         the device, or in host memory streamed per layer when `config.offload_kv`."""
         c, cfg = self.target.config, self.config
         if not cfg.offload_kv:
+            self._planned_resident_layers(capacity, offload_allowed=False)  # on a GPU: refuses what cannot fit
             if state is not None:
                 return FullCache.from_state(state, capacity, self.device)
             return FullCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, capacity, self.dtype, self.device)
@@ -150,8 +151,9 @@ class Engine:
             return max(chunk, OFFLOAD_PREFILL_CHUNK_TOKENS)
         return chunk
 
-    def _planned_resident_layers(self, capacity: int) -> int:
-        """The memory plan's resident layers for `capacity` tokens (0 on CPU: one memory). Under
+    def _planned_resident_layers(self, capacity: int, offload_allowed: bool = True) -> int:
+        """The memory plan's resident layers for `capacity` tokens (0 on CPU: one memory); raises
+        OutOfMemoryPlan, naming the largest length that fits, when nothing does. Under
         tensor parallel every rank measures its GPU and the plan is made from all ranks' numbers
         and rank 0's host figure, so every rank keeps the same layers (a collective: every rank
         calls this at the same point, from `open` or `restore`)."""
@@ -165,7 +167,8 @@ class Engine:
         gpus = parallel.gathered(free_memory_bytes(self.device) + loaded)
         host = parallel.gathered(free_memory_bytes("cpu"))[0]
         work = Workload(self.dtype.itemsize, self.draft and self.draft.config, self.config.retrieval.budget_tokens,
-                        self.prefill_chunk_tokens, has_tail_masks=self.attend is not flash_attention)
+                        self.prefill_chunk_tokens, offload_allowed=offload_allowed,
+                        has_tail_masks=self.attend is not flash_attention)
         return resident_kv_layers(whole, capacity, gpus, host, work)
 
     def prefill(self, cache: FullCache, ids: list[int], query_log: QueryLog | None,

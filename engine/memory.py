@@ -255,5 +255,5 @@ def resident_kv_layers(target: ModelConfig, n_tokens: int, gpu_free_bytes: list[
     devices = [DeviceBudget(f"cuda:{i}", free, "cuda") for i, free in enumerate(gpu_free_bytes)]
     devices.append(DeviceBudget("cpu", host_free_bytes, "cpu"))
     return plan_memory(target, n_tokens, devices, work.dtype_bytes, work.draft, work.retrieval_budget_tokens,
-                       work.prefill_chunk_tokens, work.batch, True, work.draft_cache_tokens,
+                       work.prefill_chunk_tokens, work.batch, work.offload_allowed, work.draft_cache_tokens,
                        work.has_tail_masks).n_resident_kv_layers

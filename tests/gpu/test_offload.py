@@ -222,3 +222,19 @@ def test_offloaded_prefill_with_flash_attn_runs_in_large_chunks():
     assert large_chunks.full.n_copied_bytes == 0 < small_chunks.full.n_copied_bytes  # 1 forward: nothing filled
     for a, b in zip(small_chunks.full.entries(0, 300), large_chunks.full.entries(0, 300)):
         assert torch.allclose(a, b, atol=1e-12)
+
+
+@pytest.mark.parametrize("offload_kv", [False, True])
+def test_a_gpu_that_cannot_hold_the_book_refuses_before_allocating(monkeypatch, offload_kv):
+    """On a GPU the full cache is planned before it is allocated, on chip or offloaded: a document
+    that does not fit is refused with the largest length that does, not a CUDA out-of-memory
+    error mid-prefill. (The device is only named: nothing is allocated on it.)"""
+    from engine import engine as engine_module
+    from engine.config import OutOfMemoryPlan
+
+    engine = tiny_engine("plain", offload_kv=offload_kv)
+    free = {"cuda": 6_000_000, "cpu": 1 << 40}  # 4,096 tokens (document + chat room) do not fit
+    monkeypatch.setattr(engine_module, "free_memory_bytes", lambda device: free[torch.device(device).type])
+    engine.device = torch.device("cuda")
+    with pytest.raises(OutOfMemoryPlan, match="largest length that fits is 2,305 tokens"):
+        engine.open(random_ids(3000, 128, 1))
