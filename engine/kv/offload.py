@@ -17,12 +17,14 @@ It does not page, quantise, or offload the retrieval cache, the drafter or any w
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
 
 from engine.config import OutOfMemoryPlan
 
+log = logging.getLogger(__name__)
 GROW_TOKENS = 1024  # past the planned capacity (engine.py allocates it once), grow this much at a time
 PINNED_CACHE_MB = 64  # pinned blocks above this are allocated exactly and freed at once (below)
 
@@ -38,7 +40,10 @@ def limit_pinned_caching() -> str:
     user = current + os.environ.get("PYTORCH_ALLOC_CONF", "") + os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     if "pinned_max" not in user:
         ours = f"pinned_max_round_threshold_mb:{PINNED_CACHE_MB},pinned_max_cached_size_mb:{PINNED_CACHE_MB}"
-        torch._C._accelerator_setAllocatorSettings(f"{current},{ours}" if current else ours)
+        try:
+            torch._C._accelerator_setAllocatorSettings(f"{current},{ours}" if current else ours)
+        except RuntimeError as error:  # never run on a GPU: a refusal must not stop the offload
+            log.warning("could not limit pinned-memory rounding (%s): set PYTORCH_ALLOC_CONF=%s", error, ours)
     return torch._C._accelerator_getAllocatorSettings()
 
 
