@@ -450,6 +450,8 @@ def rank_device(device: torch.device) -> torch.device:
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 HEARTBEAT_S = 60.0
 START_TIMEOUT = timedelta(minutes=5)  # the ranks meet this soon after spawning, or one failed
+LOAD_TIMEOUT = timedelta(hours=2)  # spawned ranks wait this long for rank 0's model (a GGUF converts once)
+READY_KEY = "bookchat/ready"
 
 
 def _join(rank: int, n_ranks: int, store, device: torch.device) -> None:
@@ -467,7 +469,9 @@ def _serve(make_engine: Callable, rank: int, n_ranks: int, port: int, device: to
     torch.set_num_threads(n_threads)
     store = dist.TCPStore("127.0.0.1", port, n_ranks, False, timeout=START_TIMEOUT)
     _join(rank, n_ranks, store, device)
-    follow(make_engine(), store)
+    engine = make_engine()
+    store.wait([READY_KEY], LOAD_TIMEOUT)  # not in a collective: rank 0 may load (or convert) for long
+    follow(engine, store)
     dist.destroy_process_group()
 
 
@@ -493,4 +497,6 @@ def start(make_engine: Callable[[], object], n_ranks: int, device: torch.device)
     for worker in workers:
         worker.start()
     _join(0, n_ranks, store, device)
-    return Leader(make_engine(), workers, store)
+    leader = Leader(make_engine(), workers, store)
+    store.set(READY_KEY, "1")
+    return leader
