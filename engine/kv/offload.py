@@ -99,7 +99,7 @@ class OffloadCache:
         if self.is_pinned:
             limit_pinned_caching()
         self.host_k, self.host_v = self._new(n_layers, capacity, True), self._new(n_layers, capacity, True)
-        self._allocate_device()
+        self._allocate_device(capacity)
 
     def _new(self, n_layers: int, capacity: int, on_host: bool) -> torch.Tensor:
         shape = (n_layers, capacity, *self.entry_shape)  # [L, S_max, B, Hkv, D]
@@ -107,9 +107,8 @@ class OffloadCache:
             return torch.empty(shape, dtype=self.dtype, pin_memory=self.is_pinned)
         return torch.empty(shape, dtype=self.dtype, device=self.device)
 
-    def _allocate_device(self) -> None:
-        """Device K/V of the resident layers and the two-layer buffer, at the host's capacity."""
-        capacity = self.capacity
+    def _allocate_device(self, capacity: int) -> None:
+        """Device K/V of the resident layers and the two-layer buffer."""
         self.resident_k = self._new(self.n_resident_layers, capacity, False)
         self.resident_v = self._new(self.n_resident_layers, capacity, False)
         n_buffers = min(2, self.n_layers - self.n_resident_layers)
@@ -129,21 +128,28 @@ class OffloadCache:
             return
         self.side.sync_host()
         self._forget_prefetches()
-        capacity = max(needed, self.capacity + GROW_TOKENS)
+        old_capacity, capacity = self.capacity, max(needed, self.capacity + GROW_TOKENS)
         self.resident_k = self.resident_v = self.buffer_k = self.buffer_v = None
         try:
-            for name in ("host_k", "host_v"):
-                old = getattr(self, name)
-                new = self._new(self.n_layers, capacity, True)
-                new[:, :n] = old[:, :n]
-                setattr(self, name, new)
-                del old, new  # freed now (pinned: uncached, see limit_pinned_caching)
-            self._allocate_device()
+            self._allocate_device(capacity)
         except torch.OutOfMemoryError as error:
-            raise OutOfMemoryPlan(f"The chat outgrew the memory planned for this book ({self.capacity:,} tokens): "
+            self._allocate_device(old_capacity)  # what fitted before fits again: the cache stays usable
+            self._refill_resident(n)
+            raise OutOfMemoryPlan(f"The chat outgrew the memory planned for this book ({old_capacity:,} tokens): "
                                   "start a new chat, or open the book with fewer resident layers.") from error
-        self.resident_k[:, :n] = self.host_k[:self.n_resident_layers, :n]
-        self.resident_v[:, :n] = self.host_v[:self.n_resident_layers, :n]
+        for name in ("host_k", "host_v"):
+            old = getattr(self, name)
+            new = self._new(self.n_layers, capacity, True)
+            new[:, :n] = old[:, :n]
+            setattr(self, name, new)
+            del old, new  # freed now (pinned: uncached, see limit_pinned_caching)
+        self._refill_resident(n)
+
+    def _refill_resident(self, n: int) -> None:
+        """The resident layers' first `n` entries, from the host copy (which holds every layer)."""
+        for layer_idx in range(self.n_resident_layers):  # a contiguous block each
+            self.resident_k[layer_idx, :n] = self.host_k[layer_idx, :n]
+            self.resident_v[layer_idx, :n] = self.host_v[layer_idx, :n]
 
     def _prefetch(self, layer_idx: int) -> None:
         """Start copying an offloaded layer's filled entries into its half of the buffer."""
@@ -232,10 +238,8 @@ class OffloadCache:
                    n_resident_layers: int = 0) -> OffloadCache:
         L, B, Hkv, S, D = state["k"].shape
         cache = cls(L, B, Hkv, D, max(capacity, S), state["k"].dtype, device, n_resident_layers)
-        for host, resident, saved in ((cache.host_k, cache.resident_k, state["k"]),
-                                      (cache.host_v, cache.resident_v, state["v"])):
+        for host, saved in ((cache.host_k, state["k"]), (cache.host_v, state["v"])):
             host[:, :S] = saved.permute(0, 3, 1, 2, 4)
-            for layer_idx in range(n_resident_layers):  # a contiguous block each: no staging copy
-                resident[layer_idx, :S] = host[layer_idx, :S]
+        cache._refill_resident(S)
         cache.length = S
         return cache

@@ -238,3 +238,23 @@ def test_a_gpu_that_cannot_hold_the_book_refuses_before_allocating(monkeypatch, 
     engine.device = torch.device("cuda")
     with pytest.raises(OutOfMemoryPlan, match="largest length that fits is 2,305 tokens"):
         engine.open(random_ids(3000, 128, 1))
+
+
+def test_an_offloaded_cache_that_cannot_grow_stays_usable(monkeypatch):
+    from engine.config import OutOfMemoryPlan
+
+    full, offload = both(capacity=8, n_resident=1)
+    call((full, offload), 6, seed=0)
+    new = OffloadCache._new
+
+    def no_room_on_the_device(self, n_layers, capacity, on_host):
+        if not on_host and capacity > 8:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return new(self, n_layers, capacity, on_host)
+
+    monkeypatch.setattr(OffloadCache, "_new", no_room_on_the_device)
+    with pytest.raises(OutOfMemoryPlan, match="start a new chat"):
+        offload.reserve(5)
+    assert offload.capacity == 8
+    full.truncate(6)
+    call((full, offload), 2, seed=1)  # still the on-chip cache's views
