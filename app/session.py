@@ -238,7 +238,7 @@ def open_book(engine: Engine, chat: ChatFormat, prepared: Prepared, library: Lib
         if report:
             report("Prefill", "sending the book to the server …")
         return open_remote_book(engine, chat, prepared, library, cancel), False
-    chunk, started = engine.config.prefill_chunk_tokens, time.perf_counter()
+    chunk, started = engine.prefill_chunk_tokens, time.perf_counter()  # larger when offloaded with flash-attn
 
     def progress(done: int, total: int):
         rate = done / max(time.perf_counter() - started, 1e-6)

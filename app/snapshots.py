@@ -87,10 +87,8 @@ def load_snapshot(folder: Path, engine: Engine, saved: dict | None, expected: di
         return None
     if file_sha256(path) != saved.get("sha256"):
         return None  # tampered, truncated, or replaced after its record was written
-    from engine.engine import Session
-
     try:
-        session = Session.restore(engine, path)
+        session = engine.restore(path)  # under tensor parallel every rank restores its heads
     except Exception:  # torch/zip raise many types for damaged files
         return None
     c, k = engine.target.config, session.full.k

@@ -50,6 +50,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         g.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     serve.add_serve_parser(sub)
+    t = sub.add_parser("selftest", help="compare each GPU path with its reference here (a few minutes)")
+    t.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
+    t.add_argument("--out", default="bookchat-selftest.json", help="the report to attach to a bug report")
+    t.add_argument("--only", action="append", default=None, help="run only this check (repeat)")
     return p.parse_args(argv)
 
 
@@ -62,10 +66,32 @@ def format_stats(stats: Stats) -> str:
     return "\n".join(lines)
 
 
+def selftest(args: argparse.Namespace) -> int:
+    import json
+
+    from engine import selftest
+    from engine.device import pick_device
+
+    device = pick_device(args.device)
+    print(f"self-test on {device} (a tiny random model; nothing is downloaded) …", file=sys.stderr)
+    results = selftest.run_checks(device, args.only)
+    print("\n".join(selftest.table(results)))
+    report = selftest.report(results, device)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    skipped = [r.name for r in results if r.status == "skipped"]
+    if skipped:
+        print(f"not checked here: {', '.join(skipped)}", file=sys.stderr)
+    print(f"report written to {args.out}", file=sys.stderr)
+    return 0 if report["passed"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "serve":
         return serve.serve_main(args)
+    if args.command == "selftest":
+        return selftest(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:

@@ -36,12 +36,13 @@ def sdpa_attention(
     k: torch.Tensor,  # [B, Hkv, S, D]
     v: torch.Tensor,  # [B, Hkv, S, D]
     tail: torch.Tensor | None,  # [T, T] bool, or None when T == 1
+    is_tree: bool | None = None,  # `tail` is not causal (model.Segment says; None: look)
 ) -> torch.Tensor:  # [B, H, T, D]
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = H // Hkv
     if tail is not None and T > 1 and q.device.type == "cpu" and _flash_cpu is not None:
-        return _split_attention(q, k, v, tail)
+        return _split_attention(q, k, v, tail, is_tree=is_tree)
     q = q.reshape(B, Hkv, G * T, D)  # query heads of one KV head are adjacent (HF layout)
     mask = None
     if tail is not None and T > 1:
@@ -56,13 +57,13 @@ def sdpa_attention(
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def _split_attention(q, k, v, tail, attend_head=None):
+def _split_attention(q, k, v, tail, attend_head=None, is_tree=None):
     """Softmax over (keys before the tail) and over (the tail) as two calls merged by their
     log-sum-exp: o = o_tail + (o_head - o_tail) * sigmoid(lse_head - lse_tail). `attend_head`
     ([B, Hkv, R, D] folded queries, unmasked keys -> (out, lse [B, Hkv, R])) defaults to flash."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    is_chain = not is_tree_mask(tail)  # O(T^2) bools per layer: negligible next to attention
+    is_chain = not (is_tree_mask(tail) if is_tree is None else is_tree)
     additive = None if is_chain else torch.zeros(T, T, dtype=q.dtype, device=q.device).masked_fill(
         ~tail, float("-inf"))  # [T, T]; the diagonal is always visible, so no row is empty
     o_tail, lse_tail = _flash_cpu(q, k[:, :, S - T:], v[:, :, S - T:], is_causal=is_chain, attn_mask=additive)
@@ -93,7 +94,7 @@ def cpu_kernel():
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # of the cache; the kernel sums in float32
 
 
-def cpu_attention(q, k, v, tail):
+def cpu_attention(q, k, v, tail, is_tree=None):
     """`sdpa_attention` with the compiled kernel for the unmasked keys of calls of few rows
     (decoding, drafts, checks): its answer is SDPA's up to float32 rounding (bf16 caches are
     read as bf16 and summed in float32, as torch's flash kernel does). Shapes as SDPA's."""
@@ -102,26 +103,27 @@ def cpu_attention(q, k, v, tail):
     kernel = cpu_kernel()
     if (kernel is None or q.dtype not in KERNEL_DTYPES or k.dtype != q.dtype or D not in HEAD_DIMS
             or (H // Hkv) * T > FEW_ROWS or k.stride(3) != 1 or v.stride(3) != 1):
-        return sdpa_attention(q, k, v, tail)
+        return sdpa_attention(q, k, v, tail, is_tree)
     if tail is not None and T > 1:
         return _split_attention(q, k, v, tail, lambda q_folded, k_head, v_head: kernel.few_row_attention(
-            q_folded.float().contiguous(), k_head, v_head))
+            q_folded.float().contiguous(), k_head, v_head), is_tree)
     out, _ = kernel.few_row_attention(q.reshape(B, Hkv, (H // Hkv) * T, D).float().contiguous(), k, v)
     return out.reshape(B, H, T, D).to(q.dtype)
 
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
-_last_tail: list = [None, False]  # (tail, is it a tree): one check per forward, not per layer
 
 
-def flash_attention(q, k, v, tail):
+def flash_attention(q, k, v, tail, is_tree=None):
     """flash-attn's `flash_attn_with_kvcache` over the cache view for causal chains in fp16/bf16
     (bottom-right causal alignment = our tail mask); token trees, float32/64 and head dims over
-    256 go through SDPA, which is exact for all of them. Shapes as `sdpa_attention`."""
-    if tail is not None and tail is not _last_tail[0]:
-        _last_tail[:] = [tail, is_tree_mask(tail)]
-    if (tail is not None and _last_tail[1]) or q.dtype not in FLASH_DTYPES or q.shape[-1] > 256:
-        return sdpa_attention(q, k, v, tail)
+    256 go through SDPA, which is exact for all of them. Shapes as `sdpa_attention`. `is_tree`
+    comes with the call (model.Segment classifies its tail once, on the host, where it is
+    built): no state shared between threads, no device sync per layer."""
+    if is_tree is None:
+        is_tree = tail is not None and is_tree_mask(tail)
+    if is_tree or q.dtype not in FLASH_DTYPES or q.shape[-1] > 256:
+        return sdpa_attention(q, k, v, tail, is_tree)
     from flash_attn import flash_attn_with_kvcache  # importable: checked by pick_attention
 
     # [B, S, H, D] views with a contiguous last dim, as flash-attn reads them: no copy

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from engine import parallel
-from engine.attention import pick_attention
+from engine.attention import flash_attention, pick_attention
 from engine.config import (
     BadTokens,
     Busy,
@@ -36,12 +36,16 @@ from engine.kv.full import FullCache
 from engine.kv.offload import OffloadCache
 from engine.kv.retrieval import RetrievalCache
 from engine.kv.streaming import StreamingCache
-from engine.memory import Workload, resident_kv_layers
+from engine.memory import Workload, free_memory_bytes, resident_kv_layers
 from engine.model import Forward, QueryLog, Segment, Steps, Transformer, run
 from engine.sampling import Coins, GeneratorCoins
 from engine.speculative import CheckingDrafter, GammaTuner, LevelStack, LevelStats, Scorer
 
 Progress = Callable[[int, int], None]  # (tokens done, tokens total)
+# Full-cache slots after the document, allocated (and planned) with it once: a cache that grows
+# holds its old and new copies at once, so growing a 128K cache can run a GPU out of memory.
+CHAT_ROOM_TOKENS = 2048
+OFFLOAD_PREFILL_CHUNK_TOKENS = 8192  # see Engine.prefill_chunk_tokens
 
 
 @dataclass
@@ -83,7 +87,7 @@ class Engine:
         self.end_ids: set[int] = set(generation[1])
         self.device = target.lm_head.weight.device
         self.dtype = target.dtype
-        attend = pick_attention(self.device, config.use_flash_attn, config.use_cpu_kernel)
+        attend = self.attend = pick_attention(self.device, config.use_flash_attn, config.use_cpu_kernel)
         # one-token drafter and middle-level steps (engine/graphs.py); one process only: tensor
         # parallel's all-reduces (NCCL) inside a captured graph are not attempted
         self.uses_cuda_graphs = graphs_available(self.device, config.use_cuda_graphs and config.n_gpus == 1)
@@ -129,18 +133,48 @@ class Engine:
         the device, or in host memory streamed per layer when `config.offload_kv`."""
         c, cfg = self.target.config, self.config
         if not cfg.offload_kv:
+            self._planned_resident_layers(capacity, offload_allowed=False)  # on a GPU: refuses what cannot fit
             if state is not None:
-                return FullCache.from_state(state, capacity)
+                return FullCache.from_state(state, capacity, self.device)
             return FullCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, capacity, self.dtype, self.device)
         n_resident = cfg.resident_kv_layers
         if n_resident is None:
-            work = Workload(self.dtype.itemsize, self.draft and self.draft.config, cfg.retrieval.budget_tokens,
-                            cfg.prefill_chunk_tokens)
-            n_resident = resident_kv_layers(c, capacity, self.device, work)
+            n_resident = self._planned_resident_layers(capacity)
         n_resident = min(n_resident, c.n_layers)
         if state is not None:
             return OffloadCache.from_state(state, capacity, self.device, n_resident)
         return OffloadCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, capacity, self.dtype, self.device, n_resident)
+
+    @property
+    def prefill_chunk_tokens(self) -> int:
+        """Tokens per prefill forward. An offloaded forward copies every offloaded layer's filled
+        prefix to the GPU, so a 128K prefill in 512-token chunks moves terabytes over PCIe;
+        with flash-attn (no [T, S] masks) chunks of `OFFLOAD_PREFILL_CHUNK_TOKENS` move 16x less
+        (the planner counts their activations)."""
+        chunk = self.config.prefill_chunk_tokens
+        if self.config.offload_kv and self.attend is flash_attention:
+            return max(chunk, OFFLOAD_PREFILL_CHUNK_TOKENS)
+        return chunk
+
+    def _planned_resident_layers(self, capacity: int, offload_allowed: bool = True) -> int:
+        """The memory plan's resident layers for `capacity` tokens (0 on CPU: one memory); raises
+        OutOfMemoryPlan, naming the largest length that fits, when nothing does. Under
+        tensor parallel every rank measures its GPU and the plan is made from all ranks' numbers
+        and rank 0's host figure, so every rank keeps the same layers (a collective: every rank
+        calls this at the same point, from `open` or `restore`)."""
+        if self.device.type != "cuda":
+            return 0
+        c, n_ranks = self.target.config, self.config.n_gpus
+        whole = replace(c, n_heads=c.n_heads * n_ranks, n_kv_heads=c.n_kv_heads * n_ranks,
+                        intermediate=c.intermediate * n_ranks)  # the planner splits it again
+        loaded = sum(p.numel() * p.element_size() for m in (self.target, self.draft) if m is not None
+                     for p in m.parameters())  # on the GPU already, out of the free memory measured now
+        gpus = parallel.gathered(free_memory_bytes(self.device) + loaded)
+        host = parallel.gathered(free_memory_bytes("cpu"))[0]
+        work = Workload(self.dtype.itemsize, self.draft and self.draft.config, self.config.retrieval.budget_tokens,
+                        self.prefill_chunk_tokens, offload_allowed=offload_allowed,
+                        has_tail_masks=self.attend is not flash_attention)
+        return resident_kv_layers(whole, capacity, gpus, host, work)
 
     def prefill(self, cache: FullCache, ids: list[int], query_log: QueryLog | None,
                 on_progress: Progress | None = None, cancel=None) -> None:
@@ -149,7 +183,7 @@ class Engine:
 
     def prefill_steps(self, cache: FullCache, ids: list[int], query_log: QueryLog | None,
                       on_progress: Progress | None = None, cancel=None) -> Steps[None]:
-        chunk = self.config.prefill_chunk_tokens
+        chunk = self.prefill_chunk_tokens
         cache.reserve(len(ids))
         for i in range(0, len(ids), chunk):
             if is_set(cancel):
@@ -167,6 +201,10 @@ class Engine:
         """Reopen a prefill snapshot (`Session.save`) without prefilling again."""
         return Session.restore(self, path)
 
+    def restore_state(self, state: dict) -> Session:
+        """A session from a snapshot's state (`Session.state`), e.g. one rank's heads of it."""
+        return Session.from_state(self, state)
+
     def check_tokens(self, ids: list[int], what: str) -> None:
         vocab = self.target.config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
@@ -182,7 +220,7 @@ class Engine:
             raise EmptyPrompt("document")
         self.check_tokens(doc_ids, "document")
         self.check_fits(len(doc_ids) + 1)
-        session = Session(self, self.new_full_cache(len(doc_ids) + 1024))
+        session = Session(self, self.new_full_cache(min(self.max_context, len(doc_ids) + CHAT_ROOM_TOKENS)))
         self.prefill(session.full, doc_ids, session.query_log, on_progress, cancel)
         self.n_prefills += 1
         session.start(list(doc_ids))
@@ -376,15 +414,25 @@ class Session:
 
     def save(self, path: str | Path, meta: dict | None = None) -> None:
         """A prefill snapshot: tokens and full cache (the app adds model and document hashes)."""
-        torch.save({"tokens": self.tokens, "cache": self.full.state(), "queries": self.query_log.queries,
-                    "meta": meta or {}}, path)
+        torch.save(self.state(meta), path)
+
+    def state(self, meta: dict | None = None) -> dict:
+        """What a snapshot holds, in host memory: {"tokens", "cache": {"k", "v"} of
+        [L, B, Hkv, S, D], "queries": per layer [B, H, M, D] or None, "meta"}."""
+        queries = [q if q is None else q.cpu() for q in self.query_log.queries]
+        return {"tokens": self.tokens, "cache": self.full.state(), "queries": queries, "meta": meta or {}}
 
     @classmethod
     def restore(cls, engine: Engine, path: str | Path) -> Session:
-        state = torch.load(path, map_location=engine.device, weights_only=True)
-        full = engine.new_full_cache(state["cache"]["k"].shape[3] + 1024, state["cache"])
+        # memory-mapped in host memory: the cache copies it to the device a layer at a time
+        return cls.from_state(engine, torch.load(path, map_location="cpu", mmap=True, weights_only=True))
+
+    @classmethod
+    def from_state(cls, engine: Engine, state: dict) -> Session:
+        n_tokens = state["cache"]["k"].shape[3]
+        full = engine.new_full_cache(min(engine.max_context, n_tokens + CHAT_ROOM_TOKENS), state["cache"])
         session = cls(engine, full)
-        session.query_log.queries = state["queries"]
+        session.query_log.queries = [q if q is None else q.to(engine.device) for q in state["queries"]]
         session.start(state["tokens"])
         return session
 

@@ -49,12 +49,18 @@ class CudaGraphStep:
     Python side effects must not depend on the call: a replay runs no Python.
     """
 
-    def __init__(self, step: Callable[..., torch.Tensor], max_graphs: int = 16):
-        self.step, self.max_graphs = step, max_graphs
+    def __init__(self, step: Callable[..., torch.Tensor], device: torch.device, max_graphs: int = 16):
+        self.step, self.device, self.max_graphs = step, device, max_graphs
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor]] = {}
         self.pool = None  # one memory pool shared by every captured graph
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        # streams, capture and replay belong to the current device: make it the step's (cuda:1
+        # under cuda:0 as current would capture on the wrong device and replay stale outputs)
+        with torch.cuda.device(self.device):
+            return self._run(inputs)
+
+    def _run(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         key = tuple((t.shape, t.dtype) for t in inputs)
         if key not in self.graphs:
             if len(self.graphs) >= self.max_graphs:  # too many shapes: this call runs eager
@@ -92,7 +98,7 @@ class StaticDecodeStep:
         self.model, self.cache = model, cache
         for t in (cache.k, cache.v):  # never-written slots may hold NaN, which a masked key's
             t[:, :, :, cache.length:].zero_()  # weight 0 does not cancel (0 * NaN); stale ones are finite
-        self.step = CudaGraphStep(self.forward) if is_captured else self.forward
+        self.step = CudaGraphStep(self.forward, cache.k.device) if is_captured else self.forward
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, slot_idx: torch.Tensor) -> torch.Tensor:
         """ids: [1, 1]; pos: [1] absolute (RoPE); slot_idx: [1], the cache's length."""

@@ -7,7 +7,8 @@ replicated) and on the host. When the full cache does not fit on the GPUs, it li
 memory and its first `n_resident_kv_layers` layers also stay on the GPU (`resident_kv_layers`
 asks the planner for that number on this machine). Nothing is allocated here, and only
 `free_memory_bytes` asks a device. Assumes fused attention (flash / memory-efficient SDPA), which
-never materialises [T, S] scores, and a full cache allocated once at the planned length.
+never materialises [T, S] scores (only the masks SDPA is given), and a full cache allocated once
+at the planned length.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import psutil
 import torch
 
 from engine.config import EngineConfig, ModelConfig, OutOfMemoryPlan, RetrievalConfig, SamplingConfig
+from engine.kv.retrieval import MEAN_SLICE_TOKENS
 
 GIB = 1 << 30
 RESERVE_FRACTION = 0.05  # of each device's free memory left unplanned: allocator fragmentation
@@ -50,7 +52,7 @@ class DevicePlan:
     retrieval_kv_bytes: int = 0
     drafter_weights_bytes: int = 0
     drafter_cache_bytes: int = 0
-    activation_bytes: int = 0  # one prefill chunk, its [T, S] mask and float32 [T, V] logits
+    activation_bytes: int = 0  # one prefill chunk (its masks, float32 logits) or a retrieval rebuild
 
     @property
     def total_bytes(self) -> int:
@@ -98,6 +100,7 @@ class Workload:
     batch: int = 1
     offload_allowed: bool = True
     draft_cache_tokens: int = DRAFT_CACHE_TOKENS
+    has_tail_masks: bool = True  # prefill builds [T, S] masks (SDPA); flash-attn's causal chains do not
 
 
 def weight_bytes(cfg: ModelConfig, dtype_bytes: int, n_ranks: int = 1) -> int:
@@ -113,14 +116,28 @@ def weight_bytes(cfg: ModelConfig, dtype_bytes: int, n_ranks: int = 1) -> int:
 
 
 def activation_bytes(cfg: ModelConfig, chunk_tokens: int, n_tokens: int, dtype_bytes: int,
-                     batch: int = 1, n_ranks: int = 1) -> int:
+                     batch: int = 1, n_ranks: int = 1, has_tail_masks: bool = True) -> int:
     """Upper bound of one prefill chunk's live tensors on one rank (their sum, not their peak)."""
     q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     hidden = 2 * cfg.dim + 2 * (q_dim + kv_dim) // n_ranks  # residual, normed, q, k, v, attn out
     mlp = 3 * cfg.intermediate // n_ranks  # gate, up, act(gate) * up
-    mask = (cfg.n_heads // cfg.n_kv_heads) * chunk_tokens * n_tokens  # bool [G*T, S] tail mask
+    # the tail mask on CUDA without flash-attn (engine/attention.py `sdpa_attention`): bool
+    # [T, S], repeated to [G*T, S]; SDPA turns a bool mask into one of q's dtype and the
+    # memory-efficient kernel pads that to a multiple of 16 keys: (1 + G * (1 + 2 * dtype)) T S
+    G = cfg.n_heads // cfg.n_kv_heads
+    mask = chunk_tokens * n_tokens * (1 + G * (1 + 2 * dtype_bytes)) if has_tail_masks else 0
     logits = batch * chunk_tokens * cfg.vocab_size * 4  # float32 [T, V]
     return batch * chunk_tokens * (hidden + mlp) * dtype_bytes + mask + logits
+
+
+def rebuild_bytes(cfg: ModelConfig, n_tokens: int, dtype_bytes: int, n_ranks: int = 1,
+                  retrieval: RetrievalConfig = RetrievalConfig()) -> int:
+    """Scratch of one layer's retrieval rebuild on one rank (engine/kv/retrieval.py `score_chunks`):
+    a slice of keys and its float32 copy, every chunk's float32 mean, and the [G*M, n] scores."""
+    Hkv, D = cfg.n_kv_heads // n_ranks, cfg.head_dim
+    n_chunks, G = n_tokens // retrieval.chunk_tokens, cfg.n_heads // cfg.n_kv_heads
+    key_slice = MEAN_SLICE_TOKENS * Hkv * D * (dtype_bytes + 4)
+    return key_slice + n_chunks * Hkv * (D + 2 * G * retrieval.n_score_queries) * 4  # scores and softmax
 
 
 def _fixed_parts(target: ModelConfig, n_tokens: int, n_ranks: int, work: Workload) -> DevicePlan:
@@ -134,8 +151,11 @@ def _fixed_parts(target: ModelConfig, n_tokens: int, n_ranks: int, work: Workloa
         drafter_weights_bytes=weight_bytes(draft, dtype_bytes) if has_own_weights else 0,
         drafter_cache_bytes=(work.draft_cache_tokens * work.batch
                              * draft.kv_bytes_per_token(dtype_bytes) if draft else 0),
-        activation_bytes=activation_bytes(target, work.prefill_chunk_tokens, n_tokens,
-                                          dtype_bytes, work.batch, n_ranks))
+        # a prefill chunk's, or (while decoding, after prefill) a retrieval rebuild's
+        activation_bytes=max(activation_bytes(target, work.prefill_chunk_tokens, n_tokens, dtype_bytes,
+                                              work.batch, n_ranks, work.has_tail_masks),
+                             rebuild_bytes(target, n_tokens, dtype_bytes, n_ranks) if work.retrieval_budget_tokens
+                             else 0))
 
 
 def _plan(target: ModelConfig, n_tokens: int, devices: list[DeviceBudget],
@@ -184,7 +204,7 @@ def plan_memory(target: ModelConfig, n_tokens: int, devices: list[DeviceBudget],
                 retrieval_budget_tokens: int = RetrievalConfig.budget_tokens,
                 prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens, batch: int = 1,
                 offload_allowed: bool = True,
-                draft_cache_tokens: int = DRAFT_CACHE_TOKENS) -> MemoryPlan:
+                draft_cache_tokens: int = DRAFT_CACHE_TOKENS, has_tail_masks: bool = True) -> MemoryPlan:
     """Where each part lives for a document of `n_tokens`; raises `OutOfMemoryPlan` if nowhere.
 
     `devices`: the GPUs (tensor-parallel ranks) and at most one host ("cpu"); CPU only when no
@@ -192,7 +212,7 @@ def plan_memory(target: ModelConfig, n_tokens: int, devices: list[DeviceBudget],
     StreamingLLM cache is counted). `retrieval_budget_tokens=0` when the stack has no middle level.
     """
     work = Workload(dtype_bytes, draft, retrieval_budget_tokens, prefill_chunk_tokens, batch,
-                    offload_allowed, draft_cache_tokens)
+                    offload_allowed, draft_cache_tokens, has_tail_masks)
     plan = _plan(target, n_tokens, devices, work)
     if isinstance(plan, MemoryPlan):
         return plan
@@ -225,17 +245,15 @@ def free_memory_bytes(device: str | torch.device) -> int:
     raise ValueError(f"cannot measure free memory on {device}: no such device here")
 
 
-def resident_kv_layers(target: ModelConfig, n_tokens: int, device: torch.device, work: Workload) -> int:
-    """Layers of an offloaded full cache that stay on `device` for `n_tokens` (0 on CPU, where
-    device and host memory are one). `target` as loaded on this rank (tensor parallel: its
-    sharded shapes); its weights and `work.draft`'s are on the device already, so the free
-    memory measured now is topped up by them, as the plan counts them."""
-    if device.type != "cuda":
-        return 0
-    loaded = weight_bytes(target, work.dtype_bytes)
-    if work.draft not in (None, target):
-        loaded += weight_bytes(work.draft, work.dtype_bytes)
-    devices = [DeviceBudget(str(device), free_memory_bytes(device) + loaded, "cuda"),
-               DeviceBudget("cpu", free_memory_bytes("cpu"), "cpu")]
+def resident_kv_layers(target: ModelConfig, n_tokens: int, gpu_free_bytes: list[int], host_free_bytes: int,
+                       work: Workload) -> int:
+    """Layers of an offloaded full cache that stay on each GPU for `n_tokens`. `target` whole (not
+    one rank's shard); `gpu_free_bytes`: each rank's free memory measured now plus the weights it
+    holds already (the plan counts them), `host_free_bytes` the host's, the same numbers on every
+    rank (engine.py gathers them), so every rank reaches the same plan and the host is planned
+    for all ranks' KV together."""
+    devices = [DeviceBudget(f"cuda:{i}", free, "cuda") for i, free in enumerate(gpu_free_bytes)]
+    devices.append(DeviceBudget("cpu", host_free_bytes, "cpu"))
     return plan_memory(target, n_tokens, devices, work.dtype_bytes, work.draft, work.retrieval_budget_tokens,
-                       work.prefill_chunk_tokens, work.batch, True, work.draft_cache_tokens).n_resident_kv_layers
+                       work.prefill_chunk_tokens, work.batch, work.offload_allowed, work.draft_cache_tokens,
+                       work.has_tail_masks).n_resident_kv_layers

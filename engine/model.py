@@ -23,7 +23,7 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
-from engine.attention import masked_attention, sdpa_attention
+from engine.attention import is_tree_mask, masked_attention, sdpa_attention
 from engine.config import ModelConfig
 from engine.kv import KVCache
 
@@ -54,6 +54,13 @@ class Segment:
     query_log: QueryLog | None = None
     n_logits: int = 1  # logits of the last n tokens
     key_mask: torch.Tensor | None = None  # [T, S_max] bool: a static-shape step (engine/graphs.py)
+    # whether `tail` is a token tree (not causal): pass it where the tail is built on the host, so
+    # the kernels never look at the mask (flash-attn takes chains only)
+    is_tree: bool | None = None
+
+    def __post_init__(self):
+        if self.is_tree is None:
+            self.is_tree = self.tail is not None and is_tree_mask(self.tail)
 
 
 @dataclass
@@ -113,7 +120,7 @@ class Attention(nn.Module):
             if seg.query_log is not None:
                 seg.query_log.record(layer_idx, q[:, :, a:b])
             k_all, v_all = seg.cache.update(layer_idx, k[:, :, a:b], v[:, :, a:b])  # this call's keys last
-            outs.append(self.attend(q[:, :, a:b], k_all, v_all, seg.tail) if seg.key_mask is None
+            outs.append(self.attend(q[:, :, a:b], k_all, v_all, seg.tail, seg.is_tree) if seg.key_mask is None
                         else masked_attention(q[:, :, a:b], k_all, v_all, seg.key_mask))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))

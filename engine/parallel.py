@@ -14,6 +14,8 @@ torchrun.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
 import threading
@@ -29,6 +31,14 @@ from torch import nn
 from engine.config import EngineError, SamplingConfig
 from engine.model import Transformer
 from engine.sampling import Coins, GeneratorCoins
+
+log = logging.getLogger(__name__)
+
+
+class RankFailed(EngineError):
+    def __init__(self, detail: str):
+        super().__init__(f"A tensor-parallel rank failed ({detail}). The GPUs are out of step: restart the "
+                         "app (or the command); with one GPU it runs without tensor parallel.")
 
 
 class HeadsNotDivisible(EngineError):
@@ -77,12 +87,35 @@ def shard(model: Transformer, rank: int, n_ranks: int) -> Transformer:
     return model
 
 
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def _share(value: int | float, dtype: torch.dtype = torch.long) -> int | float:
     """Rank 0's `value`, on every rank (the others' `value` is ignored)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([value], dtype=dtype, device=device)
+    t = torch.tensor([value], dtype=dtype, device=_device())
     dist.broadcast(t, src=0)
     return t.item()
+
+
+def gathered(value):
+    """Every rank's `value` (picklable), in rank order; [value] without a process group."""
+    if not dist.is_initialized():
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+# How a call ended on a rank; after each call the ranks compare (`_agree`).
+COMPLETED, TYPED_ERROR = 0, 1  # a typed error (bad input) is raised alike on every rank
+
+
+def _agree(status: int) -> bool:
+    """Whether every rank ended the last call the same way (a collective)."""
+    t = torch.tensor([status, -status], device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t[0]) == -int(t[1])
 
 
 class SharedCoins:
@@ -166,33 +199,116 @@ def _method(ranks: Ranks, sid: int, name: str, *args):
     return getattr(session, name)(*args)
 
 
+def _gathered_heads(t: torch.Tensor, dim: int) -> torch.Tensor | None:
+    """Every rank's `t` ([L, ...], host) joined along its heads `dim`, on rank 0 (None elsewhere); one
+    layer at a time through this rank's device, so no device holds more than one layer."""
+    device, is_root = _device(), dist.get_rank() == 0
+    layers = []
+    for part in t.unbind(0):  # t: [L, ...]
+        part = part.contiguous().to(device)
+        parts = [torch.empty_like(part) for _ in range(dist.get_world_size())] if is_root else None
+        dist.gather(part, parts, dst=0)
+        if is_root:
+            layers.append(torch.cat(parts, dim=dim - 1).cpu())
+    return torch.stack(layers) if is_root else None
+
+
 def _save(ranks: Ranks, sid: int, path: str, meta: dict | None):
-    ranks.sessions[sid].save(f"{path}.rank{dist.get_rank()}", meta)
+    """One snapshot file, written by rank 0, with every rank's KV heads: the same format as one
+    process's, so the library stores and verifies one file (and any number of ranks restores it)."""
+    state = ranks.sessions[sid].state(meta)
+    cache = {name: _gathered_heads(t, 2) for name, t in state["cache"].items()}  # [L, B, Hkv, S, D]
+    has_queries = all(q is not None for q in state["queries"])
+    queries = _gathered_heads(torch.stack(state["queries"]), 2) if has_queries else None  # [L, B, H, M, D]
+    if dist.get_rank() == 0:
+        state["cache"] = cache
+        state["queries"] = list(queries.unbind(0)) if has_queries else [None] * len(state["queries"])
+        torch.save(state, path)
 
 
 def _restore(ranks: Ranks, sid: int, path: str):
-    ranks.sessions[sid] = ranks.engine.restore(f"{path}.rank{dist.get_rank()}")
+    """Each rank memory-maps the snapshot and takes its own KV and query heads."""
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    c, r = ranks.engine.target.config, dist.get_rank()
+    state["cache"] = {name: t.narrow(2, r * c.n_kv_heads, c.n_kv_heads) for name, t in state["cache"].items()}
+    state["queries"] = [q if q is None else q.narrow(1, r * c.n_heads, c.n_heads) for q in state["queries"]]
+    ranks.sessions[sid] = ranks.engine.restore_state(state)
 
 
 def _close(ranks: Ranks, sid: int):
     del ranks.sessions[sid]
 
 
+def _idle(ranks: Ranks):
+    """Rank 0's heartbeat: keeps idle ranks' waits shorter than the collective timeout."""
+
+
+FAILURE_KEY = "bookchat/failed"  # in the spawned ranks' store: why a rank left
+
+
 class Leader:
     """Rank 0's engine: calls that run the model are broadcast, then made here; reads (tokenizer,
     config, max_context ...) go to the local engine. One call at a time across all sessions."""
 
-    def __init__(self, engine, workers: list):
-        self.engine, self.workers = engine, workers
+    def __init__(self, engine, workers: list, store=None):
+        self.engine, self.workers, self.store = engine, workers, store
         self.ranks, self.lock, self.next_sid = Ranks(engine), threading.Lock(), 0
+        self.failure: str | None = None  # why the ranks fell out of step; every later call raises it
+        self.closed = threading.Event()
+        threading.Thread(target=self._heartbeat, name="tp-heartbeat", daemon=True).start()
 
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
 
     def call(self, fn: Callable, *args, **local):
-        """fn(ranks, *args) on every rank; rank 0 also passes `local` (callbacks, flags)."""
-        dist.broadcast_object_list([(fn, args)], src=0)
-        return fn(self.ranks, *args, **local)
+        """fn(ranks, *args) on every rank; rank 0 also passes `local` (callbacks, flags). A call
+        that returns an iterator is agreed on by whoever drains it (`LeaderSession.ask`)."""
+        if self.failure is not None:
+            raise RankFailed(self.failure)
+        try:
+            dist.broadcast_object_list([(fn, args)], src=0)
+            result = fn(self.ranks, *args, **local)
+        except (EngineError, ValueError):
+            self.agree(TYPED_ERROR)
+            raise
+        except Exception as error:  # noqa: BLE001 (a collective failed, or this rank did: out of step)
+            self.fail(error)
+        if not isinstance(result, Iterator):
+            self.agree(COMPLETED)
+        return result
+
+    def agree(self, status: int) -> None:
+        try:
+            is_same = _agree(status)
+        except Exception as error:  # noqa: BLE001
+            self.fail(error)
+        if not is_same:
+            self.fail(RuntimeError("the ranks ended a call differently"))
+
+    def fail(self, error: Exception):
+        """The ranks are out of step: say why (the failed rank's own words when it left them in
+        the store), leave the group so the other ranks' collectives end, and raise RankFailed."""
+        detail = f"{type(error).__name__}: {error}"
+        if self.store is not None:
+            try:
+                self.store.wait([FAILURE_KEY], timedelta(seconds=2))
+                detail = self.store.get(FAILURE_KEY).decode()
+            except Exception:  # noqa: BLE001 (no rank left a message: this rank's error is the news)
+                pass
+        self.failure = self.failure or detail
+        _leave_group()
+        raise RankFailed(self.failure) from error
+
+    def _heartbeat(self) -> None:
+        while not self.closed.wait(HEARTBEAT_S):
+            if self.lock.acquire(blocking=False):  # busy: the ranks are talking anyway
+                try:
+                    if self.failure is None and not self.closed.is_set():
+                        self.call(_idle)
+                except RankFailed:
+                    pass  # the next call says so
+                finally:
+                    self.lock.release()
 
     def open(self, doc_ids: list[int], on_progress=None, cancel=None) -> LeaderSession:
         with self.lock:
@@ -209,10 +325,12 @@ class Leader:
     def close(self) -> None:
         """Stop the other ranks and leave the process group."""
         with self.lock:
-            dist.broadcast_object_list([(None, ())], src=0)
+            self.closed.set()
+            if self.failure is None:
+                dist.broadcast_object_list([(None, ())], src=0)
             for worker in self.workers:
-                worker.join(timeout=60)
-            dist.destroy_process_group()
+                worker.join(timeout=60 if self.failure is None else 5)
+            _leave_group()
 
 
 class LeaderSession:
@@ -241,10 +359,9 @@ class LeaderSession:
         return self._call("probe_plain_tbt", n_tokens)
 
     def save(self, path, meta: dict | None = None) -> None:
-        """Each rank saves its shard to `path`.rank<r>; `path` itself says so (Leader.restore)."""
+        """One snapshot at `path` with every rank's heads (`_save`); any engine restores it."""
         with self.leader.lock:
             self.leader.call(_save, self.sid, str(path), meta)
-            torch.save({"tensor_parallel_shards": dist.get_world_size()}, path)
 
     def close(self) -> None:
         with self.leader.lock:
@@ -256,33 +373,69 @@ class LeaderSession:
             flag = SharedFlag(cancel)
             events = self.leader.call(_ask, self.sid, list(question_ids), sampling, stop_ids, cancel=flag)
             try:
-                for event in events:  # noqa: UP028 (`yield from` would close `events` on GeneratorExit)
-                    yield event
-            finally:  # a caller that stops listening must not leave the other ranks mid-answer
-                flag.set()
-                for _ in events:
-                    pass
+                try:
+                    for event in events:  # noqa: UP028 (`yield from` would close `events` on GeneratorExit)
+                        yield event
+                finally:  # a caller that stops listening must not leave the other ranks mid-answer
+                    flag.set()
+                    for _ in events:
+                        pass
+            except (EngineError, ValueError):
+                self.leader.agree(TYPED_ERROR)
+                raise
+            except GeneratorExit:
+                self.leader.agree(COMPLETED)  # the other ranks drained the answer to the same point
+                raise
+            except Exception as error:  # noqa: BLE001
+                self.leader.fail(error)
+            self.leader.agree(COMPLETED)
 
-    def answer_steps(self, *args, **kwargs):
-        raise EngineError("Batching several readers (engine/batch.py) does not run under tensor parallel "
-                          "yet: ask one question at a time (session.ask), or use one GPU.")
-
-
-def follow(engine) -> None:
-    """Ranks > 0: make every call rank 0 broadcasts, until it closes."""
-    ranks = Ranks(engine)
-    while True:
-        message = [None]
-        dist.broadcast_object_list(message, src=0)
-        fn, args = message[0]
-        if fn is None:
-            return
+    def answer_steps(self, question_ids: list[int], sampling: SamplingConfig = SamplingConfig(), cancel=None,
+                     stop_ids: set[int] | None = None) -> Iterator:
+        """`ask` in the form engine/batch.py runs (the app always does): events and no forward
+        requests, so the batcher runs the whole answer in one step. Under tensor parallel one
+        answer runs at a time; other readers wait in the batcher's line."""
+        events = self.ask(question_ids, sampling, cancel, stop_ids)
         try:
-            result = fn(ranks, *args)
-            for _ in result if isinstance(result, Iterator) else ():
-                pass
-        except (EngineError, ValueError):
-            pass  # rank 0 raised the same error to its caller
+            yield from events
+        finally:
+            events.close()
+
+
+def follow(engine, store=None) -> None:
+    """Ranks > 0: make every call rank 0 broadcasts, until it closes. Any other failure (out of
+    memory, a bug, rank 0 gone) leaves this rank out of step for good: it says why in `store`
+    and exits, which ends rank 0's waiting collective (gloo at once, NCCL at its timeout)."""
+    ranks = Ranks(engine)
+    try:
+        while True:
+            message = [None]
+            dist.broadcast_object_list(message, src=0)
+            fn, args = message[0]
+            if fn is None:
+                return
+            try:
+                result = fn(ranks, *args)
+                for _ in result if isinstance(result, Iterator) else ():
+                    pass
+                status = COMPLETED
+            except (EngineError, ValueError):
+                status = TYPED_ERROR  # rank 0 raised the same error to its caller
+            if not _agree(status):
+                raise RuntimeError("the ranks ended a call differently")
+    except Exception as error:  # noqa: BLE001
+        detail = f"rank {dist.get_rank()}: {type(error).__name__}: {error}"
+        if store is not None:
+            with contextlib.suppress(Exception):
+                store.set(FAILURE_KEY, detail)
+        log.error("tensor-parallel %s", detail)
+        os._exit(1)  # a rank out of step cannot rejoin the collectives: leave them
+
+
+def _leave_group() -> None:
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def rank_device(device: torch.device) -> torch.device:
@@ -292,8 +445,13 @@ def rank_device(device: torch.device) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank())))
 
 
-IDLE_TIMEOUT = timedelta(days=3650)  # ranks > 0 wait inside a collective for rank 0's next call
+# Every collective ends within this; ranks > 0 wait inside one for rank 0's next call, so rank 0
+# sends a no-op call when idle (`HEARTBEAT_S`). A rank that fails or hangs is noticed then.
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+HEARTBEAT_S = 60.0
 START_TIMEOUT = timedelta(minutes=5)  # the ranks meet this soon after spawning, or one failed
+LOAD_TIMEOUT = timedelta(hours=2)  # spawned ranks wait this long for rank 0's model (a GGUF converts once)
+READY_KEY = "bookchat/ready"
 
 
 def _join(rank: int, n_ranks: int, store, device: torch.device) -> None:
@@ -302,15 +460,18 @@ def _join(rank: int, n_ranks: int, store, device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     if store is None:  # torchrun set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
-        dist.init_process_group(backend, timeout=IDLE_TIMEOUT)
+        dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
     else:
-        dist.init_process_group(backend, store=store, rank=rank, world_size=n_ranks, timeout=IDLE_TIMEOUT)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=n_ranks, timeout=COLLECTIVE_TIMEOUT)
 
 
 def _serve(make_engine: Callable, rank: int, n_ranks: int, port: int, device: torch.device, n_threads: int):
     torch.set_num_threads(n_threads)
-    _join(rank, n_ranks, dist.TCPStore("127.0.0.1", port, n_ranks, False, timeout=START_TIMEOUT), device)
-    follow(make_engine())
+    store = dist.TCPStore("127.0.0.1", port, n_ranks, False, timeout=START_TIMEOUT)
+    _join(rank, n_ranks, store, device)
+    engine = make_engine()
+    store.wait([READY_KEY], LOAD_TIMEOUT)  # not in a collective: rank 0 may load (or convert) for long
+    follow(engine, store)
     dist.destroy_process_group()
 
 
@@ -336,4 +497,6 @@ def start(make_engine: Callable[[], object], n_ranks: int, device: torch.device)
     for worker in workers:
         worker.start()
     _join(0, n_ranks, store, device)
-    return Leader(make_engine(), workers)
+    leader = Leader(make_engine(), workers, store)
+    store.set(READY_KEY, "1")
+    return leader

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.attention import is_tree_mask
 from engine.config import SamplingConfig
 from engine.device import now
 from engine.drafters import Drafter
@@ -170,7 +171,8 @@ class Scorer:
         pos = torch.cat([torch.arange(base, base + P), base + P + draft.depths()]).to(device)
         tail = torch.ones(P + N, P + N, dtype=torch.bool).tril()
         tail[P:, P:] = draft.ancestor_mask()[1:, 1:]
-        return Forward(self.model, Segment(ids, pos, self.cache, tail.to(device), self.query_log, N + 1))
+        return Forward(self.model, Segment(ids, pos, self.cache, tail.to(device), self.query_log, N + 1,
+                                           is_tree=is_tree_mask(tail)))  # classified here, on the host
 
     def keep(self, n_pending: int, n_draft: int, path: list[int]) -> None:
         """Keep the pending tokens and the accepted path of the last `score` call."""

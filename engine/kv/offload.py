@@ -16,7 +16,35 @@ It does not page, quantise, or offload the retrieval cache, the drafter or any w
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+
 import torch
+
+from engine.config import OutOfMemoryPlan
+
+log = logging.getLogger(__name__)
+GROW_TOKENS = 1024  # past the planned capacity (engine.py allocates it once), grow this much at a time
+PINNED_CACHE_MB = 64  # pinned blocks above this are allocated exactly and freed at once (below)
+
+
+@functools.cache
+def limit_pinned_caching() -> str:
+    """torch's pinned-memory allocator rounds every block up to a power of two and keeps freed
+    blocks for reuse (ATen/core/CachingHostAllocator.h, torch 2.13): a 17 GiB host cache would
+    take 32 GiB, and a grown one would keep its old copy. Blocks above `PINNED_CACHE_MB` are
+    made exact and uncached (small staging blocks are cached as before); a user's own
+    `pinned_max_*` settings in PYTORCH_ALLOC_CONF win. Returns the allocator settings now."""
+    current = torch._C._accelerator_getAllocatorSettings()
+    user = current + os.environ.get("PYTORCH_ALLOC_CONF", "") + os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "pinned_max" not in user:
+        ours = f"pinned_max_round_threshold_mb:{PINNED_CACHE_MB},pinned_max_cached_size_mb:{PINNED_CACHE_MB}"
+        try:
+            torch._C._accelerator_setAllocatorSettings(f"{current},{ours}" if current else ours)
+        except RuntimeError as error:  # never run on a GPU: a refusal must not stop the offload
+            log.warning("could not limit pinned-memory rounding (%s): set PYTORCH_ALLOC_CONF=%s", error, ours)
+    return torch._C._accelerator_getAllocatorSettings()
 
 
 class SideStream:
@@ -68,7 +96,10 @@ class OffloadCache:
         self.length = 0
         self.n_copied_bytes = 0  # host->device, for tests and benchmarks
         self.n_written_bytes = 0  # device->host write-backs of new entries
-        self._allocate(capacity)
+        if self.is_pinned:
+            limit_pinned_caching()
+        self.host_k, self.host_v = self._new(n_layers, capacity, True), self._new(n_layers, capacity, True)
+        self._allocate_device(capacity)
 
     def _new(self, n_layers: int, capacity: int, on_host: bool) -> torch.Tensor:
         shape = (n_layers, capacity, *self.entry_shape)  # [L, S_max, B, Hkv, D]
@@ -76,9 +107,8 @@ class OffloadCache:
             return torch.empty(shape, dtype=self.dtype, pin_memory=self.is_pinned)
         return torch.empty(shape, dtype=self.dtype, device=self.device)
 
-    def _allocate(self, capacity: int) -> None:
-        """Host K/V of every layer, device K/V of the resident ones, and the two-layer buffer."""
-        self.host_k, self.host_v = self._new(self.n_layers, capacity, True), self._new(self.n_layers, capacity, True)
+    def _allocate_device(self, capacity: int) -> None:
+        """Device K/V of the resident layers and the two-layer buffer."""
         self.resident_k = self._new(self.n_resident_layers, capacity, False)
         self.resident_v = self._new(self.n_resident_layers, capacity, False)
         n_buffers = min(2, self.n_layers - self.n_resident_layers)
@@ -90,15 +120,36 @@ class OffloadCache:
         return self.host_k.shape[1]
 
     def reserve(self, n_tokens: int) -> None:
-        """Make room for `n_tokens` more entries (grows by 1.5x to amortise copies)."""
-        needed = self.length + n_tokens
+        """Make room for `n_tokens` more entries: past the planned capacity, `GROW_TOKENS` more at
+        a time. The device copies are dropped first and refilled from the host copy (which holds
+        every layer), so the GPU never holds an old and a new cache at once."""
+        needed, n = self.length + n_tokens, self.length
         if needed <= self.capacity:
             return
         self.side.sync_host()
-        old = (self.host_k, self.host_v, self.resident_k, self.resident_v)
-        self._allocate(max(needed, int(self.capacity * 1.5)))
-        for new, kept in zip((self.host_k, self.host_v, self.resident_k, self.resident_v), old):
-            new[:, :self.length] = kept[:, :self.length]
+        self._forget_prefetches()
+        old_capacity, capacity = self.capacity, max(needed, self.capacity + GROW_TOKENS)
+        self.resident_k = self.resident_v = self.buffer_k = self.buffer_v = None
+        try:
+            self._allocate_device(capacity)
+        except torch.OutOfMemoryError as error:
+            self._allocate_device(old_capacity)  # what fitted before fits again: the cache stays usable
+            self._refill_resident(n)
+            raise OutOfMemoryPlan(f"The chat outgrew the memory planned for this book ({old_capacity:,} tokens): "
+                                  "start a new chat, or open the book with fewer resident layers.") from error
+        for name in ("host_k", "host_v"):
+            old = getattr(self, name)
+            new = self._new(self.n_layers, capacity, True)
+            new[:, :n] = old[:, :n]
+            setattr(self, name, new)
+            del old, new  # freed now (pinned: uncached, see limit_pinned_caching)
+        self._refill_resident(n)
+
+    def _refill_resident(self, n: int) -> None:
+        """The resident layers' first `n` entries, from the host copy (which holds every layer)."""
+        for layer_idx in range(self.n_resident_layers):  # a contiguous block each
+            self.resident_k[layer_idx, :n] = self.host_k[layer_idx, :n]
+            self.resident_v[layer_idx, :n] = self.host_v[layer_idx, :n]
 
     def _prefetch(self, layer_idx: int) -> None:
         """Start copying an offloaded layer's filled entries into its half of the buffer."""
@@ -187,9 +238,8 @@ class OffloadCache:
                    n_resident_layers: int = 0) -> OffloadCache:
         L, B, Hkv, S, D = state["k"].shape
         cache = cls(L, B, Hkv, D, max(capacity, S), state["k"].dtype, device, n_resident_layers)
-        for host, resident, saved in ((cache.host_k, cache.resident_k, state["k"]),
-                                      (cache.host_v, cache.resident_v, state["v"])):
+        for host, saved in ((cache.host_k, state["k"]), (cache.host_v, state["v"])):
             host[:, :S] = saved.permute(0, 3, 1, 2, 4)
-            resident[:, :S] = host[:n_resident_layers, :S]
+        cache._refill_resident(S)
         cache.length = S
         return cache

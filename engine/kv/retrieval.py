@@ -18,18 +18,35 @@ import torch
 from engine.kv import SlotCache
 from engine.kv.full import FullCache
 
+# Chunk means are taken this many keys at a time: a rebuild's scratch on the device is a slice of
+# one layer's keys (and its float32 copy), not the whole layer (engine/memory.py plans it).
+MEAN_SLICE_TOKENS = 8192
+
+
+def chunk_means(keys: torch.Tensor, chunk_tokens: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Mean key of each whole chunk: keys [B, Hkv, n*C(+rest), D] (on the host when offloaded)
+    -> [B, Hkv, n, D] on `device` in `dtype`, copied and widened `MEAN_SLICE_TOKENS` at a time."""
+    B, Hkv, S, D = keys.shape
+    n, step = S // chunk_tokens, max(1, MEAN_SLICE_TOKENS // chunk_tokens)
+    means = torch.empty(B, Hkv, n, D, dtype=dtype, device=device)
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        part = keys[:, :, a * chunk_tokens:b * chunk_tokens].to(device)  # [B, Hkv, (b-a)*C, D]
+        means[:, :, a:b] = part.reshape(B, Hkv, b - a, chunk_tokens, D).to(dtype).mean(3)
+    return means
+
 
 def score_chunks(queries: torch.Tensor, keys: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
     """Score of each whole chunk of `keys` for each KV head.
 
-    queries: [B, H, M, D] recent post-RoPE queries; keys: [B, Hkv, n*C, D].
-    Returns [B, Hkv, n]: softmax over chunks of q . mean_key / sqrt(D), summed over the G*M
-    queries of the KV head's group.
+    queries: [B, H, M, D] recent post-RoPE queries; keys: [B, Hkv, n*C, D] (any device: read
+    in slices onto the queries' device). Returns [B, Hkv, n]: softmax over chunks of
+    q . mean_key / sqrt(D), summed over the G*M queries of the KV head's group.
     """
     B, H, M, D = queries.shape
-    Hkv, n = keys.shape[1], keys.shape[2] // chunk_tokens
+    Hkv = keys.shape[1]
     dtype = torch.promote_types(keys.dtype, torch.float32)
-    means = keys[:, :, : n * chunk_tokens].reshape(B, Hkv, n, chunk_tokens, D).to(dtype).mean(3)
+    means = chunk_means(keys, chunk_tokens, queries.device, dtype)
     q = queries.reshape(B, Hkv, (H // Hkv) * M, D).to(dtype)
     logits = q @ means.transpose(-1, -2) / math.sqrt(D)  # [B, Hkv, G*M, n]
     return logits.softmax(-1).sum(2)
@@ -59,7 +76,7 @@ class RetrievalCache(SlotCache):
         starts = torch.empty(L, B, Hkv, n_keep, dtype=torch.long)
         for layer_idx in range(L):
             if n_keep < n_avail and queries and queries[layer_idx] is not None:
-                region = full.k[layer_idx, :, :, sinks:window_start].to(queries[layer_idx].device)  # offloaded: host
+                region = full.k[layer_idx, :, :, sinks:window_start]  # offloaded: host; score_chunks slices it
                 top = score_chunks(queries[layer_idx], region, C).topk(n_keep, dim=-1).indices
             else:  # everything fits, or no queries yet: evenly spaced chunks
                 top = torch.linspace(0, n_avail - 1, n_keep).long().expand(B, Hkv, n_keep)

@@ -119,3 +119,22 @@ def test_main_writes_json(tmp_path, monkeypatch, capsys):
     assert "not measurements" in saved["note"]
     assert len(saved["predictions"]) == 5 * 7  # five setups, seven stacks
     assert "PREDICTIONS, NOT MEASUREMENTS" in capsys.readouterr().out
+
+
+def test_engine_overheads_count_coin_broadcasts_and_rebuild_copies():
+    hw = toy_hardware(n_gpus=2, allreduce_ms=0.05)
+    setup = cm.Setup(hw, tiny_model(), 1000, n_resident_kv_layers=1,
+                     rates=cm.AcceptanceRates(retrieval_full=0.5))
+    # gamma 2: 5 broadcasts of (0.05 + 0.03) ms per check, 1.75 tokens per check; a rebuild copies
+    # the offloaded layer's K of one rank (1000 tokens * 4 bytes) over PCIe and the resident one's over HBM
+    shares = 5 * (0.05 + cm.SYNC_MS) / 1.75
+    rebuild = 1e3 * (4000 / 1e8 + 4000 / 1e9) / 100
+    assert cm.engine_overheads_ms(setup, 2, 100) == pytest.approx(shares + rebuild)
+
+
+def test_engine_today_takes_the_retrieval_acceptance_as_an_input():
+    x16, x8 = cm.engine_today(cm.RTX4090_X2, acceptances=(0.8,)), cm.engine_today(acceptances=(0.8, 0.9))
+    assert [r["retrieval_acceptance_input"] for r in x8] == [0.95, 0.8, 0.9]
+    assert x8[0]["predicted_tbt_ms"] > x16[0]["predicted_tbt_ms"]  # half the PCIe rate: slower
+    ours = [r for r in x8 if r["config"].startswith("engine today")]
+    assert all(r["gamma_middle"] <= 8 for r in ours) and ours[0]["predicted_tbt_ms"] > ours[1]["predicted_tbt_ms"]

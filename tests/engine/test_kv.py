@@ -121,3 +121,18 @@ def test_streaming_cache_renumbers_positions_by_rerotation():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
     _, k_rot = apply_rotary_pos_emb(k, k, cos, sin)
     assert torch.allclose(cache.k[0, :, :, :cache.length], k_rot, atol=1e-10)
+
+
+def test_chunk_means_are_read_a_slice_at_a_time(monkeypatch):
+    from engine.kv import retrieval
+
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(B, 4, 3, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, HKV, 22, D, generator=g, dtype=torch.float64)  # 5 chunks of 4, 2 keys over
+    whole = score_chunks(q, k, 4)
+    copied = []
+    to = torch.Tensor.to
+    monkeypatch.setattr(retrieval, "MEAN_SLICE_TOKENS", 8)
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **kw: (copied.append(t.shape[2]), to(t, *a, **kw))[1])
+    assert torch.equal(score_chunks(q, k, 4), whole)
+    assert max(copied) == 8  # never the whole region

@@ -1,9 +1,7 @@
 """Memory planner: hand-checked bytes for real model shapes at 128K tokens (no network)."""
 
 import pytest
-import torch
 
-from engine import memory
 from engine.config import ModelConfig, OutOfMemoryPlan
 from engine.memory import (
     GIB,
@@ -64,17 +62,21 @@ def test_weight_bytes_match_parameter_counts(cfg, n_params):
     assert weight_bytes(cfg, 2) == 2 * n_params
 
 
-def test_activations_count_float32_logits_and_the_tail_mask():
+def test_activations_count_float32_logits_and_the_tail_masks_sdpa_makes():
     # Llama-2-7B, chunk 512, one rank: 512 * (6 * 4096 + 3 * 11008) * 2 bytes of hidden/MLP,
-    # a bool [512, 131072] mask, and 512 * 32000 * 4 bytes of float32 logits
-    expected = 512 * (6 * 4096 + 3 * 11008) * 2 + 512 * N_128K + 512 * 32000 * 4
-    assert activation_bytes(llama2_7b(), 512, N_128K, 2) == expected == 191_627_264
+    # the bool [512, 131072] mask, its copy per query head of a KV head (G = 1), SDPA's bf16
+    # version of it and that padded (2 + 2 bytes), and 512 * 32000 * 4 bytes of float32 logits
+    expected = 512 * (6 * 4096 + 3 * 11008) * 2 + 512 * N_128K * (1 + 1 + 4) + 512 * 32000 * 4
+    assert activation_bytes(llama2_7b(), 512, N_128K, 2) == expected == 527_171_584
+    # GQA, G = 4 (Llama-3.1-8B): 1 + 4 * 5 = 21 bytes per query and key, 1.31 GiB at 128K
+    mask_bytes = activation_bytes(llama31_8b(), 512, N_128K, 2) - activation_bytes(llama31_8b(), 512, 0, 2)
+    assert mask_bytes == 21 * 512 * N_128K
 
 
 def test_one_4090_offloads_llama2_7b_at_128k_keeping_two_layers():
     plan = plan_memory(llama2_7b(), N_128K, rtx4090s(1))
     # usable 0.95 * 24 GiB = 22.80 GiB; weights 12.55 GiB + retrieval 1024 tokens * 0.5 MiB
-    # + activations 0.18 GiB = 13.23 GiB; double buffer 2 * 2 GiB; 5.57 GiB left / 2 GiB = 2 layers
+    # + activations 0.49 GiB = 13.54 GiB; double buffer 2 * 2 GiB; 5.26 GiB left / 2 GiB = 2 layers
     assert plan.is_offloaded and plan.n_resident_kv_layers == 2
     gpu, host = plan.devices
     assert gpu.weights_bytes == 13_476_831_232
@@ -89,8 +91,8 @@ def test_two_4090s_split_weights_and_kv_heads():
     # layer weights halved (6,476,267,520 bytes), embedding + lm_head replicated (524,296,192)
     assert rank0.weights_bytes == rank1.weights_bytes == 6_476_267_520 + 524_296_192
     assert rank0.retrieval_kv_bytes == 256 * MIB  # 16 of 32 KV heads per rank
-    # a layer's KV shard is 1 GiB; 22.80 - 6.52 weights - 0.25 retrieval - 0.15 activations
-    # - 2 buffers = 13.87 GiB -> 13 layers stay on each GPU; the host holds 32 layers * 2 ranks
+    # a layer's KV shard is 1 GiB; 22.80 - 6.52 weights - 0.25 retrieval - 0.47 activations
+    # - 2 buffers = 13.56 GiB -> 13 layers stay on each GPU; the host holds 32 layers * 2 ranks
     assert plan.n_resident_kv_layers == 13
     assert rank0.full_kv_bytes == 13 * GIB and host.full_kv_bytes == 32 * 2 * GIB
 
@@ -98,7 +100,8 @@ def test_two_4090s_split_weights_and_kv_heads():
 def test_gqa_models_fit_on_chip_on_two_4090s_but_not_one():
     assert not plan_memory(llama31_8b(), N_128K, rtx4090s(2)).is_offloaded  # 8.5 + 8 GiB per rank
     assert plan_memory(llama31_8b(), N_128K, rtx4090s(1)).is_offloaded  # 15 + 16 GiB
-    assert not plan_memory(qwen25_7b(), N_128K, rtx4090s(1)).is_offloaded  # 14.2 + 7 GiB
+    # 14.2 + 7 GiB, but G = 7 makes SDPA's masks of a 512-token chunk 2.25 GiB: 21 of 28 layers stay
+    assert plan_memory(qwen25_7b(), N_128K, rtx4090s(1)).n_resident_kv_layers == 21
 
 
 def test_tensor_parallel_needs_divisible_kv_heads():
@@ -108,12 +111,13 @@ def test_tensor_parallel_needs_divisible_kv_heads():
 
 def test_refusal_names_the_largest_length_that_fits():
     # no offloading: 22.80 GiB usable - 13.17 GiB fixed parts leaves room for
-    # (24,481,313,587 - 14,138,220,544) // (524,288 KV + 512 mask bytes per token) = 19,708 tokens
-    with pytest.raises(OutOfMemoryPlan, match="largest length that fits is 19,708 tokens"):
+    # about (24,481,313,587 - 14,138,220,544) // 524,288 KV bytes per token, less the scratch of
+    # a retrieval rebuild (at this length larger than a prefill chunk's masks): 19,533 tokens
+    with pytest.raises(OutOfMemoryPlan, match="largest length that fits is 19,533 tokens"):
         plan_memory(llama2_7b(), N_128K, rtx4090s(1), offload_allowed=False)
     work = Workload(offload_allowed=False)
-    assert max_tokens_that_fit(llama2_7b(), rtx4090s(1), work) == 19_708
-    plan_memory(llama2_7b(), 19_708, rtx4090s(1), offload_allowed=False)
+    assert max_tokens_that_fit(llama2_7b(), rtx4090s(1), work) == 19_533
+    plan_memory(llama2_7b(), 19_533, rtx4090s(1), offload_allowed=False)
 
 
 def test_refusal_when_the_host_cannot_hold_the_offloaded_kv():
@@ -132,7 +136,7 @@ def test_cpu_only_keeps_everything_in_host_memory():
     plan = plan_memory(llama2_7b(), N_128K // 2, host)
     assert not plan.is_offloaded and plan.devices[0].full_kv_bytes == 32 * GIB
     with pytest.raises(OutOfMemoryPlan):
-        plan_memory(llama2_7b(), N_128K, host)  # 64 + 12.55 + 0.5 + 0.18 GiB > 0.95 * 80 GiB
+        plan_memory(llama2_7b(), N_128K, host)  # 64 + 12.55 + 0.5 + 0.49 GiB > 0.95 * 80 GiB
 
 
 def test_self_speculation_counts_only_the_streaming_cache():
@@ -158,10 +162,33 @@ def test_plan_is_a_memory_plan_on_chip():
     assert [d.name for d in plan.devices] == ["cuda:0"]
 
 
-def test_resident_layers_on_a_gpu_count_the_loaded_weights_as_available(monkeypatch):
-    # a 4090 with Llama-2-7B loaded: its weights are already out of the free memory measured now
-    free = {"cuda:0": 24 * GIB - weight_bytes(llama2_7b(), 2), "cpu": 128 * GIB}
-    monkeypatch.setattr(memory, "free_memory_bytes", lambda device: free[str(device)])
-    n_resident = resident_kv_layers(llama2_7b(), N_128K, torch.device("cuda:0"), Workload())
-    assert n_resident == plan_memory(llama2_7b(), N_128K, rtx4090s(1)).n_resident_kv_layers == 2
-    assert resident_kv_layers(llama2_7b(), N_128K, torch.device("cpu"), Workload()) == 0  # one memory
+def test_resident_layers_are_planned_for_every_rank_and_the_host_together():
+    # 4090s with their shard of Llama-2-7B loaded: the measured free memory plus those weights
+    one = resident_kv_layers(llama2_7b(), N_128K, [24 * GIB], 128 * GIB, Workload())
+    assert one == plan_memory(llama2_7b(), N_128K, rtx4090s(1)).n_resident_kv_layers == 2
+    two = resident_kv_layers(llama2_7b(), N_128K, [24 * GIB, 24 * GIB], 128 * GIB, Workload())
+    assert two == plan_memory(llama2_7b(), N_128K, rtx4090s(2)).n_resident_kv_layers
+    # GPU 0 drives a display: both ranks keep what the fuller one can hold
+    assert resident_kv_layers(llama2_7b(), N_128K, [22 * GIB, 24 * GIB], 128 * GIB, Workload()) < two
+    # the host holds both ranks' halves: 64 GiB of KV does not fit in 60 GiB of RAM for two ranks
+    with pytest.raises(OutOfMemoryPlan, match="cpu needs 64.00 GiB"):
+        resident_kv_layers(llama2_7b(), N_128K, [24 * GIB, 24 * GIB], 60 * GIB, Workload())
+
+
+def test_a_retrieval_rebuild_is_planned_in_slices():
+    from engine.memory import rebuild_bytes
+
+    # Llama-3.1-8B at 128K on one rank: an 8192-key slice in bf16 and float32 (8 KV heads x 128),
+    # 8192 chunk means in float32, and [4 * 16, 8192] scores twice (logits, softmax) per KV head
+    want = 8192 * 8 * 128 * 6 + 8192 * 8 * (128 + 2 * 4 * 16) * 4
+    assert rebuild_bytes(llama31_8b(), N_128K, 2) == want < 128 * MIB  # a whole layer in float32: 512 MiB
+    without = plan_memory(llama31_8b(), N_128K, rtx4090s(2), retrieval_budget_tokens=0)
+    plan = plan_memory(llama31_8b(), N_128K, rtx4090s(2))
+    assert plan.devices[0].activation_bytes >= rebuild_bytes(llama31_8b(), N_128K, 2, n_ranks=2)
+    assert plan.devices[0].activation_bytes >= without.devices[0].activation_bytes
+
+
+def test_flash_attn_prefill_plans_no_tail_masks():
+    no_masks = activation_bytes(llama31_8b(), 8192, N_128K, 2, has_tail_masks=False)
+    assert no_masks == activation_bytes(llama31_8b(), 8192, 0, 2)  # nothing grows with the length
+    assert activation_bytes(llama31_8b(), 8192, N_128K, 2) - no_masks == 21 * 8192 * N_128K

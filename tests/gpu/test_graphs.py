@@ -167,3 +167,84 @@ def test_the_override_builds_uncaptured_steps_and_the_default_builds_none(monkey
     monkeypatch.setattr(graphs, "force_static_steps", True)
     step = graphs.static_decode_step(model, cache, use_cuda_graphs=True)
     assert isinstance(step, StaticDecodeStep) and step.step == step.forward  # never captured on CPU
+
+
+class FakeCuda:
+    """torch.cuda's stream/graph API as CudaGraphStep uses it, on CPU: records the current device
+    at each call; a "graph" replays the step it captured on its static inputs."""
+
+    def __init__(self):
+        self.current, self.calls = "cuda:0", []
+
+    def device(self, device):
+        fake, previous = self, [None]
+
+        class Scope:
+            def __enter__(self):
+                previous[0], fake.current = fake.current, str(device)
+
+            def __exit__(self, *exc):
+                fake.current = previous[0]
+        return Scope()
+
+    def _note(self, what):
+        self.calls.append((what, self.current))
+
+    def Stream(self):  # noqa: N802 (torch's name)
+        self._note("stream")
+        return type("S", (), {"wait_stream": lambda s, other: None})()
+
+    def current_stream(self):
+        self._note("current_stream")
+        return type("S", (), {"wait_stream": lambda s, other: None})()
+
+    def stream(self, s):
+        self._note("stream scope")
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)  # any no-op context
+
+    def CUDAGraph(self):  # noqa: N802
+        fake = self
+
+        class Graph:
+            def replay(self):
+                fake._note("replay")
+                self.out.copy_(self.step(*self.inputs))
+
+            def pool(self):
+                return None
+        return Graph()
+
+    def graph(self, graph, pool=None, capture_error_mode=None):
+        fake = self
+
+        class Capture:
+            def __enter__(self):
+                fake._note("capture")
+                fake.capturing = graph
+
+            def __exit__(self, *exc):
+                fake.capturing = None
+        return Capture()
+
+    def captured(self, step):
+        """`step`, telling a capture in progress its static inputs and output."""
+        def run(*inputs):
+            out = step(*inputs)
+            if getattr(self, "capturing", None) is not None:
+                self.capturing.step, self.capturing.inputs, self.capturing.out = step, inputs, out
+            return out
+        return run
+
+
+def test_cuda_graphs_capture_and_replay_on_their_own_device(monkeypatch):
+    """A step of a model on cuda:1 while cuda:0 is current captures and replays on cuda:1."""
+    fake = FakeCuda()
+    for name in ("device", "Stream", "current_stream", "stream", "CUDAGraph", "graph"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    graph_step = graphs.CudaGraphStep(fake.captured(lambda x: x * 2), torch.device("cuda", 1))
+    first = graph_step(torch.tensor([1.0, 2.0]))
+    second = graph_step(torch.tensor([3.0, 4.0]))  # a replay
+    assert torch.equal(first, torch.tensor([2.0, 4.0])) and torch.equal(second, torch.tensor([6.0, 8.0]))
+    assert ("replay", "cuda:1") in fake.calls and ("capture", "cuda:1") in fake.calls
+    assert all(device == "cuda:1" for _, device in fake.calls), fake.calls
+    assert fake.current == "cuda:0"  # restored after each call

@@ -72,3 +72,52 @@ def test_engine_switches_reach_the_kernels(no_flash_attn):
     engine = tiny_engine("plain", use_cpu_kernel=True)
     want = attention.cpu_attention if attention.cpu_kernel() is not None else sdpa_attention
     assert engine.target.model.layers[0].self_attn.attend is want
+
+
+def test_flash_path_takes_the_tree_classification_from_the_call(monkeypatch):
+    """The route (flash-attn for chains, SDPA for trees) comes with each call, from the segment:
+    no module state that a prefill thread and the batcher thread could overwrite between their
+    check and their read, and no look at the (device) mask per layer."""
+    calls = []
+    fake = type(sys)("flash_attn")
+    fake.flash_attn_with_kvcache = lambda q, k, v, causal: (calls.append(causal), q)[1]
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    monkeypatch.setattr(attention, "is_tree_mask", lambda tail: pytest.fail("the mask was inspected"))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 3, 8, generator=g).bfloat16()
+    k, v = (torch.randn(1, 2, 10, 8, generator=g).bfloat16() for _ in "kv")
+    chain = torch.ones(3, 3, dtype=torch.bool).tril()
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    for tail, is_tree in ((tree, True), (chain, False), (tree, True)):  # alternating, as two threads do
+        out = flash_attention(q, k, v, tail, is_tree)
+        if is_tree:
+            assert torch.equal(out, sdpa_attention(q, k, v, tail, True))
+    assert calls == [True]  # the chain only
+
+
+def test_segments_carry_whether_their_tail_is_a_tree():
+    """The checker classifies its tail where it builds it (on the host): a tree of two siblings
+    is a tree, a chain is not; prefill chains are not; and the kernels are told so."""
+    from engine.model import QueryLog
+    from engine.sampling import Draft
+    from engine.speculative import Scorer
+
+    engine = tiny_engine("plain")
+    seen = []
+
+    def attend(q, k, v, tail, is_tree):
+        seen.append((is_tree, tail is not None and attention.is_tree_mask(tail)))
+        return sdpa_attention(q, k, v, tail, is_tree)
+
+    engine.target.set_attention(attend)
+    cache = engine.new_full_cache(64)
+    engine.prefill(cache, list(range(5, 25)), None)
+    scorer = Scorer(engine.target, cache, QueryLog(2, 4))
+    siblings = Draft(torch.tensor([7, 8, 9]), torch.tensor([-1, -1, 0]), None)  # 7 and 8 both follow the root
+    for draft in (siblings, Draft.chain([7, 8, 9])):
+        request = scorer._request([6], 20, draft)
+        assert request.segment.is_tree == (draft is siblings)
+        engine.target.forward_packed([request.segment])
+        cache.truncate(20)
+    assert all(said == actual for said, actual in seen)
+    assert any(said for said, _ in seen) and not all(said for said, _ in seen)

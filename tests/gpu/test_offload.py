@@ -110,3 +110,151 @@ def test_offloaded_engine_gives_the_on_chip_tokens(levels, n_resident):
         answers[is_offloaded] = (first, second, session.tokens)
     assert answers[True] == answers[False]
     assert len(answers[True][0]) == 20
+
+
+def test_the_engine_allocates_the_planned_capacity_once(monkeypatch):
+    from engine import engine as engine_module
+    from engine.kv import offload
+
+    n_host = []
+    new = OffloadCache._new
+    monkeypatch.setattr(OffloadCache, "_new", lambda self, n_layers, capacity, on_host: (
+        n_host.append(capacity) if on_host else None, new(self, n_layers, capacity, on_host))[1])
+    engine = tiny_engine("ngram>retrieval>full", offload_kv=True, resident_kv_layers=1)
+    doc = doc_with_repeats()
+    session = engine.open(doc)
+    for question in range(3):
+        for _ in session.ask(random_ids(4, 128, question), SamplingConfig(max_new_tokens=20)):
+            pass
+    assert session.full.capacity == len(doc) + engine_module.CHAT_ROOM_TOKENS
+    assert n_host == [session.full.capacity] * 2  # host K and V, once
+    assert offload.GROW_TOKENS < engine_module.CHAT_ROOM_TOKENS
+
+
+def test_growth_never_holds_an_old_and_a_new_device_copy(monkeypatch):
+    import weakref
+
+    device_tensors, old_alive_at_new = [], []
+    new = OffloadCache._new
+
+    def tracked(self, n_layers, capacity, on_host):
+        if not on_host:
+            old_alive_at_new.append(sum(1 for ref, gen in device_tensors if gen == "old" and ref() is not None))
+        t = new(self, n_layers, capacity, on_host)
+        if not on_host:
+            device_tensors.append((weakref.ref(t), generation[0]))
+        return t
+
+    monkeypatch.setattr(OffloadCache, "_new", tracked)
+    generation = ["old"]
+    full, offload = both(capacity=8, n_resident=1)
+    call((full, offload), 6, seed=0)
+    generation[0], old_alive_at_new[:] = "new", []
+    call((full, offload), 5, seed=1)  # grows: 11 > 8
+    assert offload.capacity >= 11 and old_alive_at_new and not any(old_alive_at_new)
+    call((full, offload), 2, seed=2)  # the grown cache still equals the on-chip one
+
+
+def test_pinned_blocks_are_neither_rounded_up_nor_cached(monkeypatch):
+    from engine.kv import offload
+
+    store = {"settings": "expandable_segments:True"}  # a user's own setting is kept
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: store["settings"])
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", lambda s: store.update(settings=s))
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    got = offload.limit_pinned_caching.__wrapped__()
+    assert got == "expandable_segments:True,pinned_max_round_threshold_mb:64,pinned_max_cached_size_mb:64"
+    store["settings"] = ""
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "pinned_max_cached_size_mb:0")  # the user's choice wins
+    assert offload.limit_pinned_caching.__wrapped__() == ""
+
+
+def test_a_cache_that_cannot_grow_says_what_to_do(monkeypatch):
+    from engine.config import OutOfMemoryPlan
+
+    full = FullCache(L, B, HKV, D, 4, torch.float64, CPU)
+    call((full,), 3, seed=0)
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", no_memory)
+    with pytest.raises(OutOfMemoryPlan, match="start a new chat"):
+        full.reserve(5)
+    assert full.capacity == 4 and full.length == 3
+
+
+@pytest.mark.parametrize("offload_kv", [False, True])
+def test_snapshots_go_through_host_memory_and_restore_the_same_answers(tmp_path, monkeypatch, offload_kv):
+    """A snapshot is written from host memory and read back memory-mapped into host memory; the
+    cache copies it to the device a layer at a time (a GPU never holds a second whole cache, and
+    an offloaded cache is restored rather than prefilled again)."""
+    from engine import engine as engine_module
+
+    engine = tiny_engine("ngram>retrieval>full", offload_kv=offload_kv, resident_kv_layers=1)
+    session = engine.open(doc_with_repeats())
+    session.save(tmp_path / "snap.pt")
+    loads = []
+    load = torch.load
+    monkeypatch.setattr(engine_module.torch, "load", lambda *a, **kw: (loads.append(kw), load(*a, **kw))[1])
+    want = [t for e in session.ask(random_ids(4, 128, 9), SamplingConfig(max_new_tokens=16)) for t in e.tokens]
+    restored = engine.restore(tmp_path / "snap.pt")
+    assert loads == [dict(map_location="cpu", mmap=True, weights_only=True)]
+    assert isinstance(restored.full, OffloadCache) == offload_kv and engine.n_prefills == 1
+    got = [t for e in restored.ask(random_ids(4, 128, 9), SamplingConfig(max_new_tokens=16)) for t in e.tokens]
+    assert got == want and len(got) == 16
+    assert all(t.device.type == "cpu" for t in session.full.state().values())
+
+
+def test_offloaded_prefill_with_flash_attn_runs_in_large_chunks():
+    """Each offloaded prefill forward copies every offloaded layer's filled prefix to the device:
+    with flash-attn (no [T, S] masks to plan) the prefill runs in chunks of 8192 tokens."""
+    from engine.attention import flash_attention
+    from engine.engine import OFFLOAD_PREFILL_CHUNK_TOKENS
+
+    engine = tiny_engine("plain", offload_kv=True, resident_kv_layers=0)  # chunks of 7 tokens
+    doc = random_ids(300, 128, 4)
+    small_chunks = engine.open(doc)
+    engine.attend = flash_attention  # as picked on CUDA with flash-attn (the layers keep SDPA here)
+    assert engine.prefill_chunk_tokens == OFFLOAD_PREFILL_CHUNK_TOKENS
+    large_chunks = engine.open(doc)
+    assert large_chunks.full.n_copied_bytes == 0 < small_chunks.full.n_copied_bytes  # 1 forward: nothing filled
+    for a, b in zip(small_chunks.full.entries(0, 300), large_chunks.full.entries(0, 300)):
+        assert torch.allclose(a, b, atol=1e-12)
+
+
+@pytest.mark.parametrize("offload_kv", [False, True])
+def test_a_gpu_that_cannot_hold_the_book_refuses_before_allocating(monkeypatch, offload_kv):
+    """On a GPU the full cache is planned before it is allocated, on chip or offloaded: a document
+    that does not fit is refused with the largest length that does, not a CUDA out-of-memory
+    error mid-prefill. (The device is only named: nothing is allocated on it.)"""
+    from engine import engine as engine_module
+    from engine.config import OutOfMemoryPlan
+
+    engine = tiny_engine("plain", offload_kv=offload_kv)
+    free = {"cuda": 6_000_000, "cpu": 1 << 40}  # 4,096 tokens (document + chat room) do not fit
+    monkeypatch.setattr(engine_module, "free_memory_bytes", lambda device: free[torch.device(device).type])
+    engine.device = torch.device("cuda")
+    with pytest.raises(OutOfMemoryPlan, match="largest length that fits is 2,305 tokens"):
+        engine.open(random_ids(3000, 128, 1))
+
+
+def test_an_offloaded_cache_that_cannot_grow_stays_usable(monkeypatch):
+    from engine.config import OutOfMemoryPlan
+
+    full, offload = both(capacity=8, n_resident=1)
+    call((full, offload), 6, seed=0)
+    new = OffloadCache._new
+
+    def no_room_on_the_device(self, n_layers, capacity, on_host):
+        if not on_host and capacity > 8:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return new(self, n_layers, capacity, on_host)
+
+    monkeypatch.setattr(OffloadCache, "_new", no_room_on_the_device)
+    with pytest.raises(OutOfMemoryPlan, match="start a new chat"):
+        offload.reserve(5)
+    assert offload.capacity == 8
+    full.truncate(6)
+    call((full, offload), 2, seed=1)  # still the on-chip cache's views

@@ -7,6 +7,7 @@ divide evenly."""
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import replace
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from engine import parallel
-from engine.config import EngineConfig, RetrievalConfig, SamplingConfig
+from engine.config import EngineConfig, EngineError, RetrievalConfig, SamplingConfig
 from engine.engine import Engine, Session
 from engine.kv.full import FullCache
 from engine.kv.offload import OffloadCache
@@ -140,3 +141,44 @@ def test_engine_load_with_two_gpus_starts_the_workers_itself(tmp_path):
                 assert isinstance(engine, parallel.Leader)
                 engine.close()
     assert answers[:2] == answers[2:] and len(answers[0]) == len(answers[1]) == 12
+
+
+class Fault(RuntimeError):
+    pass
+
+
+def faulty_rank_engine() -> Engine:
+    """Rank 1 fails in its 6th forward (mid-answer: out of memory on one GPU, say); rank 0 is fine."""
+    engine = tiny_rank_engine("llama", gamma=2)
+    if dist.get_rank() == 1:
+        n_calls = [0]
+
+        def hook(module, args):
+            n_calls[0] += 1
+            if n_calls[0] == 6:
+                raise Fault("injected on rank 1")
+
+        engine.target.model.layers[0].register_forward_pre_hook(hook)
+    return engine
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_that_fails_mid_answer_makes_rank_0_fail_cleanly_within_seconds():
+    leader = parallel.start(faulty_rank_engine, 2, torch.device("cpu"))
+    try:
+        session = leader.open(random_ids(20, 128, 1))  # 2 prefill forwards (chunks of 16)
+        with pytest.raises(EngineError, match="empty"):  # bad input fails alike on every rank: still in step
+            list(session.ask([], SamplingConfig(max_new_tokens=4)))
+        started = time.monotonic()
+        with pytest.raises(parallel.RankFailed, match="rank 1: Fault: injected on rank 1"):
+            list(session.ask(random_ids(3, 128, 2), SamplingConfig(max_new_tokens=30)))
+        assert time.monotonic() - started < 20
+        with pytest.raises(parallel.RankFailed, match="restart"):  # at once, never a hang
+            leader.open(random_ids(5, 128, 3))
+    finally:
+        leader.close()
+    assert not dist.is_initialized() and not leader.workers[0].is_alive()
+
+
+def test_idle_ranks_wait_less_than_the_collective_timeout():
+    assert parallel.HEARTBEAT_S * 3 < parallel.COLLECTIVE_TIMEOUT.total_seconds() < 3650 * 86400

@@ -1,0 +1,246 @@
+"""`python -m engine selftest`: each GPU path against its reference, on the user's machine.
+
+A tiny random Llama (built from a config, nothing downloaded) runs each device-specific path next
+to the exact path it replaces: flash-attn against SDPA over the offloaded cache's views; CUDA-graph
+replay against eager steps; the offloaded full cache against the on-chip one; two tensor-parallel
+ranks against one process; the memory planner against the peak `torch.cuda.max_memory_allocated`
+measured. Without a GPU the CPU stand-ins run (the same code as the tests: CPU "host" and
+"device" tensors, uncaptured static steps, gloo ranks) and the checks that need CUDA say so.
+Returns `Check` results; the CLI (engine/__main__.py) prints them and writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from engine import attention, graphs, parallel
+from engine.config import EngineConfig, RetrievalConfig, SamplingConfig
+from engine.engine import Engine
+from engine.kv.offload import OffloadCache
+from engine.memory import DeviceBudget, free_memory_bytes, plan_memory
+from engine.model import Transformer
+
+N_DOC_TOKENS, N_NEW_TOKENS, VOCAB = 400, 16, 256
+RETRIEVAL = RetrievalConfig(budget_tokens=128, sink_tokens=4, window_tokens=32, chunk_tokens=8,
+                            n_score_queries=4, rebuild_every_tokens=16)
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # "pass", "fail", "skipped"
+    seconds: float
+    detail: str  # what was compared and what came out, or why it was skipped
+
+
+def tiny_model(device: torch.device, dtype: torch.dtype, seed: int = 0) -> Transformer:
+    """A random 2-layer Llama: hidden 256, 4 query / 2 KV heads of 64, peaked logits."""
+    from transformers import LlamaConfig
+
+    from engine.config import ModelConfig
+
+    hf = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                     bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    model = Transformer(ModelConfig.from_hf(hf), hf)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    return model.to(device, dtype).eval()
+
+
+def doc_ids(seed: int = 0) -> list[int]:
+    """A document with repeats, so the n-gram drafter and the retrieval level have work."""
+    g = torch.Generator().manual_seed(seed)
+    part = torch.randint(0, VOCAB, (150,), generator=g).tolist()
+    return (part + torch.randint(0, VOCAB, (150,), generator=g).tolist() + part * 2)[:N_DOC_TOKENS]
+
+
+def engine_config(device: torch.device, **overrides) -> EngineConfig:
+    settings = dict(target="selftest", device=str(device), retrieval=RETRIEVAL, prefill_chunk_tokens=128,
+                    use_cpu_kernel=False, gamma_bottom=3, gamma_middle=3)  # fixed draft lengths: comparable
+    return EngineConfig(**(settings | overrides))
+
+
+def answer(engine, levels: str = "ngram>retrieval>full") -> list[int]:
+    """Greedy tokens of two questions about the document (a chat over one prefill)."""
+    session = engine.open(doc_ids())
+    session.set_levels(levels)
+    tokens = []
+    for question in ([5, 6, 7], [8, 9]):
+        tokens += [t for e in session.ask(question, SamplingConfig(max_new_tokens=N_NEW_TOKENS)) for t in e.tokens]
+    return tokens
+
+
+def same_tokens(got: list[int], want: list[int], what: str) -> tuple[bool, str]:
+    if got == want:
+        return True, f"{what}: {len(got)} greedy tokens equal"
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return False, f"{what}: tokens differ from position {first} of {len(want)}"
+
+
+def check_flash_attn(device, dtype) -> tuple[str, str]:
+    if device.type != "cuda":
+        return "skipped", "needs a CUDA device (flash-attn runs only there)"
+    if not attention.has_flash_attn():
+        return "skipped", ("flash-attn is not installed: attention runs on torch SDPA "
+                           "(pip install -r requirements-gpu.txt)")
+    g = torch.Generator(device=device).manual_seed(0)
+    cache = OffloadCache(2, 1, 2, 64, 1024, torch.bfloat16, device, n_resident_layers=1)
+    worst = 0.0
+    for T, S in ((1, 700), (7, 700), (128, 1000)):
+        cache.truncate(0)
+        chain = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        for layer_idx in range(2):
+            k, v = (torch.randn(1, 2, S, 64, generator=g, device=device, dtype=torch.bfloat16) for _ in "kv")
+            k_view, v_view = cache.update(layer_idx, k, v)  # token-major storage, [B, Hkv, S, D] views
+            q = torch.randn(1, 4, T, 64, generator=g, device=device, dtype=torch.bfloat16)
+            got = attention.flash_attention(q, k_view[:, :, :S], v_view[:, :, :S], chain if T > 1 else None, False)
+            want = attention.sdpa_attention(q.float(), k.float(), v.float(), chain if T > 1 else None, False)
+            worst = max(worst, (got.float() - want).abs().max().item())
+        cache.advance(S)
+    ok = worst <= 2e-2  # bf16 inputs, float32 reference
+    return ("pass" if ok else "fail"), f"flash_attn_with_kvcache vs SDPA (float32), max |diff| {worst:.2e} (limit 2e-2)"
+
+
+def check_cuda_graphs(device, dtype) -> tuple[str, str]:
+    dtype = torch.float32  # the static step attends over the whole capacity, masked: other sums than eager
+    eager = answer(Engine(engine_config(device), tiny_model(device, dtype)))
+    if device.type == "cuda":
+        captured = Engine(engine_config(device, use_cuda_graphs=True), tiny_model(device, dtype))
+        ok, detail = same_tokens(answer(captured), eager, "captured one-token steps vs eager")
+        return ("pass" if ok else "fail"), detail
+    graphs.force_static_steps = True  # the CPU stand-in: the static steps CUDA would capture, uncaptured
+    try:
+        ok, detail = same_tokens(answer(Engine(engine_config(device), tiny_model(device, dtype))), eager,
+                                 "static one-token steps (uncaptured) vs eager")
+    finally:
+        graphs.force_static_steps = False
+    return ("pass" if ok else "fail"), detail + "; the CUDA capture itself needs a GPU"
+
+
+def check_offload(device, dtype) -> tuple[str, str]:
+    on_chip = answer(Engine(engine_config(device), tiny_model(device, dtype)))
+    offloaded = Engine(engine_config(device, offload_kv=True, resident_kv_layers=1), tiny_model(device, dtype))
+    ok, detail = same_tokens(answer(offloaded), on_chip, "offloaded KV (1 of 2 layers resident) vs on chip")
+    where = "pinned host memory and a side stream" if device.type == "cuda" else "CPU stand-in: inline copies"
+    return ("pass" if ok else "fail"), f"{detail} ({where})"
+
+
+def tp_rank_engine(device_type: str) -> Engine:
+    """One rank's engine of the tiny model (float32: ranks sum partial products in another order)."""
+    import torch.distributed as dist
+
+    device = torch.device(device_type)
+    model = tiny_model(torch.device("cpu"), torch.float32)
+    n_ranks = dist.get_world_size() if dist.is_initialized() else 1
+    if n_ranks > 1:
+        parallel.shard(model, dist.get_rank(), n_ranks)
+        device = parallel.rank_device(device)
+    torch.set_num_threads(1)
+    return Engine(engine_config(device, n_gpus=n_ranks), model.to(device))
+
+
+def check_tensor_parallel(device, dtype) -> tuple[str, str]:
+    if device.type == "cuda" and torch.cuda.device_count() < 2:
+        return "skipped", "needs 2 GPUs"
+    one = answer(tp_rank_engine(device.type))
+    leader = parallel.start(functools.partial(tp_rank_engine, device.type), 2, device)
+    try:
+        two = answer(leader)
+    finally:
+        leader.close()
+    backend = "NCCL on 2 GPUs" if device.type == "cuda" else "gloo on CPU (stand-in for NCCL)"
+    ok, detail = same_tokens(two, one, f"2 ranks ({backend}) vs one process")
+    return ("pass" if ok else "fail"), detail
+
+
+def check_planner(device, dtype) -> tuple[str, str]:
+    if device.type != "cuda":
+        return "skipped", "needs CUDA (compares the plan with torch.cuda.max_memory_allocated)"
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(device)
+    engine = Engine(engine_config(device), tiny_model(device, dtype))
+    weights = torch.cuda.memory_allocated(device) - before
+    torch.cuda.reset_peak_memory_stats(device)
+    answer(engine)
+    measured = torch.cuda.max_memory_allocated(device) - before
+    c = engine.target.config
+    n_tokens = N_DOC_TOKENS + 2048  # the capacity Engine.open allocates (engine.CHAT_ROOM_TOKENS)
+    budget = [DeviceBudget(str(device), free_memory_bytes(device) + weights, "cuda")]
+    planned = plan_memory(c, n_tokens, budget, dtype.itemsize, retrieval_budget_tokens=RETRIEVAL.budget_tokens,
+                          prefill_chunk_tokens=128).devices[0].total_bytes
+    ok = measured <= planned
+    return ("pass" if ok else "fail"), (f"peak {measured / 2**20:.1f} MiB measured, {planned / 2**20:.1f} MiB "
+                                        "planned (weights + caches + activations)")
+
+
+CHECKS: dict[str, Callable] = {
+    "flash-attn vs SDPA": check_flash_attn,
+    "CUDA graphs vs eager": check_cuda_graphs,
+    "offload vs on chip": check_offload,
+    "tensor parallel vs one process": check_tensor_parallel,
+    "planner vs measured peak": check_planner,
+}
+
+
+def run_checks(device: torch.device, names: list[str] | None = None) -> list[Check]:
+    """Each check (all, or `names`), timed; an exception is a failure with its last lines."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    n_threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # tiny matrices: threads only spin (and the ranks have one each)
+    try:
+        return _run(device, dtype, names)
+    finally:
+        torch.set_num_threads(n_threads)
+
+
+def _run(device: torch.device, dtype: torch.dtype, names: list[str] | None) -> list[Check]:
+    results = []
+    for name, check in CHECKS.items():
+        if names and name not in names:
+            continue
+        started = time.perf_counter()
+        try:
+            status, detail = check(device, dtype)
+        except Exception as error:  # noqa: BLE001 (a crash is the finding: report it and go on)
+            status = "fail"
+            detail = f"{type(error).__name__}: {error} | " + " ".join(traceback.format_exc().splitlines()[-4:])
+        results.append(Check(name, status, time.perf_counter() - started, detail))
+    return results
+
+
+def environment(device: torch.device) -> dict:
+    """What a bug report needs besides the results."""
+    info = {"python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
+            "device": str(device), "cuda": torch.version.cuda, "gpus": []}
+    if device.type == "cuda":
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    try:
+        import flash_attn
+        info["flash_attn"] = flash_attn.__version__
+    except ImportError:
+        info["flash_attn"] = None
+    return info
+
+
+def report(results: list[Check], device: torch.device) -> dict:
+    return {"environment": environment(device), "checks": [asdict(r) for r in results],
+            "passed": all(r.status != "fail" for r in results)}
+
+
+def table(results: list[Check]) -> list[str]:
+    width = max(len(r.name) for r in results)
+    lines = [f"{'check':<{width}}  result   seconds  detail"]
+    lines += [f"{r.name:<{width}}  {r.status:<7}  {r.seconds:7.1f}  {r.detail}" for r in results]
+    return lines
