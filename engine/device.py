@@ -87,7 +87,7 @@ def linear_layout(device: torch.device, dtype: torch.dtype, weights_fit_bf16: bo
     return "as loaded"
 
 
-def build_cpu_extension(name: str, source: Path, fallback: str):
+def build_cpu_extension(name: str, source: Path, fallback: str, extra_cflags: tuple[str, ...] = ()):
     """A C++ extension of engine/csrc compiled by torch on first use (~30-50 s, cached in
     ~/.cache/torch_extensions), or None where it cannot be: no AVX2, no C++ compiler or ninja.
     `fallback` says, in the one log line, what runs instead."""
@@ -104,7 +104,7 @@ def build_cpu_extension(name: str, source: Path, fallback: str):
     except ImportError:
         pass  # a system ninja may still be on PATH
     try:
-        return cpp_extension.load(name, [str(source)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"])
+        return cpp_extension.load(name, [str(source)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", *extra_cflags])
     except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as error:
         log.warning("%s did not build (%s): %s, the exact fallback; a C++ compiler and ninja enable it",
                     source.name, error, fallback)

@@ -1,0 +1,254 @@
+// Linear layers over GGUF quantized weights kept as they are in the file (CPU, AVX2 + FMA + F16C):
+// y = x deq(W)^T in float32.
+//
+// A weight row is the file's row: K / B blocks of B values (B = 32, or 256 for the K-quants), each
+// block some float16 scales and packed integers. Every 8 weights are unpacked in registers to the
+// exact float32 values gguf's dequantize (numpy) gives: the products d * q are exact in float32
+// (an 11-bit float16 mantissa times a scale of at most 8 bits times a q of at most 6 bits, except
+// Q6_K's (d * scale) * q, rounded once as numpy does), so fused or not they round the same.
+//
+// Each output (m, n) sums x[m, k] * w[n, k] in 4 accumulators of 8 lanes, accumulator a lane l
+// holding k = 32 c + 8 a + l over c in order, then adds them in a fixed order: the same
+// operations whatever the number of x rows in the call, so a row's output does not depend on the
+// rows beside it. Each thread owns whole output rows.
+//
+// Block types (ggml ids): Q4_0 2, Q4_1 3, Q5_0 6, Q8_0 8, Q4_K 12, Q6_K 14.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline float half(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);
+}
+
+inline __m256i bytes8(const uint8_t* p) {  // 8 bytes -> 8 int32 lanes, zero-extended
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256 low_nibbles(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_and_si256(bytes8(p), _mm256_set1_epi32(0xF)));
+}
+
+inline __m256 high_nibbles(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes8(p), 4)); }
+
+// Each type: kValues per block, kBytes per block, and `block(b, f)` calling f(v, w) for the
+// block's 8-weight vectors v = 0 .. kValues / 8 - 1 in order, w the weights as float32.
+struct Q8_0 {
+  static constexpr int kValues = 32, kBytes = 34;
+  template <class F> static inline void block(const uint8_t* b, F&& f) {
+    const __m256 d = _mm256_set1_ps(half(b));
+    for (int v = 0; v < 4; ++v) {
+      const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * v)));
+      f(v, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
+    }
+  }
+};
+
+struct Q4_0 {  // value i: nibble (low for i < 16, high for i >= 16) of qs[i % 16], minus 8, times d
+  static constexpr int kValues = 32, kBytes = 18;
+  template <class F> static inline void block(const uint8_t* b, F&& f) {
+    const __m256 d = _mm256_set1_ps(half(b)), eight = _mm256_set1_ps(8.0f);
+    const uint8_t* qs = b + 2;
+    f(0, _mm256_mul_ps(_mm256_sub_ps(low_nibbles(qs), eight), d));
+    f(1, _mm256_mul_ps(_mm256_sub_ps(low_nibbles(qs + 8), eight), d));
+    f(2, _mm256_mul_ps(_mm256_sub_ps(high_nibbles(qs), eight), d));
+    f(3, _mm256_mul_ps(_mm256_sub_ps(high_nibbles(qs + 8), eight), d));
+  }
+};
+
+struct Q4_1 {  // value i: d * nibble + m
+  static constexpr int kValues = 32, kBytes = 20;
+  template <class F> static inline void block(const uint8_t* b, F&& f) {
+    const __m256 d = _mm256_set1_ps(half(b)), m = _mm256_set1_ps(half(b + 2));
+    const uint8_t* qs = b + 4;
+    f(0, _mm256_fmadd_ps(low_nibbles(qs), d, m));
+    f(1, _mm256_fmadd_ps(low_nibbles(qs + 8), d, m));
+    f(2, _mm256_fmadd_ps(high_nibbles(qs), d, m));
+    f(3, _mm256_fmadd_ps(high_nibbles(qs + 8), d, m));
+  }
+};
+
+struct Q5_0 {  // value i: (nibble | bit i of qh << 4) - 16, times d
+  static constexpr int kValues = 32, kBytes = 22;
+  template <class F> static inline void block(const uint8_t* b, F&& f) {
+    const __m256 d = _mm256_set1_ps(half(b));
+    uint32_t qh_bits;
+    std::memcpy(&qh_bits, b + 2, 4);
+    const __m256i qh = _mm256_set1_epi32(static_cast<int>(qh_bits)), one = _mm256_set1_epi32(1);
+    const __m256i sixteen = _mm256_set1_epi32(16), lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const uint8_t* qs = b + 6;
+    for (int v = 0; v < 4; ++v) {
+      const __m256i bytes = bytes8(qs + 8 * (v & 1));
+      const __m256i nibble = v < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0xF)) : _mm256_srli_epi32(bytes, 4);
+      const __m256i high = _mm256_and_si256(_mm256_srlv_epi32(qh, _mm256_add_epi32(lanes, _mm256_set1_epi32(8 * v))), one);
+      const __m256i q = _mm256_sub_epi32(_mm256_or_si256(nibble, _mm256_slli_epi32(high, 4)), sixteen);
+      f(v, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
+    }
+  }
+};
+
+struct Q4_K {  // 8 sub-blocks of 32: value 32 s + l = (d * sc_s) * nibble - dmin * m_s
+  static constexpr int kValues = 256, kBytes = 144;
+  template <class F> static inline void block(const uint8_t* b, F&& f) {
+    const float d = half(b), dmin = half(b + 2);
+    const uint8_t* sc = b + 4;
+    const uint8_t* qs = b + 16;
+    for (int s = 0; s < 8; ++s) {
+      int scale, min;  // 6 bits each, packed (ggml get_scale_min_k4)
+      if (s < 4) {
+        scale = sc[s] & 63;
+        min = sc[s + 4] & 63;
+      } else {
+        scale = (sc[s + 4] & 0xF) | ((sc[s - 4] >> 6) << 4);
+        min = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
+      }
+      const __m256 ds = _mm256_set1_ps(d * static_cast<float>(scale));
+      const __m256 dm = _mm256_set1_ps(dmin * static_cast<float>(min));
+      const uint8_t* q = qs + 32 * (s / 2);
+      for (int v = 0; v < 4; ++v) {
+        const __m256 nibble = s % 2 == 0 ? low_nibbles(q + 8 * v) : high_nibbles(q + 8 * v);
+        f(4 * s + v, _mm256_fmsub_ps(ds, nibble, dm));
+      }
+    }
+  }
+};
+
+struct Q6_K {  // value 128 h + 32 t + l: (d * scales[8 h + 2 t + l / 16]) * (6-bit q - 32)
+  static constexpr int kValues = 256, kBytes = 210;
+  template <class F> static inline void block(const uint8_t* b, F&& f) {
+    const float d = half(b + 208);
+    const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
+    const __m256i three = _mm256_set1_epi32(3), thirty_two = _mm256_set1_epi32(32);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* ql = b + 64 * h;
+      const uint8_t* qh = b + 128 + 32 * h;
+      for (int t = 0; t < 4; ++t) {
+        for (int v = 0; v < 4; ++v) {
+          const __m256i low_bytes = bytes8(ql + 32 * (t & 1) + 8 * v);
+          const __m256i low = t < 2 ? _mm256_and_si256(low_bytes, _mm256_set1_epi32(0xF)) : _mm256_srli_epi32(low_bytes, 4);
+          const __m256i high = _mm256_and_si256(_mm256_srli_epi32(bytes8(qh + 8 * v), 2 * t), three);
+          const __m256i q = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), thirty_two);
+          const __m256 ds = _mm256_set1_ps(d * static_cast<float>(scales[8 * h + 2 * t + v / 2]));
+          f(16 * h + 4 * t + v, _mm256_mul_ps(ds, _mm256_cvtepi32_ps(q)));
+        }
+      }
+    }
+  }
+};
+
+inline float sum_lanes(__m256 a) {  // fixed order: (0+4, 1+5, 2+6, 3+7), then pairs
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// NM rows of x (row stride K) against one weight row: y[m * N] for m < NM.
+template <class Q, int NM>
+inline void dot_rows(const float* x, int64_t K, const uint8_t* w, float* y, int64_t N) {
+  __m256 acc[NM][4];
+  for (int m = 0; m < NM; ++m)
+    for (int a = 0; a < 4; ++a) acc[m][a] = _mm256_setzero_ps();
+  const int64_t n_blocks = K / Q::kValues;
+  for (int64_t blk = 0; blk < n_blocks; ++blk) {
+    const float* xb = x + blk * Q::kValues;
+    Q::block(w + blk * Q::kBytes, [&](int v, __m256 wv) {
+      for (int m = 0; m < NM; ++m)
+        acc[m][v & 3] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xb + m * K + 8 * v), acc[m][v & 3]);
+    });
+  }
+  for (int m = 0; m < NM; ++m)
+    y[m * N] = sum_lanes(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3])));
+}
+
+// All M rows of x against weight rows [n0, n1): three x rows at a time (12 accumulators), the
+// weight row's blocks staying in L1 between the passes.
+template <class Q>
+void rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N,
+          int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wn = w + n * row_bytes;
+    int64_t m = 0;
+    for (; m + 3 <= M; m += 3) dot_rows<Q, 3>(x + m * K, K, wn, y + m * N + n, N);
+    if (M - m == 2) dot_rows<Q, 2>(x + m * K, K, wn, y + m * N + n, N);
+    if (M - m == 1) dot_rows<Q, 1>(x + m * K, K, wn, y + m * N + n, N);
+  }
+}
+
+// Weight rows [n0, n1) as float32 into out (row stride K).
+template <class Q>
+void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t K, float* out, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t blk = 0; blk < K / Q::kValues; ++blk) {
+      float* o = out + n * K + blk * Q::kValues;
+      Q::block(w + n * row_bytes + blk * Q::kBytes, [&](int v, __m256 wv) { _mm256_storeu_ps(o + 8 * v, wv); });
+    }
+  }
+}
+
+template <class Body>
+void dispatch(int64_t qtype, Body&& body) {
+  switch (qtype) {
+    case 2: return body(Q4_0{});
+    case 3: return body(Q4_1{});
+    case 6: return body(Q5_0{});
+    case 8: return body(Q8_0{});
+    case 12: return body(Q4_K{});
+    case 14: return body(Q6_K{});
+    default: TORCH_CHECK(false, "quant_cpu: ggml type ", qtype, " is not supported");
+  }
+}
+
+template <class Q>
+void check_weight(const torch::Tensor& w, int64_t K) {
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "quant_cpu: w uint8 [N, row bytes]");
+  TORCH_CHECK(K % Q::kValues == 0 && w.size(1) == K / Q::kValues * Q::kBytes,
+              "quant_cpu: a row of ", K, " values is ", K / Q::kValues * Q::kBytes, " bytes of this type, not ", w.size(1));
+}
+
+// x [M, K] float32 contiguous, w [N, K / B * block bytes] uint8 (the file's rows). y [M, N] float32.
+torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous(), "quant_linear: x float32 [M, K] contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  dispatch(qtype, [&](auto q) {
+    using Q = decltype(q);
+    check_weight<Q>(w, K);
+    if (M == 0 || N == 0) return;
+    const float* xp = x.data_ptr<float>();
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    float* yp = y.data_ptr<float>();
+    const int64_t row_bytes = w.size(1);
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { rows<Q>(xp, M, K, wp, row_bytes, yp, N, n0, n1); });
+  });
+  return y;
+}
+
+// w [N, row bytes] uint8 -> out float32 [N, K] contiguous: the weights gguf's dequantize gives.
+torch::Tensor dequantize(const torch::Tensor& w, int64_t qtype, torch::Tensor out) {
+  TORCH_CHECK(out.scalar_type() == torch::kFloat && out.dim() == 2 && out.is_contiguous() && out.size(0) == w.size(0),
+              "dequantize: out float32 [N, K] contiguous");
+  const int64_t K = out.size(1);
+  dispatch(qtype, [&](auto q) {
+    using Q = decltype(q);
+    check_weight<Q>(w, K);
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    float* op = out.data_ptr<float>();
+    const int64_t row_bytes = w.size(1);
+    at::parallel_for(0, w.size(0), 64, [&](int64_t n0, int64_t n1) { dequantize_rows<Q>(wp, row_bytes, K, op, n0, n1); });
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quant_linear", &quant_linear, "y = x deq(w)^T: float32 x [M, K], GGUF blocks w [N, row bytes], ggml type");
+  m.def("dequantize", &dequantize, "GGUF blocks w [N, row bytes], ggml type -> out float32 [N, K]");
+}
