@@ -104,7 +104,8 @@ def build_cpu_extension(name: str, source: Path, fallback: str, extra_cflags: tu
     except ImportError:
         pass  # a system ninja may still be on PATH
     try:
-        return cpp_extension.load(name, [str(source)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", *extra_cflags])
+        flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", *extra_cflags]
+        return cpp_extension.load(name, [str(source)], extra_cflags=flags)
     except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as error:
         log.warning("%s did not build (%s): %s, the exact fallback; a C++ compiler and ninja enable it",
                     source.name, error, fallback)

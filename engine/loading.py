@@ -225,10 +225,12 @@ def _special_tokens(tokenizer) -> set[tuple[str, int]]:
     return {(token, tokenizer.convert_tokens_to_ids(token)) for token in tokens}
 
 
-def load_model(source: str, dtype: torch.dtype, device: torch.device):
+def load_model(source: str, dtype: torch.dtype, device: torch.device, keep_gguf_blocks: bool = True):
     """(our Transformer with the weights of `source`, its tokenizer), weights on `device`.
 
-    The decoder is built on the meta device and takes the loaded tensors as they are (no random
+    A GGUF (a .gguf path or a packaged model) loaded in float32 on a CPU keeps its quantized
+    linears as the file's blocks (engine/quant.py) unless `keep_gguf_blocks` is False; otherwise
+    the decoder is built on the meta device and takes the loaded tensors as they are (no random
     initialisation, no second copy); RoPE buffers are then made for real.
     """
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -236,6 +238,11 @@ def load_model(source: str, dtype: torch.dtype, device: torch.device):
     from engine.config import ModelConfig
     from engine.model import Transformer
 
+    gguf = _gguf_to_keep_quantized(source, dtype, device) if keep_gguf_blocks else None
+    if gguf is not None:
+        from engine.quant import load_quantized_model
+
+        return load_quantized_model(*gguf)
     model_dir = resolve_model(source)
     hf_config = load_hf_config(model_dir)
     with torch.device("meta"):
@@ -252,3 +259,21 @@ def load_model(source: str, dtype: torch.dtype, device: torch.device):
     if missing:
         raise EngineError(f"{model_dir} lacks weights for {', '.join(missing[:5])}")
     return model.eval(), load_tokenizer(model_dir)
+
+
+def _gguf_to_keep_quantized(source: str, dtype: torch.dtype, device: torch.device) -> tuple[Path, str | None] | None:
+    """(the .gguf of `source`, its sha256 if known) when engine/quant.py can keep its blocks:
+    float32 on a CPU where its kernel built; None for every other checkpoint and device."""
+    from engine import models
+    from engine.quant import cpu_quant_kernel
+
+    path = Path(source).expanduser()
+    is_file = path.is_file() and path.suffix == ".gguf"
+    if device.type != "cpu" or dtype != torch.float32 or not (is_file or source in models.PACKAGED_MODELS):
+        return None
+    if cpu_quant_kernel() is None:
+        return None
+    if is_file:
+        return path.resolve(), None
+    model = models.PACKAGED_MODELS[source]
+    return models.assemble_gguf(model, cache_root()), model.sha256
