@@ -102,25 +102,31 @@ def is_quantized(model: nn.Module) -> bool:
 
 
 def gguf_header_dir(gguf_path: Path, sha256: str) -> Path:
-    """A small Hugging Face folder (config.json, tokenizer, chat template, no weights) read once
-    from the GGUF by transformers and cached under the file's sha256."""
+    """A small folder read once from the GGUF and cached under the file's sha256: the Hugging Face
+    config and tokenizer (chat template included) by transformers, and `tensors.json`, where
+    each tensor's bytes lie, so later loads map the file without parsing its metadata again."""
     from engine.loading import COMPLETE_MARKER, cache_root, is_complete
 
     out_dir = cache_root() / "models" / f"{gguf_path.stem}-{sha256[:16]}-header"
     if is_complete(out_dir):
         return out_dir
+    from gguf import GGUFReader
     from transformers import AutoConfig, AutoTokenizer
 
     tmp_dir = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     try:
         config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        tensors = [{"name": t.name, "type": int(t.tensor_type), "offset": int(t.data_offset),
+                    "n_bytes": int(t.n_bytes), "shape": list(t.data.shape), "dtype": t.data.dtype.str}
+                   for t in GGUFReader(gguf_path).tensors]
     except (ValueError, KeyError, OSError) as error:
         raise EngineError(f"transformers could not read {gguf_path} as a GGUF model: {error}") from error
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.save_pretrained(tmp_dir)
     tokenizer.save_pretrained(tmp_dir)
+    (tmp_dir / "tensors.json").write_text(json.dumps(tensors) + "\n")
     (tmp_dir / COMPLETE_MARKER).write_text(json.dumps({"gguf": str(gguf_path), "sha256": sha256}) + "\n")
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp_dir, out_dir)
@@ -153,25 +159,28 @@ def _unpermute_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
     return rows.reshape(n_heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def read_gguf_tensors(gguf_path: Path, n_heads: int, n_kv_heads: int, kernel):
-    """{our name: (tensor, ggml type)}: kernel types as their raw blocks [rows, row bytes] uint8,
-    everything else dequantized to float32 (as gguf's dequantize gives)."""
-    from gguf import GGUFReader
+def read_gguf_tensors(gguf_path: Path, header: Path, hf_config) -> dict[str, tuple[torch.Tensor, int | None]]:
+    """{our name: (tensor, ggml type or None)}: the kernel's types as the file's blocks [rows, row
+    bytes] uint8, everything else dequantized to float32 by gguf (numpy)."""
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    reader = GGUFReader(gguf_path)
-    is_llama = bytes(reader.fields["general.architecture"].parts[-1]).decode() == "llama"
+    file = np.memmap(gguf_path, dtype=np.uint8, mode="r")
+    is_llama = hf_config.model_type == "llama"
+    n_heads = hf_config.num_attention_heads
+    n_kv_heads = getattr(hf_config, "num_key_value_heads", None) or n_heads
     tensors = {}
-    for t in reader.tensors:
-        name, qtype = _hf_name(t.name), int(t.tensor_type)
-        keeps_blocks = qtype in KERNEL_TYPES and kernel is not None
-        data = np.asarray(t.data) if keeps_blocks else dequantize(t.data, t.tensor_type).astype(np.float32)
-        data = data.reshape(*reversed([int(n) for n in t.shape])) if not keeps_blocks else data
+    for t in json.loads((header / "tensors.json").read_text()):
+        name, qtype = _hf_name(t["name"]), t["type"]
+        data = file[t["offset"]:t["offset"] + t["n_bytes"]].view(np.dtype(t["dtype"])).reshape(t["shape"])
+        keeps_blocks = qtype in KERNEL_TYPES
+        if not keeps_blocks:
+            data = dequantize(data, GGMLQuantizationType(qtype)).astype(np.float32)
         if is_llama and ".self_attn.q_proj." in name:
             data = _unpermute_rows(data, n_heads)
         elif is_llama and ".self_attn.k_proj." in name:
             data = _unpermute_rows(data, n_kv_heads)
-        tensors[name] = (torch.from_numpy(np.ascontiguousarray(data).copy()), qtype if keeps_blocks else None)
+        tensors[name] = (torch.from_numpy(np.array(data)), qtype if keeps_blocks else None)  # a copy in memory
     return tensors
 
 
@@ -189,7 +198,7 @@ def load_quantized_model(gguf_path: Path, sha256: str | None = None):
     cfg = ModelConfig.from_hf(hf_config)
     with torch.device("meta"):
         model = Transformer(cfg, hf_config)
-    tensors = read_gguf_tensors(gguf_path, cfg.n_heads, cfg.n_kv_heads, kernel)
+    tensors = read_gguf_tensors(gguf_path, header, hf_config)
     if "lm_head.weight" not in tensors:  # tied: the LM head reads the embedding's blocks
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     plain = {}

