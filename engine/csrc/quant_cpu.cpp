@@ -9,7 +9,8 @@
 //
 // Each output (m, n) sums x[m, k] * w[n, k] in 4 accumulators of 8 lanes, accumulator a lane l
 // holding k = 32 c + 8 a + l over c in order, then adds them in a fixed order: the same
-// operations whatever the number of x rows in the call, so a row's output does not depend on the
+// operations whatever the number of x rows in the call (one row unpacks weights in registers,
+// several unpack a weight row once to L1 and reuse it), so a row's output does not depend on the
 // rows beside it. Each thread owns whole output rows.
 //
 // Block types (ggml ids): Q4_0 2, Q4_1 3, Q5_0 6, Q8_0 8, Q4_K 12, Q6_K 14.
@@ -19,6 +20,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -167,29 +169,56 @@ inline void dot_rows(const float* x, int64_t K, const uint8_t* w, float* y, int6
     y[m * N] = sum_lanes(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3])));
 }
 
-// All M rows of x against weight rows [n0, n1): three x rows at a time (12 accumulators), the
-// weight row's blocks staying in L1 between the passes.
+// NM rows of x against one weight row already dequantized to float32 (w, in L1): the same
+// accumulators in the same order as `dot_rows` (a block holds a multiple of 32 values, so vector
+// j of the row is vector j % 4 of its 32), hence the same bits.
+template <int NM>
+inline void dot_rows_dequantized(const float* x, int64_t K, const float* w, float* y, int64_t N) {
+  __m256 acc[NM][4];
+  for (int m = 0; m < NM; ++m)
+    for (int a = 0; a < 4; ++a) acc[m][a] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    for (int a = 0; a < 4; ++a) {
+      const __m256 wv = _mm256_loadu_ps(w + k + 8 * a);
+      for (int m = 0; m < NM; ++m) acc[m][a] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k + 8 * a), acc[m][a]);
+    }
+  }
+  for (int m = 0; m < NM; ++m)
+    y[m * N] = sum_lanes(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3])));
+}
+
+template <class Q>
+void dequantize_row(const uint8_t* w, int64_t K, float* out) {
+  for (int64_t blk = 0; blk < K / Q::kValues; ++blk) {
+    float* o = out + blk * Q::kValues;
+    Q::block(w + blk * Q::kBytes, [&](int v, __m256 wv) { _mm256_storeu_ps(o + 8 * v, wv); });
+  }
+}
+
+// All M rows of x against weight rows [n0, n1). One row unpacks the weights in registers as it
+// goes; more rows unpack each weight row once into an L1 buffer (4 K bytes) and pass over it
+// three x rows at a time (12 accumulators).
 template <class Q>
 void rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N,
           int64_t n0, int64_t n1) {
+  if (M == 1) {
+    for (int64_t n = n0; n < n1; ++n) dot_rows<Q, 1>(x, K, w + n * row_bytes, y + n, N);
+    return;
+  }
+  std::vector<float> row(K);
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wn = w + n * row_bytes;
+    dequantize_row<Q>(w + n * row_bytes, K, row.data());
     int64_t m = 0;
-    for (; m + 3 <= M; m += 3) dot_rows<Q, 3>(x + m * K, K, wn, y + m * N + n, N);
-    if (M - m == 2) dot_rows<Q, 2>(x + m * K, K, wn, y + m * N + n, N);
-    if (M - m == 1) dot_rows<Q, 1>(x + m * K, K, wn, y + m * N + n, N);
+    for (; m + 3 <= M; m += 3) dot_rows_dequantized<3>(x + m * K, K, row.data(), y + m * N + n, N);
+    if (M - m == 2) dot_rows_dequantized<2>(x + m * K, K, row.data(), y + m * N + n, N);
+    if (M - m == 1) dot_rows_dequantized<1>(x + m * K, K, row.data(), y + m * N + n, N);
   }
 }
 
 // Weight rows [n0, n1) as float32 into out (row stride K).
 template <class Q>
 void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t K, float* out, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    for (int64_t blk = 0; blk < K / Q::kValues; ++blk) {
-      float* o = out + n * K + blk * Q::kValues;
-      Q::block(w + n * row_bytes + blk * Q::kBytes, [&](int v, __m256 wv) { _mm256_storeu_ps(o + 8 * v, wv); });
-    }
-  }
+  for (int64_t n = n0; n < n1; ++n) dequantize_row<Q>(w + n * row_bytes, K, out + n * K);
 }
 
 template <class Body>
