@@ -17,7 +17,8 @@ random keys and values at the context length (costs do not depend on the values)
   of the model, stored as loaded, input-major and oneDNN-packed (engine/device.py `linear_layout`).
 - quant: the same matmuls (T = 1, 2, 4, 8, 16, 32, 64, 128, 256), the GGUF's blocks as in the
   file (engine/quant.py `QuantLinear`) vs the bf16-stored kernel (`Bf16Linear`), both float32
-  arithmetic, with the weight bytes each reads per forward (float32 model; issue 22).
+  arithmetic, and bf16 oneDNN-packed (the default dtype on CPUs with AVX512-BF16), with the
+  weight bytes each reads per forward (issue 22).
 - compiled: the same matmuls (T = 1, 2, 5, 9, 16), input-major under MKL (the engine's fallback)
   vs `torch.compile` with freezing and Inductor's C++ GEMM template (weights prepacked at compile
   time; needs a C++ compiler). Not used by the engine yet: this measures what it would give.
@@ -266,11 +267,19 @@ def bench_quant(source: str, repeats: int) -> dict:
         return {"skipped": f"{source} did not load as GGUF blocks"}
     out = {"weight_bytes": {"quant": sum(m.weight.numel() for m in quant),
                             "bf16-stored": sum(2 * m.in_features * m.out_features for m in stored)}}
+    packed = []  # the default here where the CPU has AVX512-BF16 (bf16 model, oneDNN-packed)
+    if pick_dtype("auto", torch.device("cpu")) == torch.bfloat16 and can_pack_linear_weights(torch.bfloat16):
+        packed = [PackedLinear(m) for m in model_linears(source, torch.bfloat16)]
+        out["weight_bytes"]["bf16 packed"] = out["weight_bytes"]["bf16-stored"]
     for T in (1, 2, 4, 8, 16, 32, 64, 128, 256):
         x = {n: torch.randn(T, n) for n in {m.in_features for m in stored}}
+        fns = {"quant": lambda x=x: [m(x[m.in_features]) for m in quant],
+               "bf16-stored": lambda x=x: [m(x[m.in_features]) for m in stored]}
+        if packed:
+            x16 = {n: t.bfloat16() for n, t in x.items()}
+            fns["bf16 packed"] = lambda x=x16: [m(x[m.in_features]) for m in packed]
         with torch.inference_mode():
-            out[f"T={T}"] = side_by_side({"quant": lambda x=x: [m(x[m.in_features]) for m in quant],
-                                          "bf16-stored": lambda x=x: [m(x[m.in_features]) for m in stored]}, repeats)
+            out[f"T={T}"] = side_by_side(fns, repeats)
         print(f"quant T={T}: {json.dumps(out[f'T={T}'], default=lambda v: round(v, 2))}", flush=True)
     return out
 

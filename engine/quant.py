@@ -108,7 +108,7 @@ def gguf_header_dir(gguf_path: Path, sha256: str) -> Path:
     from engine.loading import COMPLETE_MARKER, cache_root, is_complete
 
     out_dir = cache_root() / "models" / f"{gguf_path.stem}-{sha256[:16]}-header"
-    if is_complete(out_dir):
+    if is_complete(out_dir) and (out_dir / "tensors.json").is_file():
         return out_dir
     from gguf import GGUFReader
     from transformers import AutoConfig, AutoTokenizer
