@@ -11,7 +11,8 @@ flags are recorded in the report). For each thread count and depth D:
   Each `--dtypes` entry is a separate engine: float32 loads the GGUF's blocks as they are in the
   file (engine/quant.py), bfloat16 the dequantized safetensors copy (bf16 kernels).
 Ratios are ours / llama.cpp in speed (> 1: we are faster). One run each; the machine is shared,
-so the load average is recorded before every measurement.
+so the load average is recorded before every measurement. Without llama.cpp built, `--quick`
+skips and a full run measures ours only (llama-bench is looked for again after each depth).
 
     nice -n 19 bash scripts/build_llamacpp.sh          # once, 10-20 min
     python -m benchmarks.peers --contexts 8192 --threads 1
@@ -132,15 +133,13 @@ def main(argv: list[str] | None = None) -> int:
               "machine": machine(), "gguf": str(gguf), "runs": [],
               "settings": {"model": args.model, "dtypes": args.dtypes, "new_tokens": args.new_tokens}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    missing = [str(path) for path in (bench, gguf) if not path.is_file()]
+    missing = [str(path) for path in (bench, gguf) if not path.is_file() and (args.quick or path == gguf)]
     if missing:
         report["skipped"] = f"not found: {', '.join(missing)} (nice -n 19 bash scripts/build_llamacpp.sh; " \
                             f"python -m engine.models --only {args.model})"
         log(f"peers: skipped, {report['skipped']}")
         args.out.write_text(json.dumps(report, indent=1) + "\n")
         return 0
-    flags = llamacpp_dir() / "BUILD_FLAGS"
-    report["llamacpp_build_flags"] = flags.read_text().strip() if flags.is_file() else None
     engines = {d: Engine.load(EngineConfig(target=args.model, levels="plain", device="cpu", dtype=d))
                for d in args.dtypes}
     chat = ChatFormat(next(iter(engines.values())).tokenizer)
@@ -153,16 +152,22 @@ def main(argv: list[str] | None = None) -> int:
             doc_ids = book_doc_ids(chat, book_ids, depth)
             run = {"threads": threads, "depth": depth, "n_doc_tokens": len(doc_ids), "ours": {}, "llama.cpp": {}}
             report["runs"].append(run)
+            for d, engine in engines.items():
+                run[f"load_avg_before_ours_{d}"] = list(psutil.getloadavg())
+                run["ours"][d] = ours(engine, chat, doc_ids, args.new_tokens)
+                log(f"ours {d} t={threads} d={depth}: {json.dumps(run['ours'][d], default=lambda v: round(v, 1))}")
+                args.out.write_text(json.dumps(report, indent=1) + "\n")
+            if not bench.is_file():  # checked now: a build still running may have finished
+                log(f"peers: {bench} is not built yet: ours only")
+                continue
+            flags = llamacpp_dir() / "BUILD_FLAGS"
+            report["llamacpp_build_flags"] = flags.read_text().strip() if flags.is_file() else None
             run["load_avg_before_llamacpp"] = list(psutil.getloadavg())
             run["llama.cpp"]["decode"] = llama_bench(bench, gguf, threads, 0, 32, depth)
             log(f"llama.cpp t={threads} d={depth}: decode {run['llama.cpp']['decode']['ms_per_token']:.1f} ms/token")
             if not args.skip_llamacpp_prefill:
                 run["llama.cpp"]["prefill"] = llama_bench(bench, gguf, threads, depth, 0, 0)
                 log(f"llama.cpp t={threads} d={depth}: prefill {run['llama.cpp']['prefill']['tokens_per_s']:.0f} tok/s")
-            for d, engine in engines.items():
-                run[f"load_avg_before_ours_{d}"] = list(psutil.getloadavg())
-                run["ours"][d] = ours(engine, chat, doc_ids, args.new_tokens)
-                log(f"ours {d} t={threads} d={depth}: {json.dumps(run['ours'][d], default=lambda v: round(v, 1))}")
             args.out.write_text(json.dumps(report, indent=1) + "\n")
     report["table"] = table(report)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
