@@ -98,7 +98,8 @@ class QuantEmbedding(nn.Module):
 
 
 def is_quantized(model: nn.Module) -> bool:
-    return any(isinstance(m, QuantLinear) for m in model.modules())
+    """Whether `model` holds GGUF blocks: its layout is then the file's, never changed after."""
+    return any(isinstance(m, QuantLinear | QuantEmbedding) for m in model.modules())
 
 
 def gguf_header_dir(gguf_path: Path, sha256: str) -> Path:
