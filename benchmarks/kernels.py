@@ -15,6 +15,10 @@ random keys and values at the context length (costs do not depend on the values)
   Prefill and decode also run ours with MKL input-major weights where the engine packs them.
 - weights: the matmuls of one forward of T = 1, 2, 5, 9, 16, 512 tokens over every linear weight
   of the model, stored as loaded, input-major and oneDNN-packed (engine/device.py `linear_layout`).
+- quant: the same matmuls (T = 1, 2, 4, 8, 16, 32, 64, 128, 256), the GGUF's blocks as in the
+  file (engine/quant.py `QuantLinear`) vs the bf16-stored kernel (`Bf16Linear`), both float32
+  arithmetic, and bf16 oneDNN-packed (the default dtype on CPUs with AVX512-BF16), with the
+  weight bytes each reads per forward (issue 22).
 - compiled: the same matmuls (T = 1, 2, 5, 9, 16), input-major under MKL (the engine's fallback)
   vs `torch.compile` with freezing and Inductor's C++ GEMM template (weights prepacked at compile
   time; needs a C++ compiler). Not used by the engine yet: this measures what it would give.
@@ -249,6 +253,37 @@ def bench_weights(source: str, dtype: torch.dtype, repeats: int) -> dict:
     return out
 
 
+def bench_quant(source: str, repeats: int) -> dict:
+    """Every linear of the model at T rows: GGUF blocks (QuantLinear) vs bf16-stored (Bf16Linear)."""
+    from engine.quant import QuantLinear, cpu_quant_kernel
+
+    kernel = cpu_linear_kernel()
+    if cpu_quant_kernel() is None or kernel is None:
+        return {"skipped": "the quantized or the bf16-stored linear kernel did not build here"}
+    model, _ = load_model(source, torch.float32, torch.device("cpu"))  # a packaged GGUF: its blocks
+    quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    stored = [Bf16Linear(m, kernel) for m in model_linears(source, torch.float32)]  # bf16-rounded copy
+    if not quant:
+        return {"skipped": f"{source} did not load as GGUF blocks"}
+    out = {"weight_bytes": {"quant": sum(m.weight.numel() for m in quant),
+                            "bf16-stored": sum(2 * m.in_features * m.out_features for m in stored)}}
+    packed = []  # the default here where the CPU has AVX512-BF16 (bf16 model, oneDNN-packed)
+    if pick_dtype("auto", torch.device("cpu")) == torch.bfloat16 and can_pack_linear_weights(torch.bfloat16):
+        packed = [PackedLinear(m) for m in model_linears(source, torch.bfloat16)]
+        out["weight_bytes"]["bf16 packed"] = out["weight_bytes"]["bf16-stored"]
+    for T in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        x = {n: torch.randn(T, n) for n in {m.in_features for m in stored}}
+        fns = {"quant": lambda x=x: [m(x[m.in_features]) for m in quant],
+               "bf16-stored": lambda x=x: [m(x[m.in_features]) for m in stored]}
+        if packed:
+            x16 = {n: t.bfloat16() for n, t in x.items()}
+            fns["bf16 packed"] = lambda x=x16: [m(x[m.in_features]) for m in packed]
+        with torch.inference_mode():
+            out[f"T={T}"] = side_by_side(fns, repeats)
+        print(f"quant T={T}: {json.dumps(out[f'T={T}'], default=lambda v: round(v, 2))}", flush=True)
+    return out
+
+
 INDUCTOR_CPU_GEMM = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
@@ -317,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--only", default="attention,cpu-attention,prefill,decode,sampling,weights",
-                   help="comma-separated; also: compiled")
+                   help="comma-separated; also: compiled, quant")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="model dtype; auto = the engine's choice (bf16 with AMX or AVX512-BF16, else float32)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kernels.json")
@@ -340,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     if "weights" in only:
         report["results"]["weights"] = bench_weights(args.model, dtype, args.repeats)
         print(f"weights: {json.dumps(report['results']['weights'], default=lambda x: round(x, 2))}", flush=True)
+    if "quant" in only:
+        report["results"]["quant"] = bench_quant(args.model, args.repeats)
     if "compiled" in only:  # not in the default set: it compiles for a minute or two
         report["results"]["compiled"] = bench_compiled(args.model, dtype, args.repeats)
     if "sampling" in only:

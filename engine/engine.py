@@ -38,6 +38,7 @@ from engine.kv.retrieval import RetrievalCache
 from engine.kv.streaming import StreamingCache
 from engine.memory import Workload, free_memory_bytes, resident_kv_layers
 from engine.model import Forward, QueryLog, Segment, Steps, Transformer, run
+from engine.quant import is_quantized
 from engine.sampling import Coins, GeneratorCoins
 from engine.speculative import CheckingDrafter, GammaTuner, LevelStack, LevelStats, Scorer
 
@@ -94,8 +95,9 @@ class Engine:
         for model in (target, draft):
             if model is not None:
                 model.set_attention(attend)
-                fits_bf16 = self.dtype == torch.float32 and model.linear_weights_fit_bf16()  # a bf16 checkpoint
-                model.lay_out_linears(linear_layout(self.device, self.dtype, fits_bf16))
+                if not is_quantized(model):  # a GGUF's blocks (engine/quant.py) stay as in the file
+                    fits_bf16 = self.dtype == torch.float32 and model.linear_weights_fit_bf16()  # a bf16 checkpoint
+                    model.lay_out_linears(linear_layout(self.device, self.dtype, fits_bf16))
         self.n_prefills = 0  # documents prefilled (the app asserts a question does not add one)
         self.n_prefill_tokens = 0
 
@@ -122,7 +124,7 @@ class Engine:
             # native RoPE: its StreamingLLM cache renumbers positions inside its window
             draft, draft_tokenizer = load_model(config.draft, dtype, device)
             check_same_tokenizer(tokenizer, draft_tokenizer, config.target, config.draft)
-        return cls(config, target, tokenizer, draft, generation_defaults(Path(tokenizer.name_or_path)))
+        return cls(config, target, tokenizer, draft, generation_defaults(config.target, Path(tokenizer.name_or_path)))
 
     @property
     def max_context(self) -> int:

@@ -153,12 +153,18 @@ def load_tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
 
-def generation_defaults(model_dir: Path) -> tuple[dict, set[int]]:
-    """(SamplingConfig fields, end token ids) from the folder's generation_config.json: the settings
-    the model was tuned to be sampled with. Without `do_sample` the model decodes greedily, as
-    Hugging Face's `generate` would; a missing file means greedy and no extra end tokens."""
+def generation_defaults(source: str, model_dir: Path) -> tuple[dict, set[int]]:
+    """(SamplingConfig fields, end token ids): the settings the model was tuned to be sampled with,
+    from the folder's generation_config.json, completed for a packaged model by the settings its
+    GGUF dropped (engine/models.py). Without `do_sample` the model decodes greedily, as Hugging
+    Face's `generate` would; no file means greedy and no extra end tokens."""
+    from engine import models
+
     path = Path(model_dir) / "generation_config.json"
     config = json.loads(path.read_text()) if path.is_file() else {}
+    packaged = models.PACKAGED_MODELS.get(source)
+    if packaged is not None and packaged.generation:
+        config |= packaged.generation
     end_ids = config.get("eos_token_id")
     end_ids = set(end_ids if isinstance(end_ids, list) else [end_ids] if end_ids is not None else [])
     if not config.get("do_sample"):
@@ -251,10 +257,13 @@ def extend_context(hf_config, yarn_factor: float) -> None:
     hf_config.max_position_embeddings = int(native * yarn_factor)
 
 
-def load_model(source: str, dtype: torch.dtype, device: torch.device, yarn_factor: float = 1.0):
+def load_model(source: str, dtype: torch.dtype, device: torch.device, yarn_factor: float = 1.0,
+               keep_gguf_blocks: bool = True):
     """(our Transformer with the weights of `source`, its tokenizer), weights on `device`.
 
-    The decoder is built on the meta device and takes the loaded tensors as they are (no random
+    A GGUF (a .gguf path or a packaged model) loaded in float32 on a CPU keeps its quantized
+    linears as the file's blocks (engine/quant.py) unless `keep_gguf_blocks` is False; otherwise
+    the decoder is built on the meta device and takes the loaded tensors as they are (no random
     initialisation, no second copy); RoPE buffers are then made for real.
     """
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -262,6 +271,12 @@ def load_model(source: str, dtype: torch.dtype, device: torch.device, yarn_facto
     from engine.config import ModelConfig
     from engine.model import Transformer
 
+    # (YaRN: through the converted folder, whose config extend_context edits)
+    gguf = _gguf_to_keep_quantized(source, dtype, device) if keep_gguf_blocks and yarn_factor == 1 else None
+    if gguf is not None:
+        from engine.quant import load_quantized_model
+
+        return load_quantized_model(*gguf)
     model_dir = resolve_model(source)
     hf_config = load_hf_config(model_dir)
     extend_context(hf_config, yarn_factor)
@@ -279,3 +294,21 @@ def load_model(source: str, dtype: torch.dtype, device: torch.device, yarn_facto
     if missing:
         raise EngineError(f"{model_dir} lacks weights for {', '.join(missing[:5])}")
     return model.eval(), load_tokenizer(model_dir)
+
+
+def _gguf_to_keep_quantized(source: str, dtype: torch.dtype, device: torch.device) -> tuple[Path, str | None] | None:
+    """(the .gguf of `source`, its sha256 if known) when engine/quant.py can keep its blocks:
+    float32 on a CPU where its kernel built; None for every other checkpoint and device."""
+    from engine import models
+    from engine.quant import cpu_quant_kernel
+
+    path = Path(source).expanduser()
+    is_file = path.is_file() and path.suffix == ".gguf"
+    if device.type != "cpu" or dtype != torch.float32 or not (is_file or source in models.PACKAGED_MODELS):
+        return None
+    if cpu_quant_kernel() is None:
+        return None
+    if is_file:
+        return path.resolve(), None
+    model = models.PACKAGED_MODELS[source]
+    return models.assemble_gguf(model, cache_root()), model.sha256

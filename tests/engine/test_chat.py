@@ -176,7 +176,7 @@ def test_qwen_stops_on_both_of_its_end_tokens():
     if folder is None:
         pytest.skip("qwen2.5-coder-0.5b is not assembled")
     tokenizer = load_tokenizer(folder)
-    sampling, end_ids = generation_defaults(folder)
+    sampling, end_ids = generation_defaults("qwen2.5-coder-0.5b", folder)
     chat = ChatFormat(tokenizer, end_ids=end_ids)
     assert {tokenizer.convert_ids_to_tokens(i) for i in chat.stop_ids} == {"<|im_end|>", "<|endoftext|>"}
     assert sampling == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.1}

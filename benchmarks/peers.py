@@ -1,0 +1,179 @@
+"""llama.cpp side by side with our `plain` decoding on the same GGUF file (issue 22, item 3).
+
+llama.cpp is what LM Studio, Ollama and Jan run underneath. Its tools are built once from the
+PyPI sdist by scripts/build_llamacpp.sh (cached in ~/.cache/bookchat/llama.cpp-11434; the build
+flags are recorded in the report). For each thread count and depth D:
+- llama.cpp decode: `llama-bench -m FILE -d D -n 32 -p 0 -t THREADS` (32 tokens after a
+  D-token context, which llama-bench prefills untimed);
+- llama.cpp prefill: `llama-bench -m FILE -p D -n 0 -t THREADS` (a D-token prompt from empty);
+- ours: the committed book cut to D tokens (benchmarks/longctx.py's prompt), `Engine.open`
+  timed as the prefill, then `plain` greedy answers of `--new-tokens` tokens, decode TBT mean.
+  Each `--dtypes` entry is a separate engine: float32 loads the GGUF's blocks as they are in the
+  file (engine/quant.py), bfloat16 the dequantized safetensors copy (bf16 kernels).
+Ratios are ours / llama.cpp in speed (> 1: we are faster). One run each; the machine is shared,
+so the load average is recorded before every measurement. Without llama.cpp built, `--quick`
+skips and a full run measures ours only (llama-bench is looked for again after each depth).
+
+    nice -n 19 bash scripts/build_llamacpp.sh          # once, 10-20 min
+    python -m benchmarks.peers --contexts 8192 --threads 1
+    python -m benchmarks.peers --quick                 # smoke test; skips when llama.cpp is absent
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+from benchmarks.longctx import BOOK, book_doc_ids, log, machine, timing
+from engine.chat import ChatFormat
+from engine.config import EngineConfig, SamplingConfig
+from engine.engine import Engine
+from engine.loading import cache_root
+from engine.models import PACKAGED_MODELS, gguf_path
+
+ROOT = Path(__file__).resolve().parent.parent
+QUESTION = "Summarize the story so far in one paragraph."
+
+
+def llamacpp_dir() -> Path:
+    return Path(os.environ.get("LLAMACPP_DIR") or cache_root() / "llama.cpp-11434")
+
+
+def llama_bench(bench: Path, gguf: Path, threads: int, n_prompt: int, n_gen: int, depth: int) -> dict:
+    """One llama-bench test: {"ms_per_token", "tokens_per_s", "command"} from its JSON output."""
+    command = [str(bench), "-m", str(gguf), "-t", str(threads), "-p", str(n_prompt), "-n", str(n_gen),
+               "-d", str(depth), "-r", "1", "-o", "json"]
+    env = {**os.environ, "LD_LIBRARY_PATH": str(bench.parent)}
+    t0 = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr[-1000:]}")
+    row = json.loads(done.stdout)[0]
+    return {"tokens_per_s": row["avg_ts"], "ms_per_token": 1000 / row["avg_ts"], "wall_s": time.perf_counter() - t0,
+            "command": " ".join(["llama-bench", *command[1:]]), "n_threads": row["n_threads"]}
+
+
+def ours(engine: Engine, chat: ChatFormat, doc_ids: list[int], new_tokens: int) -> dict:
+    """Our prefill of the document and one `plain` greedy answer after it."""
+    t0 = time.perf_counter()
+    session = engine.open(doc_ids)
+    prefill_s = time.perf_counter() - t0
+    q_ids = chat.question_ids(QUESTION, is_first=True, previous_answer_ended=False)
+    events, t_start = [], time.perf_counter()
+    for event in session.ask(q_ids, SamplingConfig(max_new_tokens=new_tokens), stop_ids=chat.stop_ids):
+        events.append((time.perf_counter(), len(event.tokens)))
+    decode = timing(t_start, events)
+    return {"prefill_s": prefill_s, "prefill_tokens_per_s": len(doc_ids) / prefill_s,
+            "ms_per_token": decode["tbt_ms_mean"], "n_tokens": decode["n_tokens"]}
+
+
+def warm_up(engine: Engine, chat: ChatFormat, book_ids: list[int]) -> None:
+    session = engine.open(book_doc_ids(chat, book_ids, 600))
+    for _ in session.ask(book_ids[:8], SamplingConfig(max_new_tokens=4)):
+        pass
+
+
+def table(report: dict) -> str:
+    head = ("| threads | depth | llama.cpp decode ms/token | " + " | ".join(
+        f"ours {d} ms/token (speed ratio)" for d in report["settings"]["dtypes"])
+        + " | llama.cpp prefill tokens/s | " + " | ".join(
+        f"ours {d} prefill tokens/s (ratio)" for d in report["settings"]["dtypes"]) + " |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in report["runs"]:
+        llama = r.get("llama.cpp") or {}
+        dec, pre = llama.get("decode", {}).get("ms_per_token"), llama.get("prefill", {}).get("tokens_per_s")
+        cells = [str(r["threads"]), f"{r['depth']:,}", f"{dec:.1f}" if dec else "-"]
+        for d in report["settings"]["dtypes"]:
+            o = r["ours"].get(d, {})
+            ratio = f" ({dec / o['ms_per_token']:.2f}x)" if dec and o.get("ms_per_token") else ""
+            cells.append(f"{o['ms_per_token']:.1f}{ratio}" if o.get("ms_per_token") else "-")
+        cells.append(f"{pre:.0f}" if pre else "-")
+        for d in report["settings"]["dtypes"]:
+            o = r["ours"].get(d, {})
+            ratio = f" ({o['prefill_tokens_per_s'] / pre:.2f}x)" if pre and o else ""
+            cells.append(f"{o['prefill_tokens_per_s']:.0f}{ratio}" if o else "-")
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.peers", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-coder-0.5b", help="a packaged model name or a .gguf path")
+    p.add_argument("--contexts", default="8192", help="comma-separated depths (tokens)")
+    p.add_argument("--threads", default="1", help="comma-separated thread counts")
+    p.add_argument("--dtypes", default="float32,bfloat16",
+                   help="our engines: float32 = the GGUF's blocks (engine/quant.py), bfloat16 = the bf16 copy")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--skip-llamacpp-prefill", action="store_true", help="llama.cpp decode only (prefill is slow)")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "peers.json")
+    p.add_argument("--quick", action="store_true", help="smoke test: SmolLM2, depth 256, 8 tokens, 1 thread")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.model, args.contexts, args.threads, args.new_tokens, args.dtypes = "smollm2-135m", "256", "1", 8, "float32"
+    args.contexts = [int(n) for n in args.contexts.split(",")]
+    args.threads = [int(n) for n in args.threads.split(",")]
+    args.dtypes = args.dtypes.split(",")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    gguf = gguf_path(args.model) if args.model in PACKAGED_MODELS else Path(args.model)
+    bench = llamacpp_dir() / "bin" / "llama-bench"
+    report = {"command": "python -m benchmarks.peers " + " ".join(sys.argv[1:] if argv is None else argv),
+              "machine": machine(), "gguf": str(gguf), "runs": [],
+              "settings": {"model": args.model, "dtypes": args.dtypes, "new_tokens": args.new_tokens}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    missing = [str(path) for path in (bench, gguf) if not path.is_file() and (args.quick or path == gguf)]
+    if missing:
+        report["skipped"] = f"not found: {', '.join(missing)} (nice -n 19 bash scripts/build_llamacpp.sh; " \
+                            f"python -m engine.models --only {args.model})"
+        log(f"peers: skipped, {report['skipped']}")
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        return 0
+    engines = {d: Engine.load(EngineConfig(target=args.model, levels="plain", device="cpu", dtype=d))
+               for d in args.dtypes}
+    chat = ChatFormat(next(iter(engines.values())).tokenizer)
+    book_ids = chat._user_text(BOOK.read_text(encoding="utf-8-sig").strip())
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for engine in engines.values():
+            warm_up(engine, chat, book_ids)
+        for depth in args.contexts:
+            doc_ids = book_doc_ids(chat, book_ids, depth)
+            run = {"threads": threads, "depth": depth, "n_doc_tokens": len(doc_ids), "ours": {}, "llama.cpp": {}}
+            report["runs"].append(run)
+            for d, engine in engines.items():
+                run[f"load_avg_before_ours_{d}"] = list(psutil.getloadavg())
+                run["ours"][d] = ours(engine, chat, doc_ids, args.new_tokens)
+                log(f"ours {d} t={threads} d={depth}: {json.dumps(run['ours'][d], default=lambda v: round(v, 1))}")
+                args.out.write_text(json.dumps(report, indent=1) + "\n")
+            if not bench.is_file():  # checked now: a build still running may have finished
+                log(f"peers: {bench} is not built yet: ours only")
+                continue
+            flags = llamacpp_dir() / "BUILD_FLAGS"
+            report["llamacpp_build_flags"] = flags.read_text().strip() if flags.is_file() else None
+            run["load_avg_before_llamacpp"] = list(psutil.getloadavg())
+            run["llama.cpp"]["decode"] = llama_bench(bench, gguf, threads, 0, 32, depth)
+            log(f"llama.cpp t={threads} d={depth}: decode {run['llama.cpp']['decode']['ms_per_token']:.1f} ms/token")
+            if not args.skip_llamacpp_prefill:
+                run["llama.cpp"]["prefill"] = llama_bench(bench, gguf, threads, depth, 0, 0)
+                log(f"llama.cpp t={threads} d={depth}: prefill {run['llama.cpp']['prefill']['tokens_per_s']:.0f} tok/s")
+            args.out.write_text(json.dumps(report, indent=1) + "\n")
+    report["table"] = table(report)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(report["table"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""GGUF quantized weights kept as they are in the file: a model's linears multiply float32
+activations with the file's blocks (engine/csrc/quant_cpu.cpp), each weight unpacked in registers
+to exactly the float32 value gguf's dequantize gives. The model is "the model in the file",
+dequantized in float32, with no dequantized copy on disk and about a quarter of bf16's bytes
+read per token.
+
+`load_quantized_model` builds our Transformer straight from a .gguf (CPU, float32, kernel
+built); tokenizer and Hugging Face config come from transformers' GGUF reader, cached as a small
+folder. Other checkpoints, dtypes and devices keep engine/loading.py's path. This module does not
+quantize anything, and does not choose when it is used (engine/loading.py `load_model` does).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from engine.config import EngineError
+
+# ggml type ids the kernel reads; others (and F16 / BF16) are dequantized to float32 at load
+KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
+_SOURCE = Path(__file__).parent / "csrc" / "quant_cpu.cpp"
+_scratch = threading.local()  # QuantLinear._dequantized: one float32 buffer per thread
+
+
+@functools.cache
+def cpu_quant_kernel():
+    """engine/csrc/quant_cpu.cpp, or None (no AVX2 / compiler): GGUFs then load dequantized."""
+    from engine.device import build_cpu_extension
+
+    # F16C for the block scales; no contraction, so d * q - m rounds as numpy's two operations do
+    return build_cpu_extension("bookchat_quant_cpu", _SOURCE, "GGUF weights are dequantized at load",
+                               ("-mf16c", "-ffp-contract=off"))
+
+
+class QuantLinear(nn.Module):
+    """A frozen linear whose weight is the file's blocks, `weight` [out, row bytes] uint8 of ggml
+    type `qtype`. Calls of at most `KERNEL_MAX_ROWS` rows run the kernel, whose output rows do
+    not depend on the rows beside them; larger calls (prefill chunks) dequantize
+    `BLOCK_ROWS` weight rows at a time to float32 for BLAS, summed in another order."""
+
+    KERNEL_MAX_ROWS = 128
+    BLOCK_ROWS = 4096  # weight rows dequantized at a time for BLAS (16 MB at in = 896)
+
+    def __init__(self, blocks: torch.Tensor, qtype: int, in_features: int, bias: torch.Tensor | None, kernel):
+        super().__init__()
+        assert blocks.dtype == torch.uint8 and blocks.dim() == 2, "GGUF blocks [out, row bytes]"
+        assert qtype in KERNEL_TYPES, f"ggml type {qtype} is not one the kernel reads"
+        self.in_features, self.out_features, self.qtype = in_features, blocks.shape[0], qtype
+        self.weight = nn.Parameter(blocks, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] float32 -> [..., out] float32
+        rows = x.reshape(-1, self.in_features).contiguous()  # [M, in]
+        if rows.shape[0] <= self.KERNEL_MAX_ROWS:
+            out = self.kernel.quant_linear(rows, self.weight, self.qtype)
+        else:
+            blocks = [rows @ self._dequantized(block).t() for block in self.weight.split(self.BLOCK_ROWS)]
+            out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        out = out.view(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def dequantized(self) -> torch.Tensor:  # [out, in] float32, a fresh tensor
+        return self.kernel.dequantize(self.weight, self.qtype, torch.empty(self.out_features, self.in_features))
+
+    def _dequantized(self, block: torch.Tensor) -> torch.Tensor:  # [rows, in] float32, in scratch
+        n = block.shape[0] * self.in_features
+        buffer = getattr(_scratch, "buffer", None)
+        if buffer is None or buffer.numel() < n:
+            buffer = _scratch.buffer = torch.empty(n)
+        return self.kernel.dequantize(block, self.qtype, buffer[:n].view(block.shape[0], self.in_features))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {KERNEL_TYPES[self.qtype]}"
+
+
+class QuantEmbedding(nn.Module):
+    """A token embedding whose table is the file's blocks: looked-up rows are dequantized."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: int, dim: int, kernel):
+        super().__init__()
+        self.weight = nn.Parameter(blocks, requires_grad=False)  # [V, row bytes] uint8
+        self.qtype, self.dim, self.kernel = qtype, dim, kernel
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T, dim] float32
+        rows = self.weight.index_select(0, ids.reshape(-1))
+        out = self.kernel.dequantize(rows, self.qtype, torch.empty(rows.shape[0], self.dim))
+        return out.view(*ids.shape, self.dim)
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """Whether `model` holds GGUF blocks: its layout is then the file's, never changed after."""
+    return any(isinstance(m, QuantLinear | QuantEmbedding) for m in model.modules())
+
+
+def gguf_header_dir(gguf_path: Path, sha256: str) -> Path:
+    """A small folder read once from the GGUF and cached under the file's sha256: the Hugging Face
+    config and tokenizer (chat template included) by transformers, and `tensors.json`, where
+    each tensor's bytes lie, so later loads map the file without parsing its metadata again."""
+    from engine.loading import COMPLETE_MARKER, cache_root, is_complete
+
+    out_dir = cache_root() / "models" / f"{gguf_path.stem}-{sha256[:16]}-header"
+    if is_complete(out_dir) and (out_dir / "tensors.json").is_file():
+        return out_dir
+    from gguf import GGUFReader
+    from transformers import AutoConfig, AutoTokenizer
+
+    tmp_dir = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
+    try:
+        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        tensors = [{"name": t.name, "type": int(t.tensor_type), "offset": int(t.data_offset),
+                    "n_bytes": int(t.n_bytes), "shape": list(t.data.shape), "dtype": t.data.dtype.str}
+                   for t in GGUFReader(gguf_path).tensors]
+    except (ValueError, KeyError, OSError) as error:
+        raise EngineError(f"transformers could not read {gguf_path} as a GGUF model: {error}") from error
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(tmp_dir)
+    tokenizer.save_pretrained(tmp_dir)
+    (tmp_dir / "tensors.json").write_text(json.dumps(tensors) + "\n")
+    (tmp_dir / COMPLETE_MARKER).write_text(json.dumps({"gguf": str(gguf_path), "sha256": sha256}) + "\n")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp_dir, out_dir)
+    return out_dir
+
+
+_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+            "ffn_down": "mlp.down_proj"}
+_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+def _hf_name(gguf_name: str) -> str:
+    """Our (Hugging Face) parameter name of a GGUF tensor of a Llama / Qwen2 file."""
+    fixed = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
+             "output_norm.weight": "model.norm.weight"}
+    if gguf_name in fixed:
+        return fixed[gguf_name]
+    _, layer, kind, what = gguf_name.split(".")
+    module = _LINEARS.get(kind) or _NORMS.get(kind)
+    if module is None:
+        raise EngineError(f"unexpected tensor {gguf_name!r} in a Llama / Qwen2 GGUF")
+    return f"model.layers.{layer}.{module}.{what}"
+
+
+def _unpermute_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's row order of a Llama q / k projection (its RoPE pairs interleaved), as
+    transformers does; rows move whole, so the blocks of a quantized row are untouched."""
+    half = rows.shape[0] // n_heads // 2
+    return rows.reshape(n_heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def read_gguf_tensors(gguf_path: Path, header: Path, hf_config) -> dict[str, tuple[torch.Tensor, int | None]]:
+    """{our name: (tensor, ggml type or None)}: the kernel's types as the file's blocks [rows, row
+    bytes] uint8, everything else dequantized to float32 by gguf (numpy)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    file = np.memmap(gguf_path, dtype=np.uint8, mode="r")
+    is_llama = hf_config.model_type == "llama"
+    n_heads = hf_config.num_attention_heads
+    n_kv_heads = getattr(hf_config, "num_key_value_heads", None) or n_heads
+    tensors = {}
+    for t in json.loads((header / "tensors.json").read_text()):
+        name, qtype = _hf_name(t["name"]), t["type"]
+        data = file[t["offset"]:t["offset"] + t["n_bytes"]].view(np.dtype(t["dtype"])).reshape(t["shape"])
+        keeps_blocks = qtype in KERNEL_TYPES
+        if not keeps_blocks:
+            data = dequantize(data, GGMLQuantizationType(qtype)).astype(np.float32)
+        if is_llama and ".self_attn.q_proj." in name:
+            data = _unpermute_rows(data, n_heads)
+        elif is_llama and ".self_attn.k_proj." in name:
+            data = _unpermute_rows(data, n_kv_heads)
+        tensors[name] = (torch.from_numpy(np.array(data)), qtype if keeps_blocks else None)  # a copy in memory
+    return tensors
+
+
+def load_quantized_model(gguf_path: Path, sha256: str | None = None):
+    """(our Transformer on CPU in float32 with the GGUF's linears as `QuantLinear`, tokenizer)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from engine.config import ModelConfig
+    from engine.loading import file_sha256, load_hf_config, load_tokenizer
+    from engine.model import Transformer
+
+    kernel = cpu_quant_kernel()
+    header = gguf_header_dir(gguf_path, sha256 or file_sha256(gguf_path))
+    hf_config = load_hf_config(header)
+    cfg = ModelConfig.from_hf(hf_config)
+    with torch.device("meta"):
+        model = Transformer(cfg, hf_config)
+    tensors = read_gguf_tensors(gguf_path, header, hf_config)
+    if "lm_head.weight" not in tensors:  # tied: the LM head reads the embedding's blocks
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    plain = {}
+    for name, (tensor, qtype) in tensors.items():
+        module_name = name.rsplit(".", 1)[0]
+        if qtype is None or not name.endswith(".weight"):
+            plain[name] = tensor
+        elif module_name == "model.embed_tokens":
+            model.model.embed_tokens = QuantEmbedding(tensor, qtype, cfg.dim, kernel)
+        else:
+            bias = tensors.get(f"{module_name}.bias", (None, None))[0]
+            model.set_submodule(module_name, QuantLinear(tensor, qtype, model.get_submodule(module_name).in_features,
+                                                        bias, kernel))
+    plain = {name: t for name, t in plain.items() if not _is_quant_bias(model, name)}
+    model.load_state_dict(plain, strict=False, assign=True)
+    if "model.embed_tokens.weight" in plain and not isinstance(model.lm_head, QuantLinear) and cfg.has_tied_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb = LlamaRotaryEmbedding(config=hf_config)
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise EngineError(f"{gguf_path} lacks weights for {', '.join(missing[:5])}")
+    return model.eval(), load_tokenizer(header)
+
+
+def _is_quant_bias(model: nn.Module, name: str) -> bool:
+    return name.endswith(".bias") and isinstance(model.get_submodule(name.rsplit(".", 1)[0]), QuantLinear)

