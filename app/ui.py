@@ -262,11 +262,12 @@ class App:
         return None
 
     def ask(self, message: str, history: list, temperature: float, top_p: float, max_new_tokens: float,
-            seed: float, levels: str, top_k: float | None = None, min_p: float | None = None,
+            seed: float, levels: str, request: gr.Request, top_k: float | None = None, min_p: float | None = None,
             repetition_penalty: float | None = None, presence_penalty: float | None = None,
-            frequency_penalty: float | None = None, request: gr.Request = None):
+            frequency_penalty: float | None = None):
         """Answer `message` (or, after Edit, replace the last question with it); `history` is shown only.
-        Sampling settings an API caller leaves out keep the model's defaults."""
+        Sampling settings an API caller leaves out keep the model's defaults. (Gradio passes `request`
+        in its place, before the inputs that follow it.)"""
         user = self.user(request)
         replace, user.editing = user.editing, False
         settings = (temperature, top_p, max_new_tokens, seed, levels, top_k, min_p, repetition_penalty,
@@ -274,14 +275,14 @@ class App:
         yield from self._answer(user, message, replace, settings)
 
     def regenerate(self, temperature: float, top_p: float, max_new_tokens: float, seed: float, levels: str,
-                   top_k: float | None = None, min_p: float | None = None, repetition_penalty: float | None = None,
-                   presence_penalty: float | None = None, frequency_penalty: float | None = None,
-                   request: gr.Request = None):
+                   request: gr.Request, top_k: float | None = None, min_p: float | None = None,
+                   repetition_penalty: float | None = None, presence_penalty: float | None = None,
+                   frequency_penalty: float | None = None):
         book = self.user(request).book
         self.user(request).editing = True  # replace the last turn with a new answer to its question
         question = book.turns[-1].question if book and book.turns else ""
-        yield from self.ask(question, [], temperature, top_p, max_new_tokens, seed, levels, top_k, min_p,
-                            repetition_penalty, presence_penalty, frequency_penalty, request)
+        yield from self.ask(question, [], temperature, top_p, max_new_tokens, seed, levels, request, top_k, min_p,
+                            repetition_penalty, presence_penalty, frequency_penalty)
 
     def sampling_config(self, settings: tuple) -> SamplingConfig:
         """The UI's settings by name; any left out keep the model's defaults (Engine.default_sampling)."""
@@ -503,7 +504,7 @@ class App:
         current, rows = self.engine.config.target, []
         for m in models.PACKAGED_MODELS.values():
             mark = " **(loaded)**" if m.name == current else ""
-            rows.append(f"| `{m.name}`{mark} | {m.n_bytes / 1e9:.1f} GB | {m.n_context // 1024}K | "
+            rows.append(f"| `{m.name}`{mark} | {m.n_bytes / 1e9:.1f} GB | {m.n_context // 1024 or '?'}K | "
                         f"{self.speeds.describe(m.name)} | {m.note} |")
         head = "| model | file | context | measured on this machine | quality |\n|:--|--:|--:|:--|:--|"
         draft = f" · draft `{self.engine.config.draft}`" if self.engine.config.draft else ""

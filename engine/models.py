@@ -47,7 +47,7 @@ class PackagedModel:
     n_bytes: int
     sha256: str  # of the assembled GGUF; the Qwen parts come from an unknown packager
     # the generation_config.json settings its GGUF drops (loading.generation_defaults adds them)
-    n_context: int  # native context, tokens (the model picker shows it before the model is converted)
+    n_context: int = 0  # native context, tokens (the model picker shows it before the model is converted)
     generation: dict | None = None
     note: str = ""  # one line on what the model is good for (the app's model picker)
 
