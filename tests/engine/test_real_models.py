@@ -43,7 +43,7 @@ def top2_margin(engine: Engine, prefix: list[int]) -> float:
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
 def test_every_stack_equals_plain_decoding_on_real_weights(name):
     engine = load(name)
-    chat = ChatFormat(engine.tokenizer)
+    chat = ChatFormat(engine.tokenizer, system=None)  # no "answer briefly from the book": a longer answer to compare
     doc = chat.document_ids(BOOK.read_text())[:2000]
     q = chat.question_ids("Who is Sir Walter Elliot, and what does he like to read?", True, False)
     session = engine.open(doc)

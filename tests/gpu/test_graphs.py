@@ -105,7 +105,7 @@ def test_static_middle_steps_match_eager_through_rebuilds_appends_and_truncates(
         n_scratch = 1 + round_idx % 3
         chain = random_ids(n_scratch, 128, 50 + round_idx)
         for i, token in enumerate(chain):  # the middle level's own unverified one-token chain
-            qs = [run(s.score([token], full.length + i, EMPTY_DRAFT, T1)) for s in scorers]
+            qs = [run(s.score([token], full.length + i, EMPTY_DRAFT, T1, doc + chain[:i + 1])) for s in scorers]
             assert torch.allclose(qs[0], qs[1], rtol=0, atol=1e-10), (round_idx, i)
             assert int(qs[0].argmax()) == int(qs[1].argmax())
             n_steps += 1
