@@ -6,6 +6,10 @@ import sys
 import time
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+# OpenMP threads sleep at barriers instead of spinning: on a desktop whose other programs take a
+# core, a 2-thread decoding step took 136 ms passive vs 449 ms spinning (1 thread: 164 ms;
+# benchmarks/RESULTS.md, issue 22 item 4). Set before torch loads OpenMP; the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
