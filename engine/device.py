@@ -89,8 +89,8 @@ def linear_layout(device: torch.device, dtype: torch.dtype, weights_fit_bf16: bo
     return "as loaded"
 
 
-def build_cpu_extension(name: str, source: Path, fallback: str, extra_cflags: tuple[str, ...] = (),
-                        wait_s: float = extensions.WAIT_S):
+def build_cpu_extension(name: str, source: Path, fallback: str, wait_s: float = extensions.WAIT_S,
+                        extra_cflags: tuple[str, ...] = ()):
     """A C++ extension of engine/csrc compiled by torch on first use (~30-50 s, cached in
     ~/.cache/torch_extensions; engine/extensions.py), or None where it cannot be: no AVX2, no C++
     compiler or ninja, or another process still building it after `wait_s`. `fallback` says, in

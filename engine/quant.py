@@ -38,7 +38,7 @@ def cpu_quant_kernel():
 
     # F16C for the block scales; no contraction, so d * q - m rounds as numpy's two operations do
     return build_cpu_extension("bookchat_quant_cpu", _SOURCE, "GGUF weights are dequantized at load",
-                               ("-mf16c", "-ffp-contract=off"))
+                               extra_cflags=("-mf16c", "-ffp-contract=off"))
 
 
 class QuantLinear(nn.Module):
