@@ -13,7 +13,7 @@ not loop; it loops when a 4-word phrase occurs more than 3 times. Settings: `gre
 Answers do not depend on the level stack (lossless), so the default stack runs and its speed is
 reported beside the scores.
 
-    python -m benchmarks.quality --models qwen2.5-coder-1.5b,qwen2.5-coder-0.5b --contexts 8192,32768
+    python -m benchmarks.quality --models qwen2.5-coder-1.5b,qwen2.5-coder-0.5b --contexts 8192,31744
     python -m benchmarks.quality --models qwen2.5-coder-1.5b --contexts 65536 --yarn 4
     python -m benchmarks.quality --quick                      # CI smoke test: SmolLM2, ~1K tokens
 """
@@ -182,7 +182,8 @@ def parse_args(argv):
     p.add_argument("--models", default="qwen2.5-coder-1.5b,qwen2.5-coder-0.5b")
     p.add_argument("--draft", default="auto", help="auto: the paired draft of each model")
     p.add_argument("--levels", default="auto")
-    p.add_argument("--contexts", default="8192,32768", help="comma-separated token counts")
+    p.add_argument("--contexts", default="8192,31744",  # 31,744: a question and its answer still fit in 32K
+                   help="comma-separated token counts")
     p.add_argument("--settings", default=",".join(SETTINGS))
     p.add_argument("--yarn", type=float, default=1.0, help="YaRN factor (4: 131,072 tokens for Qwen2.5)")
     p.add_argument("--dtype", default="auto")
