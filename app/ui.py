@@ -23,13 +23,14 @@ from types import SimpleNamespace
 
 import gradio as gr
 
+from app.cpu import CpuWatch, cpu_note
 from app.documents import Limits, PasswordRequired, WrongPassword, chapters
 from app.library import Library, chat_export_json, chat_markdown, write_export
 from app.session import BookSession, Prepared, keep_first, load_engine, open_book, pick_chapters, prepare, read_document
 from app.speeds import Speeds, duration
 from app.storage import write_failure
 from app.tokens import PlainChatFormat
-from app.views import Counters, Stages, render_metrics, render_plot, render_reading
+from app.views import Counters, Stages, is_remote, render_metrics, render_plot, render_reading
 from engine import models
 from engine.batch import Batcher
 from engine.config import LEVEL_STACKS, Cancelled, SamplingConfig
@@ -304,6 +305,7 @@ class App:
         yield {c.msg: gr.update(value="", show_label=False), c.chatbot: shown + [{"role": "assistant", "content": "…"}],
                c.metrics: render_metrics("thinking", None, book, user.counters), c.plot: render_plot([])}
         state, stats, points = "done", None, []
+        watch = None if is_remote(book) else CpuWatch()
         try:
             levels, sampling = settings[4], self.sampling_config(settings)
             book.session.set_levels(levels if levels in LEVEL_STACKS else book.session.levels)
@@ -316,7 +318,7 @@ class App:
                     state = {"cancelled": "stopped", "length": "done (length limit)"}.get(update.finish_reason, "done")
                     shown_state = "streaming" if update.finish_reason is None else state
                     out = {c.chatbot: shown + [{"role": "assistant", "content": update.answer or "…"}],
-                           c.metrics: render_metrics(shown_state, stats, book, user.counters),
+                           c.metrics: render_metrics(shown_state, stats, book, user.counters, cpu_note(watch)),
                            c.plot: render_plot(points)}
                     yield out if update.reading is None else {**out, c.reading: render_reading(book, update.reading)}
             finally:
@@ -328,7 +330,8 @@ class App:
             state = f"error — {error}"
         if book.turns:
             user.chat_ids.add(book.chat_id)
-        yield {c.chatbot: book.messages(), c.metrics: render_metrics(state, stats, book, user.counters),
+        yield {c.chatbot: book.messages(),
+               c.metrics: render_metrics(state, stats, book, user.counters, cpu_note(watch)),
                c.plot: render_plot(points), **self._library_view(user)}
 
     def edit_last(self, request: gr.Request):
