@@ -67,7 +67,7 @@ def test_blocks_unpack_to_exactly_ggufs_dequantize(name, isa):
 
 
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("n_rows", [1, 2, 3, 5, 16, QuantLinear.KERNEL_MAX_ROWS + 3])  # the last: BLAS path
+@pytest.mark.parametrize("n_rows", [1, 2, 3, 5, 16, 25, QuantLinear.KERNEL_MAX_ROWS + 3])  # the last: BLAS path
 def test_linear_equals_float32_product_with_dequantized_weights(name, n_rows, isa):
     linear, reference = layer(name, bias=True)
     x = torch.randn(n_rows, 512)
@@ -84,7 +84,8 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(name, isa):
     linear, _ = layer(name, n_rows=24)
     x = torch.randn(QuantLinear.KERNEL_MAX_ROWS, 512)
     alone = torch.cat([linear(x[i:i + 1]) for i in range(x.shape[0])])
-    for n in (2, 3, 4, 7, 9, QuantLinear.KERNEL_MAX_ROWS):
+    # chunks of rows unpacked together: AVX2 3, AVX-512 8 (17, 25: uneven chunks, a check of 1 + 3 x 8)
+    for n in (2, 3, 4, 7, 8, 9, 17, 25, QuantLinear.KERNEL_MAX_ROWS):
         assert torch.equal(linear(x[:n]), alone[:n]), f"{n} rows in one call"
 
 
