@@ -26,9 +26,16 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+// AVX2: unpacking and multiplying must inline into each loop: GCC otherwise leaves a K-quant's
+// block a call per vector once a function holds several row counts (one row: Q6_K 896 x 4864
+// 0.69 vs 0.60 ms). Forcing it in the AVX-512 path made it slower (BOOKCHAT_UNPACK_INLINE).
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+#define ALWAYS_INLINE_LAMBDA __attribute__((always_inline))
 
 namespace {
 
@@ -56,7 +63,7 @@ inline __m256 high_nibbles(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_
 // block's 8-weight vectors v = 0 .. kValues / 8 - 1 in order, w the weights as float32.
 struct Q8_0 {
   static constexpr int kValues = 32, kBytes = 34;
-  template <class F> static inline void block(const uint8_t* b, F&& f) {
+  template <class F> static ALWAYS_INLINE void block(const uint8_t* b, F&& f) {
     const __m256 d = _mm256_set1_ps(half(b));
     for (int v = 0; v < 4; ++v) {
       const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * v)));
@@ -67,7 +74,7 @@ struct Q8_0 {
 
 struct Q4_0 {  // value i: nibble (low for i < 16, high for i >= 16) of qs[i % 16], minus 8, times d
   static constexpr int kValues = 32, kBytes = 18;
-  template <class F> static inline void block(const uint8_t* b, F&& f) {
+  template <class F> static ALWAYS_INLINE void block(const uint8_t* b, F&& f) {
     const __m256 d = _mm256_set1_ps(half(b)), eight = _mm256_set1_ps(8.0f);
     const uint8_t* qs = b + 2;
     f(0, _mm256_mul_ps(_mm256_sub_ps(low_nibbles(qs), eight), d));
@@ -79,7 +86,7 @@ struct Q4_0 {  // value i: nibble (low for i < 16, high for i >= 16) of qs[i % 1
 
 struct Q4_1 {  // value i: d * nibble + m
   static constexpr int kValues = 32, kBytes = 20;
-  template <class F> static inline void block(const uint8_t* b, F&& f) {
+  template <class F> static ALWAYS_INLINE void block(const uint8_t* b, F&& f) {
     const __m256 d = _mm256_set1_ps(half(b)), m = _mm256_set1_ps(half(b + 2));
     const uint8_t* qs = b + 4;
     f(0, _mm256_fmadd_ps(low_nibbles(qs), d, m));
@@ -91,7 +98,7 @@ struct Q4_1 {  // value i: d * nibble + m
 
 struct Q5_0 {  // value i: (nibble | bit i of qh << 4) - 16, times d
   static constexpr int kValues = 32, kBytes = 22;
-  template <class F> static inline void block(const uint8_t* b, F&& f) {
+  template <class F> static ALWAYS_INLINE void block(const uint8_t* b, F&& f) {
     const __m256 d = _mm256_set1_ps(half(b));
     uint32_t qh_bits;
     std::memcpy(&qh_bits, b + 2, 4);
@@ -110,7 +117,7 @@ struct Q5_0 {  // value i: (nibble | bit i of qh << 4) - 16, times d
 
 struct Q4_K {  // 8 sub-blocks of 32: value 32 s + l = (d * sc_s) * nibble - dmin * m_s
   static constexpr int kValues = 256, kBytes = 144;
-  template <class F> static inline void block(const uint8_t* b, F&& f) {
+  template <class F> static ALWAYS_INLINE void block(const uint8_t* b, F&& f) {
     const float d = half(b), dmin = half(b + 2);
     const uint8_t* sc = b + 4;
     const uint8_t* qs = b + 16;
@@ -136,7 +143,7 @@ struct Q4_K {  // 8 sub-blocks of 32: value 32 s + l = (d * sc_s) * nibble - dmi
 
 struct Q6_K {  // value 128 h + 32 t + l: (d * scales[8 h + 2 t + l / 16]) * (6-bit q - 32)
   static constexpr int kValues = 256, kBytes = 210;
-  template <class F> static inline void block(const uint8_t* b, F&& f) {
+  template <class F> static ALWAYS_INLINE void block(const uint8_t* b, F&& f) {
     const float d = half(b + 208);
     const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
     const __m256i three = _mm256_set1_epi32(3), thirty_two = _mm256_set1_epi32(32);
@@ -167,6 +174,9 @@ struct Isa {
   using V = __m256;
   static constexpr int kWidth = 8, kAcc = 4;
   static constexpr int kRegisterRows = 3;  // 16 registers: 12 accumulators
+  // more rows unpack each weight row once into a buffer: AVX2 unpacking costs more than 3 rows'
+  // FMAs (Q5_0 4864 x 896, 9 rows: 1.5 vs 2.1 ms unpacking per 3 rows)
+  static constexpr int64_t kUnpackOnceAbove = 3;
   static inline V zero() { return _mm256_setzero_ps(); }
   static inline V load(const float* p) { return _mm256_loadu_ps(p); }
   static inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
@@ -177,7 +187,11 @@ struct Isa {
 };
 
 #define BOOKCHAT_QUANT_GENERIC
+#define BOOKCHAT_UNPACK_INLINE ALWAYS_INLINE
+#define BOOKCHAT_UNPACK_INLINE_LAMBDA ALWAYS_INLINE_LAMBDA
 #include __FILE__
+#undef BOOKCHAT_UNPACK_INLINE
+#undef BOOKCHAT_UNPACK_INLINE_LAMBDA
 #undef BOOKCHAT_QUANT_GENERIC
 
 }  // namespace avx2
@@ -290,6 +304,7 @@ struct Isa {
   using V = __m512;
   static constexpr int kWidth = 16, kAcc = 2;
   static constexpr int kRegisterRows = 8;  // 32 registers: 16 accumulators, the rest unpack
+  static constexpr int64_t kUnpackOnceAbove = INT64_MAX;  // unpacking per 8 rows is the faster
   static inline V zero() { return _mm512_setzero_ps(); }
   static inline V load(const float* p) { return _mm512_loadu_ps(p); }
   static inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
@@ -298,7 +313,11 @@ struct Isa {
 };
 
 #define BOOKCHAT_QUANT_GENERIC
+#define BOOKCHAT_UNPACK_INLINE inline  // forced, 128 rows of Q6_K 896 x 4864 took 44 vs 22 ms
+#define BOOKCHAT_UNPACK_INLINE_LAMBDA
 #include __FILE__
+#undef BOOKCHAT_UNPACK_INLINE
+#undef BOOKCHAT_UNPACK_INLINE_LAMBDA
 #undef BOOKCHAT_QUANT_GENERIC
 
 }  // namespace avx512
@@ -378,13 +397,13 @@ static_assert(kWidth * kAcc == 32, "accumulator a lane l holds k = 32 c + kWidth
 
 // NM rows of x (row stride K) against one weight row unpacked in registers: y[m * N] for m < NM.
 template <class Q, int NM>
-inline void dot_rows(const float* x, int64_t K, const uint8_t* w, float* y, int64_t N) {
+BOOKCHAT_UNPACK_INLINE void dot_rows(const float* x, int64_t K, const uint8_t* w, float* y, int64_t N) {
   V acc[NM][kAcc];
   for (int m = 0; m < NM; ++m)
     for (int a = 0; a < kAcc; ++a) acc[m][a] = Isa::zero();
   for (int64_t blk = 0; blk < K / Q::kValues; ++blk) {
     const float* xb = x + blk * Q::kValues;
-    Q::block(w + blk * Q::kBytes, [&](int v, V wv) {
+    Q::block(w + blk * Q::kBytes, [&](int v, V wv) BOOKCHAT_UNPACK_INLINE_LAMBDA {
       for (int m = 0; m < NM; ++m)
         acc[m][v % kAcc] = Isa::fma(wv, Isa::load(xb + m * K + kWidth * v), acc[m][v % kAcc]);
     });
@@ -405,21 +424,59 @@ template <class Q>
 inline void dequantize_row(const uint8_t* w, int64_t K, float* out) {
   for (int64_t blk = 0; blk < K / Q::kValues; ++blk) {
     float* o = out + blk * Q::kValues;
-    Q::block(w + blk * Q::kBytes, [&](int v, V wv) { Isa::store(o + kWidth * v, wv); });
+    Q::block(w + blk * Q::kBytes, [&](int v, V wv) BOOKCHAT_UNPACK_INLINE_LAMBDA { Isa::store(o + kWidth * v, wv); });
   }
 }
 
-// All M rows of x against weight rows [n0, n1): each weight row is unpacked in registers once per
-// chunk of at most kRegisterRows x rows (chunks as even as possible), and each weight vector
-// serves the chunk's rows. Unpacking a row once into a buffer and multiplying it in register
-// tiles (3 x rows by 4 weight rows) measured slower from 2 to 16 rows: 1 thread, AVX-512, Zen 4,
-// Q5_0 4864 x 896 at 5 rows 0.63 vs 0.88 ms (one row: 0.35), Q6_K 896 x 4864 0.80 vs 1.35.
+// NM rows of x against one weight row already unpacked to float32 (w, in L1): `dot_rows`'s
+// accumulators in its order (a block holds a multiple of 32 values, so vector j of the row goes to
+// accumulator j % kAcc either way), hence the same bits.
+template <int NM>
+inline void dot_rows_unpacked(const float* x, int64_t K, const float* w, float* y, int64_t N) {
+  V acc[NM][kAcc];
+  for (int m = 0; m < NM; ++m)
+    for (int a = 0; a < kAcc; ++a) acc[m][a] = Isa::zero();
+  for (int64_t k = 0; k < K; k += 32)
+    for (int a = 0; a < kAcc; ++a) {
+      const V wv = Isa::load(w + k + kWidth * a);
+      for (int m = 0; m < NM; ++m) acc[m][a] = Isa::fma(wv, Isa::load(x + m * K + k + kWidth * a), acc[m][a]);
+    }
+  for (int m = 0; m < NM; ++m) y[m * N] = Isa::reduce(acc[m]);
+}
+
+template <int R>
+inline void unpacked_rows(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N) {
+  if constexpr (R > 1) {
+    if (M < R) return unpacked_rows<R - 1>(x, M, K, w, y, N);
+  }
+  dot_rows_unpacked<R>(x, K, w, y, N);
+}
+
+// All M rows of x against weight rows [n0, n1), in chunks of at most kRegisterRows x rows (as
+// even as possible). Up to kUnpackOnceAbove rows, each weight row is unpacked in registers once per
+// chunk and each weight vector serves the chunk's rows; weight rows go in groups of 16, chunk
+// after chunk, so their blocks stay in L1. AVX-512, 1 thread, Zen 4, Q6_K 896 x 4864 (one row
+// 0.52 ms): 5 rows 0.80 vs 1.43 ms, 25 rows 4.1 vs 7.1, 128 rows 22 vs 54, against unpacking
+// each weight row once to a buffer and passing 6 rows at a time over it. Above kUnpackOnceAbove
+// rows (AVX2: 3), that: each weight row unpacked once into a buffer, then chunk after chunk.
 template <class Q>
 void rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N,
           int64_t n0, int64_t n1) {
   constexpr int R = Isa::kRegisterRows;
-  constexpr int64_t kGroup = 16;  // weight rows passed chunk after chunk: their blocks stay in L1
+  constexpr int64_t kGroup = 16;
   const int64_t chunks = (M + R - 1) / R;
+  if (M > Isa::kUnpackOnceAbove) {
+    std::vector<float> row(K);
+    for (int64_t n = n0; n < n1; ++n) {
+      dequantize_row<Q>(w + n * row_bytes, K, row.data());
+      for (int64_t c = 0, m = 0; c < chunks; ++c) {
+        const int64_t size = (M - m) / (chunks - c);
+        unpacked_rows<R>(x + m * K, size, K, row.data(), y + m * N + n, N);
+        m += size;
+      }
+    }
+    return;
+  }
   for (int64_t g = n0; g < n1; g += kGroup) {
     const int64_t g1 = std::min(g + kGroup, n1);
     for (int64_t c = 0, m = 0; c < chunks; ++c) {
