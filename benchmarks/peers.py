@@ -8,8 +8,10 @@ flags are recorded in the report). For each thread count and depth D:
 - llama.cpp prefill: `llama-bench -m FILE -p D -n 0 -t THREADS` (a D-token prompt from empty);
 - ours: the committed book cut to D tokens (benchmarks/longctx.py's prompt), `Engine.open`
   timed as the prefill, then `plain` greedy answers of `--new-tokens` tokens, decode TBT mean.
-  Each `--dtypes` entry is a separate engine: float32 loads the GGUF's blocks as they are in the
-  file (engine/quant.py), bfloat16 the dequantized safetensors copy (bf16 kernels).
+  Each `--dtypes` entry is a separate engine: float32 and bfloat16 load the GGUF's blocks as they
+  are in the file (engine/quant.py; linears in float32, the rest of a bf16 model in bf16),
+  `bfloat16-dequantized` the dequantized safetensors copy with bf16 kernels (the default on
+  AVX512-BF16 / AMX CPUs before the blocks ran in bf16 models).
 Ratios are ours / llama.cpp in speed (> 1: we are faster). One run each; the machine is shared,
 so the load average is recorded before every measurement. Without llama.cpp built, `--quick`
 skips and a full run measures ours only (llama-bench is looked for again after each depth).
@@ -36,7 +38,7 @@ from benchmarks.longctx import BOOK, book_doc_ids, log, machine, timing
 from engine.chat import ChatFormat
 from engine.config import EngineConfig, SamplingConfig
 from engine.engine import Engine
-from engine.loading import cache_root
+from engine.loading import cache_root, generation_defaults, load_model
 from engine.models import PACKAGED_MODELS, gguf_path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,6 +77,17 @@ def ours(engine: Engine, chat: ChatFormat, doc_ids: list[int], new_tokens: int) 
             "ms_per_token": decode["tbt_ms_mean"], "n_tokens": decode["n_tokens"]}
 
 
+def load_engine(model: str, setting: str) -> Engine:
+    """`plain` decoding of `model`: "float32" / "bfloat16" as Engine.load makes it (the GGUF's
+    blocks), "DTYPE-dequantized" from the dequantized copy (`keep_gguf_blocks=False`)."""
+    dtype, _, dequantized = setting.partition("-")
+    config = EngineConfig(target=model, levels="plain", device="cpu", dtype=dtype)
+    if not dequantized:
+        return Engine.load(config)
+    target, tokenizer = load_model(model, getattr(torch, dtype), torch.device("cpu"), keep_gguf_blocks=False)
+    return Engine(config, target, tokenizer, None, generation_defaults(model, Path(tokenizer.name_or_path)))
+
+
 def warm_up(engine: Engine, chat: ChatFormat, book_ids: list[int]) -> None:
     session = engine.open(book_doc_ids(chat, book_ids, 600))
     for _ in session.ask(book_ids[:8], SamplingConfig(max_new_tokens=4)):
@@ -110,8 +123,9 @@ def parse_args(argv):
     p.add_argument("--model", default="qwen2.5-coder-0.5b", help="a packaged model name or a .gguf path")
     p.add_argument("--contexts", default="8192", help="comma-separated depths (tokens)")
     p.add_argument("--threads", default="1", help="comma-separated thread counts")
-    p.add_argument("--dtypes", default="float32,bfloat16",
-                   help="our engines: float32 = the GGUF's blocks (engine/quant.py), bfloat16 = the bf16 copy")
+    p.add_argument("--dtypes", default="float32,bfloat16,bfloat16-dequantized",
+                   help="our engines: float32 / bfloat16 = the GGUF's blocks (engine/quant.py) in a model of that "
+                        "dtype; bfloat16-dequantized = the dequantized bf16 copy")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--skip-llamacpp-prefill", action="store_true", help="llama.cpp decode only (prefill is slow)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "peers.json")
@@ -140,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"peers: skipped, {report['skipped']}")
         args.out.write_text(json.dumps(report, indent=1) + "\n")
         return 0
-    engines = {d: Engine.load(EngineConfig(target=args.model, levels="plain", device="cpu", dtype=d))
-               for d in args.dtypes}
+    engines = {d: load_engine(args.model, d) for d in args.dtypes}
     chat = ChatFormat(next(iter(engines.values())).tokenizer)
     book_ids = chat._user_text(BOOK.read_text(encoding="utf-8-sig").strip())
     for threads in args.threads:
