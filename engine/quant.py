@@ -1,8 +1,8 @@
 """GGUF quantized weights kept as they are in the file: a model's linears multiply float32
 activations (a bf16 model's, widened) with the file's blocks (engine/csrc/quant_cpu.cpp), each
-weight unpacked in registers to exactly the float32 value gguf's dequantize gives. The model is "the model in the file",
-dequantized in float32, with no dequantized copy on disk and about a quarter of bf16's bytes
-read per token.
+weight unpacked in registers to exactly the float32 value gguf's dequantize gives. The linears
+are "the model in the file", dequantized in float32, with no dequantized copy on disk and about
+a quarter of bf16's bytes read per token.
 
 `load_quantized_model` builds our Transformer straight from a .gguf (CPU, float32 or bf16, kernel
 built); tokenizer and Hugging Face config come from transformers' GGUF reader, cached as a small
