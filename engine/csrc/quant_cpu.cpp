@@ -11,13 +11,15 @@
 // AVX-512: 2 x 16), accumulator a lane l holding k = 32 c + kWidth a + l over c in order, then
 // adds them in a fixed order: the same operations whatever the number of x rows in the call, so a
 // row's output does not depend on the rows beside it. Each weight vector is unpacked in registers
-// once per chunk of at most kRegisterRows x rows (AVX2 3, AVX-512 8) and serves all of them, so a
-// check of 5 rows costs 1.8 single rows, not 5. Each thread owns whole output rows.
+// once per chunk of at most kRegisterRows x rows (AVX2 3, AVX-512 8) and serves all of them (AVX2
+// above 3 rows: once per weight row, into a buffer), so on AVX-512 a check of 5 rows costs 1.5 to
+// 2.3 single rows, not 5. Each thread owns whole output rows.
 //
 // The unpacking of each block type is written per instruction set (namespaces avx2, avx512); the
-// loops over blocks, rows and tiles are written once, below `#else`, and compiled once per
-// instruction set: this file includes itself in each namespace (the AVX-512 one under a target
-// pragma), so each copy is compiled for its ISA and inlines its own intrinsics.
+// loops over blocks and rows are written once, below `#else`, and compiled once per instruction
+// set: this file includes itself (`#include __FILE__`, an absolute path as torch's builder passes
+// it) in each namespace, the AVX-512 one under a target pragma, so each copy is compiled for its
+// ISA and inlines its own intrinsics.
 //
 // Block types (ggml ids): Q4_0 2, Q4_1 3, Q5_0 6, Q8_0 8, Q4_K 12, Q6_K 14.
 #ifndef BOOKCHAT_QUANT_GENERIC
