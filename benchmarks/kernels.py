@@ -15,10 +15,12 @@ random keys and values at the context length (costs do not depend on the values)
   Prefill and decode also run ours with MKL input-major weights where the engine packs them.
 - weights: the matmuls of one forward of T = 1, 2, 5, 9, 16, 512 tokens over every linear weight
   of the model, stored as loaded, input-major and oneDNN-packed (engine/device.py `linear_layout`).
-- quant: the same matmuls (T = 1, 2, 4, 8, 16, 32, 64, 128, 256), the GGUF's blocks as in the
-  file (engine/quant.py `QuantLinear`) vs the bf16-stored kernel (`Bf16Linear`), both float32
-  arithmetic, and bf16 oneDNN-packed (the default dtype on CPUs with AVX512-BF16), with the
-  weight bytes each reads per forward (issue 22).
+- quant: the same matmuls (T = 1, 2, 3, 5, 9, 16, 25, 128, 512), the GGUF's blocks as in the
+  file (engine/quant.py `QuantLinear`) with float32 activations and with a bf16 model's (the
+  default dtype on CPUs with AVX512-BF16: the kernel in float32, prefill chunks of more than 128
+  rows through bf16 tiles) vs the bf16-stored kernel (`Bf16Linear`, float32 arithmetic) and bf16
+  oneDNN-packed (this CPU's bf16 model without the blocks), with the weight bytes each reads per
+  forward (issue 22).
 - compiled: the same matmuls (T = 1, 2, 5, 9, 16), input-major under MKL (the engine's fallback)
   vs `torch.compile` with freezing and Inductor's C++ GEMM template (weights prepacked at compile
   time; needs a C++ compiler). Not used by the engine yet: this measures what it would give.
@@ -271,12 +273,13 @@ def bench_quant(source: str, repeats: int) -> dict:
     if pick_dtype("auto", torch.device("cpu")) == torch.bfloat16 and can_pack_linear_weights(torch.bfloat16):
         packed = [PackedLinear(m) for m in model_linears(source, torch.bfloat16)]
         out["weight_bytes"]["bf16 packed"] = out["weight_bytes"]["bf16-stored"]
-    for T in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+    for T in (1, 2, 3, 5, 9, 16, 25, 128, 512):
         x = {n: torch.randn(T, n) for n in {m.in_features for m in stored}}
+        x16 = {n: t.bfloat16() for n, t in x.items()}
         fns = {"quant": lambda x=x: [m(x[m.in_features]) for m in quant],
+               "quant, bf16 model": lambda x=x16: [m(x[m.in_features]) for m in quant],
                "bf16-stored": lambda x=x: [m(x[m.in_features]) for m in stored]}
         if packed:
-            x16 = {n: t.bfloat16() for n, t in x.items()}
             fns["bf16 packed"] = lambda x=x16: [m(x[m.in_features]) for m in packed]
         with torch.inference_mode():
             out[f"T={T}"] = side_by_side(fns, repeats)

@@ -8,8 +8,10 @@ flags are recorded in the report). For each thread count and depth D:
 - llama.cpp prefill: `llama-bench -m FILE -p D -n 0 -t THREADS` (a D-token prompt from empty);
 - ours: the committed book cut to D tokens (benchmarks/longctx.py's prompt), `Engine.open`
   timed as the prefill, then `plain` greedy answers of `--new-tokens` tokens, decode TBT mean.
-  Each `--dtypes` entry is a separate engine: float32 loads the GGUF's blocks as they are in the
-  file (engine/quant.py), bfloat16 the dequantized safetensors copy (bf16 kernels).
+  Each `--dtypes` entry is a separate engine: float32 and bfloat16 load the GGUF's blocks as they
+  are in the file (engine/quant.py; linears in float32, the rest of a bf16 model in bf16),
+  `bfloat16-dequantized` the dequantized safetensors copy with bf16 kernels (the default on
+  AVX512-BF16 / AMX CPUs before the blocks ran in bf16 models).
 Ratios are ours / llama.cpp in speed (> 1: we are faster). One run each; the machine is shared,
 so the load average is recorded before every measurement. Without llama.cpp built, `--quick`
 skips and a full run measures ours only (llama-bench is looked for again after each depth).
@@ -37,7 +39,7 @@ from benchmarks.longctx import BOOK, book_doc_ids, log, machine, timing
 from engine.chat import ChatFormat
 from engine.config import PAIRED_DRAFTS, EngineConfig, SamplingConfig
 from engine.engine import Engine
-from engine.loading import cache_root
+from engine.loading import cache_root, generation_defaults, load_model
 from engine.models import PACKAGED_MODELS, gguf_path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,7 +72,7 @@ def ours(engine: Engine, chat: ChatFormat, doc_ids: list[int], new_tokens: int, 
     prefill_s = time.perf_counter() - t0
     q_ids = chat.question_ids(QUESTION, is_first=True, previous_answer_ended=False)
     result = {"prefill_s": prefill_s, "prefill_tokens_per_s": len(doc_ids) / prefill_s, "stacks": {}}
-    for stack in stacks:
+    for stack in (s for s in stacks if engine.draft is not None or "draft" not in s):
         session.set_levels(stack)
         events, tokens, t_start = [], [], time.perf_counter()
         for event in session.ask(q_ids, SamplingConfig(max_new_tokens=new_tokens), stop_ids=chat.stop_ids):
@@ -107,6 +109,19 @@ def llama_spec(tool: Path, gguf: Path, draft: Path | None, prompt: Path, threads
             "prefill_tokens_per_s": int(found["encoded"][1]) / float(found["encoded"][2]),
             "accept": float(found["accept"][1]) / 100 if found["accept"] else None,
             "command": " ".join([tool.name, *command[1:]])}
+
+
+def load_engine(model: str, setting: str, draft: str | None = None) -> Engine:
+    """`plain` decoding of `model`: "float32" / "bfloat16" as Engine.load makes it (the GGUF's
+    blocks, with `draft` if given), "DTYPE-dequantized" from the dequantized copy
+    (`keep_gguf_blocks=False`, no draft)."""
+    dtype, _, dequantized = setting.partition("-")
+    config = EngineConfig(target=model, draft=None if dequantized else draft, levels="plain", device="cpu",
+                          dtype=dtype)
+    if not dequantized:
+        return Engine.load(config)
+    target, tokenizer = load_model(model, getattr(torch, dtype), torch.device("cpu"), keep_gguf_blocks=False)
+    return Engine(config, target, tokenizer, None, generation_defaults(model, Path(tokenizer.name_or_path)))
 
 
 def warm_up(engine: Engine, chat: ChatFormat, book_ids: list[int]) -> None:
@@ -163,8 +178,9 @@ def parse_args(argv):
     p.add_argument("--model", default="qwen2.5-coder-0.5b", help="a packaged model name or a .gguf path")
     p.add_argument("--contexts", default="8192", help="comma-separated depths (tokens)")
     p.add_argument("--threads", default="1", help="comma-separated thread counts")
-    p.add_argument("--dtypes", default="float32,bfloat16",
-                   help="our engines: float32 = the GGUF's blocks (engine/quant.py), bfloat16 = the bf16 copy")
+    p.add_argument("--dtypes", default="float32,bfloat16,bfloat16-dequantized",
+                   help="our engines: float32 / bfloat16 = the GGUF's blocks (engine/quant.py) in a model of that "
+                        "dtype; bfloat16-dequantized = the dequantized bf16 copy")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--stacks", default="plain",
                    help="our level stacks, each answering after one prefill (plain is always measured)")
@@ -200,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
         return 0
     draft = "auto" if any("draft" in stack for stack in args.stacks) else None
-    engines = {d: Engine.load(EngineConfig(target=args.model, draft=draft, levels="plain", device="cpu", dtype=d))
-               for d in args.dtypes}
+    engines = {d: load_engine(args.model, d, draft) for d in args.dtypes}
     paired = PAIRED_DRAFTS.get(args.model)
     chat = ChatFormat(next(iter(engines.values())).tokenizer)
     book_ids = chat._user_text(BOOK.read_text(encoding="utf-8-sig").strip())

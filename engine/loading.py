@@ -261,22 +261,22 @@ def load_model(source: str, dtype: torch.dtype, device: torch.device, yarn_facto
                keep_gguf_blocks: bool = True):
     """(our Transformer with the weights of `source`, its tokenizer), weights on `device`.
 
-    A GGUF (a .gguf path or a packaged model) loaded in float32 on a CPU keeps its quantized
-    linears as the file's blocks (engine/quant.py) unless `keep_gguf_blocks` is False; otherwise
-    the decoder is built on the meta device and takes the loaded tensors as they are (no random
-    initialisation, no second copy); RoPE buffers are then made for real.
+    A GGUF (a .gguf path or a packaged model) loaded on a CPU in float32 or bfloat16 keeps its
+    quantized linears as the file's blocks (engine/quant.py: they multiply in float32 and return
+    `dtype`) unless `keep_gguf_blocks` is False; otherwise the decoder is built on the meta
+    device and takes the loaded tensors as they are (no random initialisation, no second copy);
+    RoPE buffers are then made for real.
     """
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     from engine.config import ModelConfig
     from engine.model import Transformer
 
-    # (YaRN: through the converted folder, whose config extend_context edits)
-    gguf = _gguf_to_keep_quantized(source, dtype, device) if keep_gguf_blocks and yarn_factor == 1 else None
+    gguf = _gguf_to_keep_quantized(source, dtype, device) if keep_gguf_blocks else None
     if gguf is not None:
         from engine.quant import load_quantized_model
 
-        return load_quantized_model(*gguf)
+        return load_quantized_model(*gguf, dtype=dtype, yarn_factor=yarn_factor)
     model_dir = resolve_model(source)
     hf_config = load_hf_config(model_dir)
     extend_context(hf_config, yarn_factor)
@@ -298,13 +298,16 @@ def load_model(source: str, dtype: torch.dtype, device: torch.device, yarn_facto
 
 def _gguf_to_keep_quantized(source: str, dtype: torch.dtype, device: torch.device) -> tuple[Path, str | None] | None:
     """(the .gguf of `source`, its sha256 if known) when engine/quant.py can keep its blocks:
-    float32 on a CPU where its kernel built; None for every other checkpoint and device."""
+    float32 or bfloat16 (the `auto` dtype of CPUs with AVX512-BF16 or AMX) on a CPU where its
+    kernel built; None for every other checkpoint, dtype and device."""
     from engine import models
     from engine.quant import cpu_quant_kernel
 
     path = Path(source).expanduser()
     is_file = path.is_file() and path.suffix == ".gguf"
-    if device.type != "cpu" or dtype != torch.float32 or not (is_file or source in models.PACKAGED_MODELS):
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not (is_file or source in models.PACKAGED_MODELS):
         return None
     if cpu_quant_kernel() is None:
         return None

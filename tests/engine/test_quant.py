@@ -1,7 +1,8 @@
 """GGUF blocks kept as in the file (engine/quant.py, engine/csrc/quant_cpu.cpp): each block type
 unpacks to exactly gguf's numpy dequantize; the linear equals float32 x @ deq(W).T up to
-summation order; a row's output does not depend on the rows beside it, bit for bit; on the real
-SmolLM2 file, greedy decoding with the blocks equals the dequantized float32 model's."""
+summation order; a row's output does not depend on the rows beside it, bit for bit, in float32
+and bf16 models; packaged GGUFs keep their blocks in bf16 and with YaRN; on the real files,
+greedy decoding with the blocks equals the dequantized float32 model's."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def test_blocks_unpack_to_exactly_ggufs_dequantize(name, isa):
 
 
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("n_rows", [1, 2, 3, 5, 16, QuantLinear.KERNEL_MAX_ROWS + 3])  # the last: BLAS path
+@pytest.mark.parametrize("n_rows", [1, 2, 3, 5, 16, 25, QuantLinear.KERNEL_MAX_ROWS + 3])  # the last: BLAS path
 def test_linear_equals_float32_product_with_dequantized_weights(name, n_rows, isa):
     linear, reference = layer(name, bias=True)
     x = torch.randn(n_rows, 512)
@@ -84,7 +85,8 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(name, isa):
     linear, _ = layer(name, n_rows=24)
     x = torch.randn(QuantLinear.KERNEL_MAX_ROWS, 512)
     alone = torch.cat([linear(x[i:i + 1]) for i in range(x.shape[0])])
-    for n in (2, 3, 4, 7, 9, QuantLinear.KERNEL_MAX_ROWS):
+    # chunks of rows unpacked together: AVX2 3, AVX-512 8 (17, 25: uneven chunks, a check of 1 + 3 x 8)
+    for n in (2, 3, 4, 7, 8, 9, 17, 25, QuantLinear.KERNEL_MAX_ROWS):
         assert torch.equal(linear(x[:n]), alone[:n]), f"{n} rows in one call"
 
 
@@ -165,3 +167,58 @@ def test_real_file_greedy_with_blocks_equals_dequantized_float32_model(name):
     answer = greedy_answer(model, tokenizer)
     reference, _ = load_model(name, torch.float32, torch.device("cpu"))
     assert len(answer) >= 8 and answer == greedy_answer(dequantized_copy(reference), tokenizer)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_bf16_activations_run_the_kernel_in_float32_and_return_bf16(name, isa):
+    """A bf16 model's QuantLinear: the kernel's float32 sum of the widened activations plus the
+    float32 bias, rounded once to bf16; each row's output independent of the rows beside it."""
+    linear, _ = layer(name, n_rows=24, bias=True)
+    x = torch.randn(QuantLinear.KERNEL_MAX_ROWS, 512).bfloat16()
+    float32 = linear(x.float())
+    got = linear(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, float32.bfloat16())
+    alone = torch.cat([linear(x[i:i + 1]) for i in range(x.shape[0])])
+    for n in (2, 5, 9, QuantLinear.KERNEL_MAX_ROWS):
+        assert torch.equal(linear(x[:n]), alone[:n]), f"{n} rows in one call"
+
+
+@pytest.mark.parametrize("name", ["Q5_0", "Q6_K"])
+def test_bf16_prefill_chunks_multiply_bf16_tiles(name):
+    """More rows than the kernel takes: weights dequantized to bf16 tiles, a bf16 GEMM; close to
+    the float32 product at bf16's precision, and the LM head's `out_dtype` keeps float32."""
+    linear, reference = layer(name, n_rows=40, bias=True)
+    linear.BLOCK_ROWS = 16  # several tiles
+    x = torch.randn(QuantLinear.KERNEL_MAX_ROWS + 5, 512).bfloat16()
+    exact = x.double() @ reference.double().T + linear.bias.double()
+    got = linear(x)
+    assert got.dtype == torch.bfloat16
+    bound = 2e-2 * (x.double().abs() @ reference.double().abs().T).max()  # bf16 weights and sums
+    assert (got.double() - exact).abs().max() <= bound
+    linear.out_dtype = torch.float32
+    assert linear(x).dtype == torch.float32 and linear(x[:3]).dtype == torch.float32
+
+
+def test_a_packaged_gguf_keeps_its_blocks_in_bf16_and_with_yarn():
+    """load_model's choice: the file's blocks in float32 and bfloat16 (the `auto` dtype where the
+    CPU has AVX512-BF16 or AMX), YaRN applied to the blocks model's config; the norms take the
+    model's dtype; `keep_gguf_blocks=False` is the way back to the dequantized copy."""
+    from engine.loading import load_model
+    from engine.models import gguf_path, packaged_model_dir
+    from engine.quant import is_quantized
+
+    name = "smollm2-135m"
+    if not gguf_path(name).is_file():
+        pytest.skip(f"{name} is not assembled: run `python -m engine.models --only {name}`")
+    native, _ = load_model(name, torch.float32, torch.device("cpu"))
+    model, _ = load_model(name, torch.bfloat16, torch.device("cpu"), yarn_factor=4)
+    assert is_quantized(model) and model.dtype == torch.bfloat16
+    assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)
+    assert model.config.max_positions == 4 * native.config.max_positions
+    rope = model.model.rotary_emb
+    assert rope.rope_type == "yarn" and not torch.equal(rope.inv_freq, native.model.rotary_emb.inv_freq)
+    assert model.model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
+    assert isinstance(model.lm_head, QuantLinear) and model.lm_head.out_dtype == torch.float32  # logits
+    if packaged_model_dir(name, assemble=False) is not None:
+        plain, _ = load_model(name, torch.bfloat16, torch.device("cpu"), keep_gguf_blocks=False)
+        assert not is_quantized(plain)
