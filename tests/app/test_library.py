@@ -14,6 +14,7 @@ import torch
 
 from app.documents import Document, Section
 from app.library import Library, atomic_write, read_json, text_sha256
+from engine import models
 
 BOOK = Document("A Short Book", "Chapter 1\n\nIt was a dark night.\n\nChapter 2\n\nMorning came.", "txt",
                 [Section("Chapter 1", 0, "chapter"), Section("Chapter 2", 33, "chapter")])
@@ -94,7 +95,8 @@ def test_chats_round_trip_and_bad_files_or_ids_are_ignored(library):
 def test_snapshot_restores_only_for_the_same_model_document_and_tokens(library, engine):
     doc_ids = engine.tokenizer("It was a dark and stormy night; the rain fell in torrents.")["input_ids"]
     identity, sha = library.model_identity(engine), text_sha256(BOOK.text)
-    assert identity["model_sha256"].startswith("file:")  # the weight files' hash, not just the name
+    # the weights' hash, not just the name: the GGUF file's, whose blocks the engine reads
+    assert identity["model_sha256"] == "gguf:" + models.PACKAGED_MODELS["smollm2-135m"].sha256
     book_id = library.add_book(BOOK, identity["model"], len(doc_ids))
     session = engine.open(doc_ids)
     library.save_snapshot(book_id, session, identity, sha)
@@ -110,6 +112,19 @@ def test_snapshot_restores_only_for_the_same_model_document_and_tokens(library, 
     assert library.restore_snapshot(book_id, engine, identity, sha, doc_ids[:-1] + [doc_ids[0]]) is None
     saved = json.loads((library.book_dir(book_id) / "meta.json").read_text())["snapshot"]
     assert saved["model"] == identity["model"] and saved["model_sha256"] == identity["model_sha256"]
+
+
+def test_the_weights_identity_of_a_gguf_read_as_blocks_needs_no_converted_copy(engine, monkeypatch, tmp_path):
+    """A first start on a CPU assembles the GGUF only (setup.sh --no-convert): saving a book must
+    not convert it after all (4.6 GB for the default pair) just to hash the weights."""
+    from app.snapshots import weights_sha256
+    from engine import loading
+
+    def no_conversion(source):
+        raise AssertionError(f"converted {source} to hash it")
+
+    monkeypatch.setattr(loading, "resolve_model", no_conversion)
+    assert weights_sha256(engine, tmp_path / "hashes.json") == "gguf:" + models.PACKAGED_MODELS["smollm2-135m"].sha256
 
 
 def test_a_truncated_snapshot_means_a_new_prefill_not_an_error(library, engine):
