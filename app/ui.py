@@ -199,7 +199,7 @@ class App:
                    for i, s in enumerate(found)]
         most = max(256, prepared.budget_tokens - 64)
         note = "The book is longer than the model's context. Choose what to read below; nothing is cut silently."
-        if self.engine.config.yarn_factor == 1 and not self.private:  # the context can grow, at a cost
+        if self._yarn() == 1 and not self.private and not getattr(self.engine, "is_remote", False):  # it can grow
             note += f" Or tick **Long books** in the Model panel and load the model again: {LONG_BOOKS_NOTE}"
         yield {**self._kept(user, f"{stages.render()}\n\n{note}"), c.first_n: gr.update(maximum=most, value=most),
                c.fit_row: gr.update(visible=True), c.pick: gr.update(choices=choices, value=[], visible=bool(choices))}
@@ -408,8 +408,9 @@ class App:
                                           container=False, elem_id="model", scale=3, allow_custom_value=True,
                                           info="or type a local folder, a .gguf file or a hub id")
                     c.load_model = gr.Button("Load model", size="sm", elem_id="load-model", scale=1)
-                c.long_books = gr.Checkbox(e.config.yarn_factor != 1, label=f"Long books: YaRN ×{LONG_BOOKS_YARN:g}",
-                                           elem_id="long-books", info=LONG_BOOKS_NOTE)
+                c.long_books = gr.Checkbox(self._yarn() != 1, label=f"Long books: YaRN ×{LONG_BOOKS_YARN:g}",
+                                           elem_id="long-books", info=LONG_BOOKS_NOTE,
+                                           visible=not getattr(e, "is_remote", False))  # the server decides
                 c.model_status = gr.Markdown("", elem_id="model-status")
             with gr.Row(equal_height=False):
                 with gr.Column(scale=1, min_width=240, elem_id="left"):
@@ -517,6 +518,9 @@ class App:
         draft = f" · draft `{self.engine.config.draft}`" if self.engine.config.draft else ""
         return f"Loaded: `{current}`{draft} · levels `{self.engine.config.levels}`\n\n{head}\n" + "\n".join(rows)
 
+    def _yarn(self) -> float:
+        return getattr(self.engine.config, "yarn_factor", 1.0)  # a remote backend's config has none
+
     def switch_model(self, name: str | None, long_books: bool, request: gr.Request):
         """Load another model (and its paired draft), or the same one with YaRN for long books; every
         open book closes (its KV cache belongs to the old model) and reopens from the library with
@@ -526,7 +530,7 @@ class App:
             yield {c.model_status: "In a shared app the model is chosen when it starts (`--model`, `--yarn`)."}
             return
         name, yarn = name or self.engine.config.target, LONG_BOOKS_YARN if long_books else 1.0
-        if name == self.engine.config.target and yarn == self.engine.config.yarn_factor:
+        if name == self.engine.config.target and yarn == self._yarn():
             yield {c.model_status: f"`{name}` is already loaded" + (" for long books." if yarn != 1 else ".")}
             return
         user.cancel.clear()
