@@ -9,7 +9,7 @@ acceptance rule, `sampling.verify`. All randomness comes from one `Coins` per re
 a drafter's draws, then the coins of the check of its proposal.
 Every method that runs a model is a generator of `model.Forward` requests (`Steps`): one session
 drives it alone with `model.run`, many sessions share forwards through engine/batch.py.
-This module names no concrete cache or drafter; the engine wires them (engine/engine.py).
+This module names no concrete cache or drafter; the engine wires them (engine/session.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import torch
 from engine.config import OutOfMemoryPlan
 from engine.kv import SlotCache
 
-GROW_TOKENS = 1024  # past the planned capacity (engine.py allocates it once), grow this much at a time
+GROW_TOKENS = 1024  # past the planned capacity (session.py allocates it once), grow this much at a time
 
 
 class FullCache(SlotCache):

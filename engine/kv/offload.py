@@ -25,7 +25,7 @@ import torch
 from engine.config import OutOfMemoryPlan
 
 log = logging.getLogger(__name__)
-GROW_TOKENS = 1024  # past the planned capacity (engine.py allocates it once), grow this much at a time
+GROW_TOKENS = 1024  # past the planned capacity (session.py allocates it once), grow this much at a time
 PINNED_CACHE_MB = 64  # pinned blocks above this are allocated exactly and freed at once (below)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.config import Cancelled, DocumentTooLong, EmptyPrompt, EngineConfig, SamplingConfig
-from engine.engine import Session
+from engine.session import Session
 from tests.conftest import tiny_engine
 from tests.engine.test_speculative import random_ids
 
@@ -176,7 +176,7 @@ def test_float32_on_cpu_lays_weights_out_for_the_cpu_and_stays_lossless(levels, 
     """float32 on CPU takes bf16-stored linears where the weights are bf16 values, else
     oneDNN-packed ones, else input-major weights (engine/device.py), for the target and the
     draft; speculation over any of them still gives plain decoding's greedy answer."""
-    from engine import engine as engine_module
+    from engine import session as engine_module
     from engine.device import can_pack_linear_weights, cpu_linear_kernel
     from engine.model import Bf16Linear, PackedLinear
 

@@ -11,8 +11,8 @@ import torch
 
 from engine.chat import ChatFormat
 from engine.config import LEVEL_STACKS, EngineConfig, SamplingConfig
-from engine.engine import Engine
 from engine.models import packaged_model_dir
+from engine.session import Engine
 from tests.conftest import XDIST
 
 pytestmark = pytest.mark.slow

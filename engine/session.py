@@ -26,6 +26,7 @@ from engine.config import (
     DocumentTooLong,
     EmptyPrompt,
     EngineConfig,
+    Levels,
     SamplingConfig,
 )
 from engine.device import linear_layout, now, pick_device, pick_dtype
@@ -228,17 +229,15 @@ class Engine:
         session.start(list(doc_ids))
         return session
 
-    def build_stack(self, full: FullCache, query_log: QueryLog, levels: str
+    def build_stack(self, full: FullCache, query_log: QueryLog, levels: Levels
                     ) -> tuple[LevelStack, list[LevelStats], RetrievalCache | None]:
-        cfg, c = replace(self.config, levels=levels), self.target.config
-        if "draft" in cfg.level_names and self.draft is None:
-            raise ValueError(f"levels={levels!r} needs a draft model: load the engine with one (--draft)")
-        names = cfg.level_names
-        stats = [LevelStats(name) for name in names if name in ("retrieval", "full")]  # checking levels
-        bottom = self._bottom_drafter(names[0]) if len(names) > 1 and names[0] != "retrieval" else None
+        cfg, c = self.config, self.target.config
+        levels.check_draft(self.draft)
+        stats = [LevelStats(name) for name in levels.names if name in ("retrieval", "full")]  # checking levels
+        bottom = self._bottom_drafter(levels.bottom) if levels.bottom else None
         retrieval = None
         drafter = bottom
-        if "retrieval" in names:
+        if levels.has_retrieval:
             r = cfg.retrieval
             scratch = 2 + cfg.max_gamma * (cfg.n_ngram_candidates + 1)
             retrieval = RetrievalCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, r.budget_tokens, r.sink_tokens,
@@ -251,7 +250,7 @@ class Engine:
                 sync=lambda: retrieval.append(full, retrieval.synced, full.length),
                 rebuild=lambda: retrieval.build(full, query_log.queries),
                 rebuild_every_tokens=r.rebuild_every_tokens, rebuild_below=r.rebuild_below_acceptance)
-        top_gamma = cfg.gamma_middle if "retrieval" in names else cfg.gamma_bottom
+        top_gamma = cfg.gamma_middle if levels.has_retrieval else cfg.gamma_bottom
         tuner = GammaTuner(top_gamma, cfg.max_gamma)
         direct = None  # the bottom drafter proposing to the top while the middle does not pay
         if retrieval is not None and bottom is not None:
@@ -278,14 +277,14 @@ class Session:
         self.engine, self.full = engine, full
         self.query_log = QueryLog(engine.target.config.n_layers, engine.config.retrieval.n_score_queries)
         self.levels = engine.config.levels
-        self.stack, self.level_stats, self.retrieval = engine.build_stack(full, self.query_log, self.levels)
+        self.stack, self.level_stats, self.retrieval = engine.build_stack(full, self.query_log, engine.config.stack)
         self.lock = threading.Lock()  # one answer at a time per session
 
     def set_levels(self, levels: str) -> None:
         """Switch the level stack; the full cache (the prefilled document) is kept."""
         if levels != self.levels:
-            tokens = self.tokens
-            self.stack, self.level_stats, self.retrieval = self.engine.build_stack(self.full, self.query_log, levels)
+            tokens, stack = self.tokens, Levels.parse(levels)
+            self.stack, self.level_stats, self.retrieval = self.engine.build_stack(self.full, self.query_log, stack)
             self.levels = levels
             self.stack.reset(tokens)
 
