@@ -255,7 +255,8 @@ class Engine:
         direct = None  # the bottom drafter proposing to the top while the middle does not pay
         if retrieval is not None and bottom is not None:
             direct = GammaTuner(cfg.gamma_bottom, cfg.max_gamma, check_s=tuner.check_s)
-        stack = LevelStack(Scorer(self.target, full, query_log), drafter, stats[-1], tuner, direct)
+        prefill = lambda ids, cancel: self.prefill_steps(full, ids, query_log, cancel=cancel)
+        stack = LevelStack(Scorer(self.target, full, query_log), drafter, stats[-1], tuner, direct, prefill)
         return stack, stats, retrieval
 
     def _bottom_drafter(self, name: str):
@@ -294,13 +295,13 @@ class Session:
         length = self.length
         plain = LevelStack(Scorer(self.engine.target, self.full), None, LevelStats("probe"), GammaTuner(0, 1))
         plain.reset(self.tokens)
-        self.full.truncate(min(self.full.length, length - 1))
+        plain.truncate(length)
         coins = GeneratorCoins(torch.Generator().manual_seed(0))
         t0 = now(self.engine.device)
         for _ in range(n_tokens):
-            run(plain.step(SamplingConfig(), coins))
+            run(plain.step(SamplingConfig(), coins, n_tokens))
         ms = 1000 * (now(self.engine.device) - t0) / n_tokens
-        self.full.truncate(min(self.full.length, length - 1))
+        plain.truncate(length)
         return ms
 
     def start(self, tokens: list[int]) -> None:
@@ -353,19 +354,13 @@ class Session:
             s.reset()
         stack.drafter_s = 0.0
         t_start = now(engine.device)
-        unseen = stack.tokens[self.full.length:]  # e.g. the last token after a truncate
-        n_kept = self.full.length
         try:
-            yield from engine.prefill_steps(self.full, unseen + question_ids[:-1], self.query_log, cancel=cancel)
+            yield from stack.extend(question_ids, cancel)
         except Cancelled:  # stopped while reading the question: the chat stays as it was
-            self.full.truncate(n_kept)
             yield Event([], Stats(self.level_stats), None, "cancelled")
             return
-        stack.tokens += question_ids
-        if stack.drafter:
-            stack.drafter.extend(question_ids)
         if sampling.penalty_start is None:  # the penalties count this answer's tokens
-            sampling = replace(sampling, penalty_start=len(stack.tokens))
+            sampling = replace(sampling, penalty_start=self.length)
         stats, n_new, n_first, t_first = Stats(self.level_stats), 0, 0, 0.0
         reason, reading_version = None, None
         while reason is None:
@@ -373,8 +368,7 @@ class Session:
                 reason = "cancelled"
                 break
             t0 = now(engine.device)
-            new = yield from stack.step(sampling, coins)
-            new, reason = self._cut(new, n_new, max_new, stop_ids)
+            new, reason = yield from stack.step(sampling, coins, max_new - n_new, stop_ids)
             t1 = now(engine.device)
             n_new += len(new)
             if not t_first:
@@ -384,19 +378,6 @@ class Session:
             yield Event(new, stats, reading, reason)
         if reason == "cancelled":
             yield Event([], stats, None, reason)
-
-    def _cut(self, new: list[int], n_before: int, max_new: int, stop_ids: set[int]):
-        """Cut a step's tokens at the first stop token or at max_new; roll the stack back to match."""
-        keep, reason = len(new), None
-        for i, t in enumerate(new):
-            if t in stop_ids:
-                keep, reason = i + 1, "stop"
-                break
-        if n_before + keep >= max_new:
-            keep, reason = min(keep, max_new - n_before), reason or "length"
-        if keep < len(new):
-            self.stack.truncate(self.length - (len(new) - keep))
-        return new[:keep], reason
 
     def _stats(self, stats: Stats, n_new, n_first, t_start, t_first, t_now, tbt_last_s) -> Stats:
         mean_s = (t_now - t_first) / (n_new - n_first) if n_new > n_first else tbt_last_s

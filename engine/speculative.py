@@ -14,13 +14,13 @@ This module names no concrete cache or drafter; the engine wires them (engine/se
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
 
 from engine.attention import is_tree_mask
-from engine.config import SamplingConfig
+from engine.config import Cancelled, SamplingConfig
 from engine.device import now
 from engine.drafters import Drafter
 from engine.kv import KVCache
@@ -28,6 +28,7 @@ from engine.model import Forward, QueryLog, Segment, Steps, Transformer
 from engine.sampling import Coins, Draft, Verdict, draft_histories, token_probs, verify
 
 EMPTY_DRAFT = Draft.chain([])
+Prefill = Callable[[list[int], object], Steps[None]]  # (ids, cancel flag) -> forwards writing their KV
 
 
 @dataclass
@@ -247,7 +248,10 @@ class CheckingDrafter:
         self.drafted = None
         if self.below:
             self.below.truncate(length)
-        self._rebuild()
+        if length - 1 >= self.synced_length():  # only tokens this cache never took: the selection stands
+            self.sync()
+        else:
+            self._rebuild()
 
     def _needs_rebuild(self) -> bool:
         w = self.window
@@ -285,7 +289,12 @@ class CheckingDrafter:
 
 
 class LevelStack:
-    """The committed tokens of one session and the levels that extend them, top level last.
+    """The committed tokens of one conversation and the levels that extend them, top level last.
+
+    The rule every method keeps: the top cache holds every committed token but the last (after a
+    prefill, all of them); the tokens it lacks are fed with the next forward of the top level.
+    `extend` commits a prompt (prefilled by the `prefill` callback), `step` one check's tokens,
+    cut at a stop token or the length limit before they are committed; `truncate` rolls back.
 
     With a middle level and a drafter below it, `direct_tuner` lets that drafter propose to the
     top itself, as `ngram>full` or `draft>full` would, whenever the middle level is not expected
@@ -296,9 +305,10 @@ class LevelStack:
     """
 
     def __init__(self, top: Scorer, drafter: Drafter | None, top_stats: LevelStats, tuner: GammaTuner,
-                 direct_tuner: GammaTuner | None = None):
+                 direct_tuner: GammaTuner | None = None, prefill: Prefill | None = None):
         self.top, self.drafter, self.top_stats, self.tuner = top, drafter, top_stats, tuner
         self.direct_tuner = direct_tuner  # draft lengths of the bottom drafter checked by the top
+        self.prefill = prefill  # (ids, cancel) -> the forwards that write ids' KV after the top cache's
         self.tokens: list[int] = []
         self.drafter_s = 0.0
 
@@ -308,11 +318,31 @@ class LevelStack:
         if self.drafter:
             self.drafter.reset(tokens)
 
+    def _unseen(self) -> list[int]:
+        """Committed tokens the top cache lacks (at least the last one before a check)."""
+        return self.tokens[self.top.cache.length:]
+
+    def _hold_all_but_last(self) -> None:
+        self.top.cache.truncate(min(self.top.cache.length, len(self.tokens) - 1))
+
     def truncate(self, length: int) -> None:
         del self.tokens[length:]
-        self.top.cache.truncate(min(self.top.cache.length, length - 1))
+        self._hold_all_but_last()
         if self.drafter:
             self.drafter.truncate(length)
+
+    def extend(self, prompt: list[int], cancel=None) -> Steps[None]:
+        """Commit `prompt` (a question): its KV but the last token's is prefilled, in chunks
+        between which `cancel` is checked; `Cancelled` leaves the stack as it was."""
+        n_kept = self.top.cache.length
+        try:
+            yield from self.prefill(self._unseen() + prompt[:-1], cancel)
+        except Cancelled:
+            self.top.cache.truncate(n_kept)
+            raise
+        self.tokens += prompt
+        if self.drafter:
+            self.drafter.extend(prompt)
 
     def _goes_direct(self, gamma: int, direct_gamma: int) -> bool:
         """Whether the bottom drafter should propose to the top this check: the top's tuner
@@ -325,10 +355,12 @@ class LevelStack:
         middle, direct = self.tuner.expected_rate(gamma), self.direct_tuner.expected_rate(direct_gamma)
         return middle is not None and direct is not None and direct > middle
 
-    def step(self, sampling: SamplingConfig, coins: Coins) -> Steps[list[int]]:
-        """One check of the top level; returns the tokens it committed (at least one)."""
+    def step(self, sampling: SamplingConfig, coins: Coins, limit: int, stop_ids: Collection[int] = ()
+             ) -> Steps[tuple[list[int], str | None]]:
+        """One check of the top level: the tokens it commits (1 to `limit`, cut after the first
+        stop token) and why the answer ends ("stop", "length") or None."""
         device = self.top.model.lm_head.weight.device
-        pending = self.tokens[self.top.cache.length:]
+        pending = self._unseen()
         drafter, tuner = self.drafter, self.tuner
         gamma = tuner.gamma() if drafter else 0
         direct_gamma = self.direct_tuner.gamma() if self.direct_tuner is not None else None
@@ -346,8 +378,17 @@ class LevelStack:
         tuner.observe(len(draft), t1 - t0, verdict, len(pending) + len(draft), t2 - t1)
         self.top_stats.record(verdict, t2 - t1)
         self.drafter_s += t1 - t0
-        new = emitted(draft, verdict)
+        new, reason = cut(emitted(draft, verdict), limit, stop_ids)
         self.tokens += new
+        self._hold_all_but_last()  # a cut token's KV is in the top cache
         if self.drafter:
             self.drafter.extend(new)
-        return new
+        return new, reason
+
+
+def cut(new: list[int], limit: int, stop_ids: Collection[int]) -> tuple[list[int], str | None]:
+    """`new` up to its first stop token and at most `limit` tokens, and why the answer ends there."""
+    for i, t in enumerate(new[:limit]):
+        if t in stop_ids:
+            return new[:i + 1], "stop"
+    return new[:limit], "length" if len(new) >= limit else None

@@ -215,3 +215,19 @@ def test_a_bf16_checkpoint_on_cpu_is_stored_bf16_and_others_are_not():
     assert not isinstance(raw.target.lm_head, Bf16Linear)
     assert isinstance(raw.target.lm_head, PackedLinear) or raw.target.lm_head.weight.stride(0) == 1
     assert rounded.dtype == raw.dtype == torch.float32
+
+
+def test_a_check_cut_at_the_length_limit_keeps_the_retrieval_selection(monkeypatch):
+    """The stack cuts a check's tokens at the length limit (or a stop token) before committing
+    them, so the cut never rolls the middle level back (a re-selection the next question repeats)."""
+    from engine.speculative import CheckingDrafter
+
+    n_rebuilds, rebuild = [0], CheckingDrafter._rebuild
+    monkeypatch.setattr(CheckingDrafter, "_rebuild", lambda self: (n_rebuilds.__setitem__(0, n_rebuilds[0] + 1),
+                                                                   rebuild(self)))
+    session = tiny_engine("retrieval>full", gamma_middle=4).open(random_ids(40, 128, 1))  # fits the budget
+    n_rebuilds[0] = 0
+    events = list(session.ask(random_ids(3, 128, 2), SamplingConfig(max_new_tokens=2)))
+    assert len([t for e in events for t in e.tokens]) == 2 and events[-1].finish_reason == "length"
+    assert events[-1].stats.levels[-1].n_emitted > 2  # the check emitted more than the answer keeps
+    assert n_rebuilds[0] == 1  # the question's re-selection only
