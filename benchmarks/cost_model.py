@@ -391,7 +391,7 @@ ENGINE_RETRIEVAL_ACCEPTANCES = (0.8, 0.85, 0.9)  # inputs at budget 1024: not me
 def engine_overheads_ms(setup: Setup, gamma_middle: int, rebuild_every_tokens: int) -> float:
     """Per generated token, what our engine adds to the level forwards: under tensor parallel
     each top check broadcasts its coins, the cancel flag and the draft length (`SharedCoins`,
-    `SharedFlag`, `SharedTuner`: gamma + 3 small broadcasts, each a host sync), and every
+    `SharedFlag`, the tuners' `share`: gamma + 3 small broadcasts, each a host sync), and every
     `rebuild_every_tokens` the retrieval rebuild copies each offloaded layer's whole K over PCIe
     (engine/kv/retrieval.py reads it from host memory in slices) and scores its chunk means."""
     hw, cfg = setup.hardware, setup.target

@@ -10,7 +10,7 @@ tail mask (engine/attention.py). `QueryLog` records recent queries for retrieval
 from __future__ import annotations
 
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -66,7 +66,7 @@ class Segment:
 @dataclass
 class Forward:
     """A request for one segment of a forward. Decoding code is written as generators that
-    yield these and receive the segment's logits ([B, n_logits, V]); `run` serves them one at
+    yield these and receive the segment's logits ([B, n_logits, V]); `drive` serves them one at
     a time, engine/batch.py packs the requests of many sessions into one forward per model."""
 
     model: Transformer
@@ -76,14 +76,27 @@ class Forward:
 Steps = Generator[Forward, torch.Tensor, R]  # a computation that asks for forwards and returns R
 
 
-def run(steps: Steps[R]) -> R:
-    """Drive a generator of forward requests alone (unbatched); return its result."""
-    try:
-        request = next(steps)
-        while True:
-            request = steps.send(request.model.forward_packed([request.segment])[0])
-    except StopIteration as stop:
-        return stop.value
+def forward_alone(request: Forward) -> torch.Tensor:
+    """Serve one request by itself: its segment's logits [B, n_logits, V]."""
+    return request.model.forward_packed([request.segment])[0]
+
+
+def drive(steps: Generator, serve: Callable[[Forward], torch.Tensor] = forward_alone) -> Generator:
+    """The one loop over a generator of forward requests (`Steps`, or an answer's steps, which
+    yield events too): each `Forward` is answered with `serve(request)`, every other item is
+    passed on; returns the steps' value. `serve` is a local forward (`forward_alone`); a batch
+    round packs the forwards of many answers itself (engine/batch.py)."""
+    result = None
+    while True:
+        try:
+            item = steps.send(result)
+        except StopIteration as stop:
+            return stop.value
+        if isinstance(item, Forward):
+            result = serve(item)
+        else:
+            result = None
+            yield item
 
 
 class RMSNorm(nn.Module):

@@ -38,7 +38,7 @@ from engine.kv.offload import OffloadCache
 from engine.kv.retrieval import RetrievalCache
 from engine.kv.streaming import StreamingCache
 from engine.memory import Workload, free_memory_bytes, resident_kv_layers
-from engine.model import Forward, QueryLog, Segment, Steps, Transformer, run
+from engine.model import Forward, QueryLog, Segment, Steps, Transformer, drive
 from engine.quant import is_quantized
 from engine.sampling import Coins, GeneratorCoins
 from engine.speculative import CheckingDrafter, GammaTuner, LevelStack, LevelStats, Scorer
@@ -182,7 +182,8 @@ class Engine:
     def prefill(self, cache: FullCache, ids: list[int], query_log: QueryLog | None,
                 on_progress: Progress | None = None, cancel=None) -> None:
         """Chunked prefill of `ids` after the cache's length; cancel is checked between chunks."""
-        run(self.prefill_steps(cache, ids, query_log, on_progress, cancel))
+        for _ in drive(self.prefill_steps(cache, ids, query_log, on_progress, cancel)):
+            pass
 
     def prefill_steps(self, cache: FullCache, ids: list[int], query_log: QueryLog | None,
                       on_progress: Progress | None = None, cancel=None) -> Steps[None]:
@@ -233,6 +234,8 @@ class Engine:
                     ) -> tuple[LevelStack, list[LevelStats], RetrievalCache | None]:
         cfg, c = self.config, self.target.config
         levels.check_draft(self.draft)
+        share = parallel.shared if cfg.n_gpus > 1 else None  # every rank tunes as rank 0 does
+        tuner = functools.partial(GammaTuner, max_gamma=cfg.max_gamma, share=share)
         stats = [LevelStats(name) for name in levels.names if name in ("retrieval", "full")]  # checking levels
         bottom = self._bottom_drafter(levels.bottom) if levels.bottom else None
         retrieval = None
@@ -245,18 +248,17 @@ class Engine:
             one_token = static_decode_step(self.target, retrieval, self.uses_cuda_graphs)
             middle = Scorer(self.target, retrieval, None, one_token)
             drafter = CheckingDrafter(
-                middle, bottom, stats[0], GammaTuner(cfg.gamma_bottom, cfg.max_gamma),
+                middle, bottom, stats[0], tuner(cfg.gamma_bottom),
                 synced_length=lambda: retrieval.synced,
                 sync=lambda: retrieval.append(full, retrieval.synced, full.length),
                 rebuild=lambda: retrieval.build(full, query_log.queries),
                 rebuild_every_tokens=r.rebuild_every_tokens, rebuild_below=r.rebuild_below_acceptance)
-        top_gamma = cfg.gamma_middle if levels.has_retrieval else cfg.gamma_bottom
-        tuner = GammaTuner(top_gamma, cfg.max_gamma)
+        top = tuner(cfg.gamma_middle if levels.has_retrieval else cfg.gamma_bottom)
         direct = None  # the bottom drafter proposing to the top while the middle does not pay
         if retrieval is not None and bottom is not None:
-            direct = GammaTuner(cfg.gamma_bottom, cfg.max_gamma, check_s=tuner.check_s)
+            direct = tuner(cfg.gamma_bottom, check_s=top.check_s)
         prefill = lambda ids, cancel: self.prefill_steps(full, ids, query_log, cancel=cancel)
-        stack = LevelStack(Scorer(self.target, full, query_log), drafter, stats[-1], tuner, direct, prefill)
+        stack = LevelStack(Scorer(self.target, full, query_log), drafter, stats[-1], top, direct, prefill)
         return stack, stats, retrieval
 
     def _bottom_drafter(self, name: str):
@@ -299,7 +301,8 @@ class Session:
         coins = GeneratorCoins(torch.Generator().manual_seed(0))
         t0 = now(self.engine.device)
         for _ in range(n_tokens):
-            run(plain.step(SamplingConfig(), coins, n_tokens))
+            for _ in drive(plain.step(SamplingConfig(), coins, n_tokens)):
+                pass
         ms = 1000 * (now(self.engine.device) - t0) / n_tokens
         plain.truncate(length)
         return ms
@@ -326,7 +329,7 @@ class Session:
         """Append the question and stream the answer. Randomness: `sampling.seed`, unless tests
         pass their own `coins` (an exact enumerator of every random outcome)."""
         with self.lock:
-            yield from serve_alone(self._steps(question_ids, sampling, cancel, stop_ids, coins))
+            yield from drive(self._steps(question_ids, sampling, cancel, stop_ids, coins))
 
     def answer_steps(self, question_ids: list[int], sampling: SamplingConfig = SamplingConfig(),
                      cancel=None, stop_ids: set[int] | None = None, coins: Coins | None = None
@@ -417,21 +420,6 @@ class Session:
         session.query_log.queries = [q if q is None else q.to(engine.device) for q in state["queries"]]
         session.start(state["tokens"])
         return session
-
-
-def serve_alone(steps: Generator[Forward | Event, torch.Tensor | None, None]) -> Iterator[Event]:
-    """Run a session's steps by itself: serve each forward request, pass the events on."""
-    result = None
-    while True:
-        try:
-            item = steps.send(result)
-        except StopIteration:
-            return
-        if isinstance(item, Forward):
-            result = item.model.forward_packed([item.segment])[0]
-        else:
-            result = None
-            yield item
 
 
 def reading_ranges(chunk_starts: torch.Tensor, chunk_tokens: int, top: int = 12) -> list[tuple[int, int, float]]:

@@ -74,8 +74,11 @@ class GammaTuner:
     """
 
     def __init__(self, fixed: int | None, max_gamma: int, decay: float = 0.8, retry_every: int = 16,
-                 check_s: dict[int, float] | None = None):
+                 check_s: dict[int, float] | None = None, share: Callable[[float], float] | None = None):
         self.fixed, self.max_gamma, self.decay = fixed, max_gamma, decay
+        # tensor parallel: every rank takes rank 0's draft lengths and rates, which come from its
+        # timings (engine/parallel.py `shared`); one process: the value itself
+        self.share = share or (lambda value: value)
         self.acceptance = 0.7  # prior before the first check
         self.draft_s_per_token: float | None = None  # set by the first drafted check
         # tokens checked -> seconds (moving average): the checking level's costs, so the tuners
@@ -87,13 +90,22 @@ class GammaTuner:
         self.retry_every, self.n_undrafted = retry_every, 0
 
     def gamma(self) -> int:
+        return int(self.share(self._gamma()))
+
+    def expected_rate(self, g: int) -> float | None:
+        """Expected tokens per second with draft length g (0: plain decoding); None until two
+        numbers of tokens checked are measured."""
+        rate = self.share(-1.0 if (r := self._rate(g)) is None else r)
+        return None if rate < 0 else rate
+
+    def _gamma(self) -> int:
         if self.fixed is not None:
             return self.fixed
         if self.check_s and 1 not in self.check_s:  # measure the plain step every draft length is
             return 0  # compared with; drafts of one length all accepted would never measure it
         if len(self.check_s) < 2:
             return min(4, self.max_gamma)
-        rate = self.expected_rate
+        rate = self._rate
         best = max(range(1, self.max_gamma + 1), key=rate)
         if rate(best) >= rate(0):
             self.n_undrafted = 0
@@ -104,9 +116,7 @@ class GammaTuner:
             return 1
         return 0  # checking the last token alone is expected to be faster
 
-    def expected_rate(self, g: int) -> float | None:
-        """Expected tokens per second with draft length g (0: plain decoding); None until two
-        numbers of tokens checked are measured."""
+    def _rate(self, g: int) -> float | None:
         if len(self.check_s) < 2:
             return None
         a = min(self.acceptance, 0.999)
