@@ -80,7 +80,7 @@ def shard(model: Transformer, rank: int, n_ranks: int) -> Transformer:
             _slice(linear, part, dim)
         attn.n_heads, attn.n_kv_heads = H, Hkv
         # on the blocks, not on o_proj/down_proj (their outputs are the blocks'): the engine may
-        # swap the linears for packed ones afterwards (engine/model.py `pack_linear_weights`)
+        # swap the linears for packed ones afterwards (engine/layouts.py)
         attn.register_forward_hook(_all_reduce)
         mlp.register_forward_hook(_all_reduce)
     model.config = replace(c, n_heads=H, n_kv_heads=Hkv, intermediate=F)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from engine import parallel
+from engine import layouts, parallel
 from engine.attention import flash_attention, pick_attention
 from engine.config import (
     BadTokens,
@@ -97,8 +97,8 @@ class Engine:
             if model is not None:
                 model.set_attention(attend)
                 if not is_quantized(model):  # a GGUF's blocks (engine/quant.py) stay as in the file
-                    fits_bf16 = self.dtype == torch.float32 and model.linear_weights_fit_bf16()  # a bf16 checkpoint
-                    model.lay_out_linears(linear_layout(self.device, self.dtype, fits_bf16))
+                    fits_bf16 = self.dtype == torch.float32 and layouts.linear_weights_fit_bf16(model)  # bf16 file
+                    layouts.lay_out_linears(model, linear_layout(self.device, self.dtype, fits_bf16))
         self.n_prefills = 0  # documents prefilled (the app asserts a question does not add one)
         self.n_prefill_tokens = 0
 

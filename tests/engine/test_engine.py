@@ -178,7 +178,7 @@ def test_float32_on_cpu_lays_weights_out_for_the_cpu_and_stays_lossless(levels, 
     draft; speculation over any of them still gives plain decoding's greedy answer."""
     from engine import session as engine_module
     from engine.device import can_pack_linear_weights, cpu_linear_kernel
-    from engine.model import Bf16Linear, PackedLinear
+    from engine.layouts import Bf16Linear, PackedLinear
 
     if layout == "packed" and not can_pack_linear_weights(torch.float32):
         pytest.skip("this torch cannot prepack float32 linears with oneDNN")
@@ -205,7 +205,7 @@ def test_float32_on_cpu_lays_weights_out_for_the_cpu_and_stays_lossless(levels, 
 def test_a_bf16_checkpoint_on_cpu_is_stored_bf16_and_others_are_not():
     """The engine picks "bf16-stored" per model: for weights that are bf16 values only."""
     from engine.device import cpu_linear_kernel
-    from engine.model import Bf16Linear, PackedLinear
+    from engine.layouts import Bf16Linear, PackedLinear
 
     if cpu_linear_kernel() is None:
         pytest.skip("the CPU linear kernel does not build here")
