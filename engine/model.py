@@ -98,6 +98,15 @@ def drive(steps: Generator, serve: Callable[[Forward], torch.Tensor] = forward_a
             yield item
 
 
+def run(steps: Steps[R]) -> R:
+    """`drive` steps that yield only forwards, here; return their value."""
+    try:
+        next(drive(steps))
+    except StopIteration as stop:
+        return stop.value
+    raise AssertionError("run() drives steps that yield forwards only")
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

@@ -38,7 +38,7 @@ from engine.kv.offload import OffloadCache
 from engine.kv.retrieval import RetrievalCache
 from engine.kv.streaming import StreamingCache
 from engine.memory import Workload, free_memory_bytes, resident_kv_layers
-from engine.model import Forward, QueryLog, Segment, Steps, Transformer, drive
+from engine.model import Forward, QueryLog, Segment, Steps, Transformer, drive, run
 from engine.quant import is_quantized
 from engine.sampling import Coins, GeneratorCoins
 from engine.speculative import CheckingDrafter, GammaTuner, LevelStack, LevelStats, Scorer
@@ -182,8 +182,7 @@ class Engine:
     def prefill(self, cache: FullCache, ids: list[int], query_log: QueryLog | None,
                 on_progress: Progress | None = None, cancel=None) -> None:
         """Chunked prefill of `ids` after the cache's length; cancel is checked between chunks."""
-        for _ in drive(self.prefill_steps(cache, ids, query_log, on_progress, cancel)):
-            pass
+        run(self.prefill_steps(cache, ids, query_log, on_progress, cancel))
 
     def prefill_steps(self, cache: FullCache, ids: list[int], query_log: QueryLog | None,
                       on_progress: Progress | None = None, cancel=None) -> Steps[None]:
@@ -301,8 +300,7 @@ class Session:
         coins = GeneratorCoins(torch.Generator().manual_seed(0))
         t0 = now(self.engine.device)
         for _ in range(n_tokens):
-            for _ in drive(plain.step(SamplingConfig(), coins, n_tokens)):
-                pass
+            run(plain.step(SamplingConfig(), coins, n_tokens))
         ms = 1000 * (now(self.engine.device) - t0) / n_tokens
         plain.truncate(length)
         return ms

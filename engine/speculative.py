@@ -194,13 +194,24 @@ class Scorer:
             self.cache.keep_tail(start, torch.tensor(path))
 
 
-def check(scorer: Scorer, pending: list[int], start_pos: int, draft: Draft, sampling: SamplingConfig,
-          coins: Coins, tokens: list[int]) -> Steps[tuple[Verdict, torch.Tensor]]:
-    """Score a draft, accept a prefix of it, keep its KV; returns the verdict and q ([N+1, V])."""
-    q = yield from scorer.score(pending, start_pos, draft, sampling, tokens)
+def check(scorer: Scorer, drafter: Drafter | None, gamma: int, tuner: GammaTuner, stats: LevelStats,
+          pending: list[int], tokens: list[int], sampling: SamplingConfig, coins: Coins
+          ) -> Steps[tuple[Draft, Verdict, torch.Tensor, float]]:
+    """One round of a checking level: `drafter` proposes up to `gamma` tokens after `tokens`;
+    the scorer scores them after `pending` (the tokens of `tokens` its cache lacks), `verify`
+    accepts a prefix and the cache keeps its KV; the tuner and the counters take the timings.
+    Returns the draft, the verdict, q ([N+1, V]) and the drafter's seconds."""
+    device = scorer.model.lm_head.weight.device
+    t0 = now(device)
+    draft = (yield from drafter.propose(gamma, sampling, coins)) if drafter else EMPTY_DRAFT
+    t1 = now(device)
+    q = yield from scorer.score(pending, len(tokens) - len(pending), draft, sampling, tokens)
     verdict = verify(q, draft, coins)
     scorer.keep(len(pending), len(draft), verdict.path)
-    return verdict, q
+    t2 = now(device)
+    tuner.observe(len(draft), t1 - t0, verdict, len(pending) + len(draft), t2 - t1)
+    stats.record(verdict, t2 - t1)
+    return draft, verdict, q, t1 - t0
 
 
 def emitted(draft: Draft, verdict: Verdict) -> list[int]:
@@ -275,15 +286,8 @@ class CheckingDrafter:
         drafted, qs = [], []
         while len(drafted) < gamma:
             g = min(self.tuner.gamma(), gamma - len(drafted))
-            t0 = now(self.scorer.model.lm_head.weight.device)
-            draft = (yield from self.below.propose(g, sampling, coins)) if self.below else EMPTY_DRAFT
-            t1 = now(self.scorer.model.lm_head.weight.device)
-            start_pos = len(self.tokens) + len(drafted) - len(pending)
-            verdict, q = yield from check(self.scorer, pending, start_pos, draft, sampling, coins,
-                                          self.tokens + drafted)
-            t2 = now(self.scorer.model.lm_head.weight.device)
-            self.tuner.observe(len(draft), t1 - t0, verdict, len(pending) + len(draft), t2 - t1)
-            self.stats.record(verdict, t2 - t1)
+            draft, verdict, q, _ = yield from check(self.scorer, self.below, g, self.tuner, self.stats, pending,
+                                                    self.tokens + drafted, sampling, coins)
             self.window.record(verdict, 0.0)
             new = emitted(draft, verdict)
             qs += [q[0]] + [q[i + 1] for i in verdict.path]
@@ -369,7 +373,6 @@ class LevelStack:
              ) -> Steps[tuple[list[int], str | None]]:
         """One check of the top level: the tokens it commits (1 to `limit`, cut after the first
         stop token) and why the answer ends ("stop", "length") or None."""
-        device = self.top.model.lm_head.weight.device
         pending = self._unseen()
         drafter, tuner = self.drafter, self.tuner
         gamma = tuner.gamma() if drafter else 0
@@ -379,15 +382,9 @@ class LevelStack:
             # no forward, but re-selects its cache on schedule ("where the model is reading")
             yield from drafter.propose(0, sampling, coins)
             drafter, tuner, gamma = drafter.below, self.direct_tuner, direct_gamma
-        t0 = now(device)
-        draft = (yield from drafter.propose(gamma, sampling, coins)) if drafter else EMPTY_DRAFT
-        t1 = now(device)
-        verdict, _ = yield from check(self.top, pending, len(self.tokens) - len(pending), draft, sampling, coins,
-                                      self.tokens)
-        t2 = now(device)
-        tuner.observe(len(draft), t1 - t0, verdict, len(pending) + len(draft), t2 - t1)
-        self.top_stats.record(verdict, t2 - t1)
-        self.drafter_s += t1 - t0
+        draft, verdict, _, draft_s = yield from check(self.top, drafter, gamma, tuner, self.top_stats, pending,
+                                                      self.tokens, sampling, coins)
+        self.drafter_s += draft_s
         new, reason = cut(emitted(draft, verdict), limit, stop_ids)
         self.tokens += new
         self._hold_all_but_last()  # a cut token's KV is in the top cache
