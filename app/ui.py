@@ -23,13 +23,14 @@ from types import SimpleNamespace
 
 import gradio as gr
 
+from app.cpu import CpuWatch, cpu_note
 from app.documents import Limits, PasswordRequired, WrongPassword, chapters
 from app.library import Library, chat_export_json, chat_markdown, write_export
 from app.session import BookSession, Prepared, keep_first, load_engine, open_book, pick_chapters, prepare, read_document
 from app.speeds import Speeds, duration
 from app.storage import write_failure
 from app.tokens import PlainChatFormat
-from app.views import Counters, Stages, render_metrics, render_plot, render_reading
+from app.views import Counters, Stages, is_remote, render_metrics, render_plot, render_reading
 from engine import models
 from engine.batch import Batcher
 from engine.config import LEVEL_STACKS, Cancelled, Levels, SamplingConfig
@@ -37,6 +38,9 @@ from engine.session import Engine
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 FILE_TYPES = [".pdf", ".epub", ".txt", ".md", ".markdown", ".html", ".htm", ".docx"]
+LONG_BOOKS_YARN = 4.0  # Qwen2.5's documented YaRN factor: 4 x 32,768 = 131,072 tokens
+LONG_BOOKS_NOTE = ("up to 4× the model's native context (131,072 tokens for Qwen2.5). Answers may get less "
+                   "precise, also on short books, and reading a 128K-token book takes hours on a CPU.")
 QUICK = {"Summarize the book": "Summarize the book in a few paragraphs.",
          "Who are the main characters?": "Who are the main characters? Describe each in one sentence."}
 LONG_PREFILL_S = 120  # past this, a prefill's estimate names the faster model
@@ -195,9 +199,8 @@ class App:
                    for i, s in enumerate(found)]
         most = max(256, prepared.budget_tokens - 64)
         note = "The book is longer than the model's context. Choose what to read below; nothing is cut silently."
-        if self.engine.config.yarn_factor == 1:  # the context can grow, at a cost the reader should know
-            note += (" Or restart with `--yarn 4` to read up to 4× the native context (131,072 tokens for Qwen2.5): "
-                     "answers may get less precise, also on short books, and reading 128K tokens takes hours on a CPU.")
+        if self.engine.config.yarn_factor == 1 and not self.private:  # the context can grow, at a cost
+            note += f" Or tick **Long books** in the Model panel and load the model again: {LONG_BOOKS_NOTE}"
         yield {**self._kept(user, f"{stages.render()}\n\n{note}"), c.first_n: gr.update(maximum=most, value=most),
                c.fit_row: gr.update(visible=True), c.pick: gr.update(choices=choices, value=[], visible=bool(choices))}
 
@@ -304,6 +307,7 @@ class App:
         yield {c.msg: gr.update(value="", show_label=False), c.chatbot: shown + [{"role": "assistant", "content": "…"}],
                c.metrics: render_metrics("thinking", None, book, user.counters), c.plot: render_plot([])}
         state, stats, points = "done", None, []
+        watch = None if is_remote(book) else CpuWatch()
         try:
             levels, sampling = settings[4], self.sampling_config(settings)
             book.session.set_levels(levels if levels in LEVEL_STACKS else book.session.levels)
@@ -316,7 +320,7 @@ class App:
                     state = {"cancelled": "stopped", "length": "done (length limit)"}.get(update.finish_reason, "done")
                     shown_state = "streaming" if update.finish_reason is None else state
                     out = {c.chatbot: shown + [{"role": "assistant", "content": update.answer or "…"}],
-                           c.metrics: render_metrics(shown_state, stats, book, user.counters),
+                           c.metrics: render_metrics(shown_state, stats, book, user.counters, cpu_note(watch)),
                            c.plot: render_plot(points)}
                     yield out if update.reading is None else {**out, c.reading: render_reading(book, update.reading)}
             finally:
@@ -328,7 +332,8 @@ class App:
             state = f"error — {error}"
         if book.turns:
             user.chat_ids.add(book.chat_id)
-        yield {c.chatbot: book.messages(), c.metrics: render_metrics(state, stats, book, user.counters),
+        yield {c.chatbot: book.messages(),
+               c.metrics: render_metrics(state, stats, book, user.counters, cpu_note(watch)),
                c.plot: render_plot(points), **self._library_view(user)}
 
     def edit_last(self, request: gr.Request):
@@ -403,6 +408,8 @@ class App:
                                           container=False, elem_id="model", scale=3, allow_custom_value=True,
                                           info="or type a local folder, a .gguf file or a hub id")
                     c.load_model = gr.Button("Load model", size="sm", elem_id="load-model", scale=1)
+                c.long_books = gr.Checkbox(e.config.yarn_factor != 1, label=f"Long books: YaRN ×{LONG_BOOKS_YARN:g}",
+                                           elem_id="long-books", info=LONG_BOOKS_NOTE)
                 c.model_status = gr.Markdown("", elem_id="model-status")
             with gr.Row(equal_height=False):
                 with gr.Column(scale=1, min_width=240, elem_id="left"):
@@ -510,20 +517,22 @@ class App:
         draft = f" · draft `{self.engine.config.draft}`" if self.engine.config.draft else ""
         return f"Loaded: `{current}`{draft} · levels `{self.engine.config.levels}`\n\n{head}\n" + "\n".join(rows)
 
-    def switch_model(self, name: str | None, request: gr.Request):
-        """Load another model (and its paired draft); every open book closes (its KV cache belongs to
-        the old model) and reopens from the library with the new one. One reader's app only."""
+    def switch_model(self, name: str | None, long_books: bool, request: gr.Request):
+        """Load another model (and its paired draft), or the same one with YaRN for long books; every
+        open book closes (its KV cache belongs to the old model) and reopens from the library with
+        the new one. One reader's app only."""
         user, c = self.user(request), self.c
         if self.private:
-            yield {c.model_status: "In a shared app the model is chosen when it starts (`--model`)."}
+            yield {c.model_status: "In a shared app the model is chosen when it starts (`--model`, `--yarn`)."}
             return
-        if not name or name == self.engine.config.target:
-            yield {c.model_status: f"`{self.engine.config.target}` is already loaded."}
+        name, yarn = name or self.engine.config.target, LONG_BOOKS_YARN if long_books else 1.0
+        if name == self.engine.config.target and yarn == self.engine.config.yarn_factor:
+            yield {c.model_status: f"`{name}` is already loaded" + (" for long books." if yarn != 1 else ".")}
             return
         user.cancel.clear()
         yield {c.model_status: f"Loading `{name}` … (the first time: download and conversion, a few minutes)"}
         try:
-            config = replace(self.engine.config, target=name, draft="auto", levels="auto")
+            config = replace(self.engine.config, target=name, draft="auto", levels="auto", yarn_factor=yarn)
             engine = yield from self._progress(user, Stages(name), load_engine, config)
         except Exception as error:  # ModelNotFound, TokenizerMismatch, out of memory ...: keep the old one
             yield {c.model_status: f"⚠ Could not load `{name}`: {error} `{self.engine.config.target}` stays loaded.",
@@ -556,7 +565,7 @@ class App:
         c.load_selection.click(self.load_selection, [c.first_n, c.pick], loading, api_name="load_selection", **load)
         c.open_book.click(self.open_saved, [c.books], loading, api_name="open_book", **load)
         switched = [c.model_status, c.models, c.title, c.chatbot, c.sampling_note, c.status, *c.sampling, c.level]
-        c.load_model.click(self.switch_model, [c.model], switched, api_name="load_model", **load)
+        c.load_model.click(self.switch_model, [c.model, c.long_books], switched, api_name="load_model", **load)
         c.defaults.click(self.reset_settings, None, [*c.sampling, c.level], api_name=False)
         c.cancel.click(self.request_stop, None, None, api_name="cancel_prefill", concurrency_limit=None)
         gr.on([c.send.click, c.msg.submit], self.ask, [c.msg, c.chatbot, *c.settings], answering, api_name="ask",

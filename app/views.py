@@ -43,8 +43,10 @@ class Counters:
     n_prefill_tokens: int = 0
 
 
-def render_metrics(state: str, stats: Stats | None, book: BookSession | None, counters: Counters) -> str:
-    """State pill, speed, TBT, speedup vs plain decoding, a row per checking level, the user's counters."""
+def render_metrics(state: str, stats: Stats | None, book: BookSession | None, counters: Counters,
+                   cpu_note: str = "") -> str:
+    """State pill, speed, TBT, speedup vs plain decoding, a row per checking level, a note when other
+    programs take the engine's cores (app/cpu.py), the user's counters."""
     head, blocks = [f"<span class='state'>{state}</span>"], []
     if stats is not None and stats.n_tokens:
         speedup = ""
@@ -61,6 +63,8 @@ def render_metrics(state: str, stats: Stats | None, book: BookSession | None, co
                 f"{f'{s.tokens_per_check:.2f}' if s.n_checks else '–'} | {s.n_checks} |" for s in stats.levels]
         if rows:
             blocks.append("\n".join(["| level | accepted | tokens/check | checks |", "|:--|--:|--:|--:|", *rows]))
+    if cpu_note:
+        blocks.append(cpu_note)
     if book is not None and book.save_error:
         blocks.append(f"⚠ {book.save_error}")
     blocks.append(f"<small>prefills: {counters.n_prefills} · prefilled tokens: {counters.n_prefill_tokens:,}</small>")

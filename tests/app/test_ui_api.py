@@ -184,7 +184,7 @@ def test_too_long_book_waits_for_a_choice_then_loads_the_beginning(app_url, tmp_
     n_prefills = counters(client)["n_prefills"]
     status = client.predict(handle_file(str(book)), "", api_name="/load_book")[0]
     assert "of 7,168 — too long by" in status and "Choose what to read" in status
-    assert "--yarn 4" in status  # the way to a longer context, with its cost
+    assert "Long books" in status and "hours on a CPU" in status  # the way to a longer context, with its cost
     assert counters(client)["n_prefills"] == n_prefills  # nothing was prefilled or cut silently
     status = client.predict(512, [], api_name="/load_selection")[0]  # no chapter ticked: the beginning
     assert "first 512 tokens" in status and "Ready" in status
@@ -253,3 +253,18 @@ def test_every_sampling_setting_reaches_the_engine_and_out_of_range_is_refused(l
     job = client.submit("Who is Anne?", [], 0.7, 0.9, 4, 0, LEVELS, 20, 0.05, 1.1, 0.5, 0.5, api_name="/ask")
     _, chatbot, metrics, *_ = job.result()  # penalties, min-p and top-k on: an answer
     assert "done" in metrics and len(chatbot) == len(before) + 2
+
+
+def test_long_books_reloads_the_model_with_four_times_the_context(app_url, small_book):
+    """Last in this file: it reloads the app's model (YaRN x4), and the book opens in a 4x budget."""
+    from gradio_client import Client, handle_file
+
+    client = Client(app_url, verbose=False)
+    status, models_table, *_ = client.predict("smollm2-135m", True, api_name="/load_model")
+    assert "`smollm2-135m` is loaded" in status, status
+    status = client.predict(handle_file(str(small_book)), "", api_name="/load_book")[0]
+    assert "of 31,744 — fits" in status and "Ready" in status, status  # 4 x 8,192 - 1,024 kept for the chat
+    (_, chatbot, metrics, *_), _ = ask(client, "Who is Anne?", 4)
+    assert "done" in metrics and len(chatbot) == 2
+    status, *_ = client.predict("smollm2-135m", True, api_name="/load_model")
+    assert "already loaded for long books" in status
