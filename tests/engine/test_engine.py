@@ -231,3 +231,18 @@ def test_a_check_cut_at_the_length_limit_keeps_the_retrieval_selection(monkeypat
     assert len([t for e in events for t in e.tokens]) == 2 and events[-1].finish_reason == "length"
     assert events[-1].stats.levels[-1].n_emitted > 2  # the check emitted more than the answer keeps
     assert n_rebuilds[0] == 1  # the question's re-selection only
+
+
+def test_truncating_only_tokens_the_middle_never_took_keeps_its_selection():
+    """A rollback that removes only tokens whose KV the retrieval cache has not taken (at or past
+    `synced`) drops the middle's scratch and keeps its chunks; one into taken tokens re-selects."""
+    from engine.speculative import CheckingDrafter, GammaTuner, LevelStats
+
+    calls = []
+    middle = CheckingDrafter(None, None, LevelStats("retrieval"), GammaTuner(1, 4), synced_length=lambda: 5,
+                             sync=lambda: calls.append("sync"), rebuild=lambda: calls.append("rebuild"),
+                             rebuild_every_tokens=16, rebuild_below=0.4)
+    middle.reset(list(range(8)))
+    middle.truncate(7)  # tokens 0..6 stay: the cache took 0..4, so its selection stands
+    middle.truncate(5)  # token 4 was taken: its KV must go, re-select
+    assert calls == ["rebuild", "sync", "rebuild"] and middle.tokens == [0, 1, 2, 3, 4]
