@@ -8,7 +8,7 @@ drafter for the level above: it runs its own rounds of propose -> score -> verif
 acceptance rule, `sampling.verify`. All randomness comes from one `Coins` per request, in call order:
 a drafter's draws, then the coins of the check of its proposal.
 Every method that runs a model is a generator of `model.Forward` requests (`Steps`): one session
-drives it alone with `model.run`, many sessions share forwards through engine/batch.py.
+drives it alone with `model.drive`, many sessions share forwards through engine/batch.py.
 This module names no concrete cache or drafter; the engine wires them (engine/session.py).
 """
 
