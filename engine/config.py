@@ -212,9 +212,6 @@ class EngineConfig:
             raise ValueError(f"n_gpus={self.n_gpus} must be at least 1 and resident_kv_layers="
                              f"{self.resident_kv_layers} at least 0")
 
-    @property
-    def stack(self) -> Levels:
-        return Levels.parse(self.levels)
 
 
 @dataclass(frozen=True)

@@ -229,9 +229,10 @@ class Engine:
         session.start(list(doc_ids))
         return session
 
-    def build_stack(self, full: FullCache, query_log: QueryLog, levels: Levels
+    def build_stack(self, full: FullCache, query_log: QueryLog, name: str
                     ) -> tuple[LevelStack, list[LevelStats], RetrievalCache | None]:
-        cfg, c = self.config, self.target.config
+        """The levels of the stack `name` (a LEVEL_STACKS entry) over this full cache."""
+        cfg, c, levels = self.config, self.target.config, Levels.parse(name)
         levels.check_draft(self.draft)
         share = parallel.shared if cfg.n_gpus > 1 else None  # every rank tunes as rank 0 does
         tuner = functools.partial(GammaTuner, max_gamma=cfg.max_gamma, share=share)
@@ -279,14 +280,14 @@ class Session:
         self.engine, self.full = engine, full
         self.query_log = QueryLog(engine.target.config.n_layers, engine.config.retrieval.n_score_queries)
         self.levels = engine.config.levels
-        self.stack, self.level_stats, self.retrieval = engine.build_stack(full, self.query_log, engine.config.stack)
+        self.stack, self.level_stats, self.retrieval = engine.build_stack(full, self.query_log, self.levels)
         self.lock = threading.Lock()  # one answer at a time per session
 
     def set_levels(self, levels: str) -> None:
         """Switch the level stack; the full cache (the prefilled document) is kept."""
         if levels != self.levels:
-            tokens, stack = self.tokens, Levels.parse(levels)
-            self.stack, self.level_stats, self.retrieval = self.engine.build_stack(self.full, self.query_log, stack)
+            tokens = self.tokens
+            self.stack, self.level_stats, self.retrieval = self.engine.build_stack(self.full, self.query_log, levels)
             self.levels = levels
             self.stack.reset(tokens)
 
