@@ -15,27 +15,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from app.documents import Limits
     from app.library import default_root
-    from engine.config import LEVEL_STACKS, EngineConfig
+    from engine.config import add_engine_args
 
     p = argparse.ArgumentParser(description="Chat with whole books on a lossless speculative-decoding engine.")
-    p.add_argument("--model", default=EngineConfig.target, help="packaged name, folder, .gguf or hub id")
-    p.add_argument("--draft", default=EngineConfig.draft, help="draft model for the `draft` level (same tokenizer); "
-                   "auto: the 0.5B for the 1.5B, none for other models")
-    p.add_argument("--levels", default=EngineConfig.levels, choices=("auto", *LEVEL_STACKS),
-                   help="auto: draft>retrieval>full with a draft, else ngram>retrieval>full")
-    p.add_argument("--yarn", type=float, default=EngineConfig.yarn_factor, metavar="FACTOR",
-                   help="YaRN context extension for books beyond the native context (4: 131,072 tokens for "
-                   "Qwen2.5; changes answers on short books too, and reading 128K tokens takes hours on a CPU)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    p.add_argument("--gpus", type=int, default=EngineConfig.n_gpus, help="tensor parallel over N GPUs")
-    p.add_argument("--offload", action="store_true", help="full KV cache in host memory, streamed per layer")
-    p.add_argument("--resident-kv-layers", type=int, default=None, help="with --offload: layers kept on the GPU")
-    p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=EngineConfig.use_flash_attn)
-    p.add_argument("--cpu-kernel", action=argparse.BooleanOptionalAction, default=EngineConfig.use_cpu_kernel,
-                   help="compiled AVX2 attention on CPU (SDPA when off or it cannot build)")
-    p.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs where shapes allow (eager on CPU)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
+    add_engine_args(p)
     p.add_argument("--port", type=int, default=int(os.environ.get("APP_PORT", 7860)), help="$APP_PORT overrides")
     p.add_argument("--share", action="store_true", help="also serve on a public Gradio link")
     p.add_argument("--auth", default=None, metavar="USER:PASS", help="require this login")
@@ -79,18 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     from app.session import load_engine
     from app.ui import App
     from engine import models
-    from engine.config import EngineConfig, EngineError
+    from engine.config import EngineError, engine_config
 
     if args.threads:  # on 2 shared cores, 1 thread can be many times faster than spinning OpenMP threads
         import torch
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
     try:
-        config = EngineConfig(target=args.model, draft=args.draft, levels=args.levels, device=args.device,
-                              dtype=args.dtype, n_gpus=args.gpus, offload_kv=args.offload,
-                              resident_kv_layers=args.resident_kv_layers, use_flash_attn=args.flash_attn,
-                              use_cpu_kernel=args.cpu_kernel, use_cuda_graphs=args.cuda_graphs,
-                              yarn_factor=args.yarn)
+        config = engine_config(args)
         missing = [n for n in (config.target, config.draft)
                    if n in models.PACKAGED_MODELS and not models.gguf_path(n).is_file()]
         if missing:

@@ -17,8 +17,8 @@ import threading
 from app.documents import Document
 from app.library import Library, default_root
 from app.tokens import PlainChatFormat
-from engine.engine import Engine, Session
 from engine.serve import ChatAPI
+from engine.session import Engine, Session
 
 TITLE_CHARS = 60
 

@@ -31,7 +31,7 @@ from app.snapshots import load_snapshot, model_fingerprint, save_snapshot, weigh
 from app.storage import atomic_write, read_json, remove_temp_files, write_failure, write_json
 
 if TYPE_CHECKING:
-    from engine.engine import Engine, Session
+    from engine.session import Engine, Session
 
 __all__ = ["Library", "atomic_write", "chat_export_json", "chat_markdown", "default_root", "model_fingerprint",
            "read_json", "text_sha256", "write_export", "write_json"]

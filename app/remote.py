@@ -2,7 +2,7 @@
 
 vLLM, llama.cpp's server, or another copy of this app (`--api`, `python -m engine serve`) answer;
 ingestion, the library, chats and the UI stay here. `RemoteEngine` stands in for
-`engine.engine.Engine` where the app needs one: a tokenizer (the local `--model`'s, to count a
+`engine.Engine` where the app needs one: a tokenizer (the local `--model`'s, to count a
 book's tokens and label pages: an estimate when the server runs another model), the context
 length the server reports, and a name. `RemoteBook` is a `BookSession` whose questions are chat
 requests: the book as the system message, then the turns, so every server's prefix cache (and
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from app.session import BookSession, Prepared, Turn, Update
 from engine.config import Cancelled, EmptyPrompt, EngineError, SamplingConfig
-from engine.engine import Stats
+from engine.session import Stats
 
 NOT_AVAILABLE = "not available with a remote backend"
 DEFAULT_CONTEXT = 32768  # when the server does not say (vLLM says `max_model_len`, our API too)

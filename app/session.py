@@ -22,8 +22,8 @@ from app.tokens import TokenMap
 from engine import models
 from engine.chat import ChatFormat
 from engine.config import Cancelled, DocumentTooLong, EmptyPrompt, EngineConfig, SamplingConfig
-from engine.engine import Engine, Session, Stats
 from engine.loading import cache_root
+from engine.session import Engine, Session, Stats
 
 CHAT_ROOM_TOKENS = 1024  # context kept free for questions and answers after the book
 Report = Callable[[str, str], None]  # report(stage, detail): "Prefill", "chunk 3 of 9 · 410 tokens/s · ETA 12 s"

@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from app.storage import file_sha256, fsync_file, fsync_folder, write_json
+from app.storage import fsync_file, fsync_folder, write_json
 
 if TYPE_CHECKING:  # torch and the engine load on first use: `Library` alone stays light to import
-    from engine.engine import Engine, Session
+    from engine.session import Engine, Session
 
 SNAPSHOT = "snapshot.pt"
 _STALE_TMP_S = 3600.0  # a snapshot still being written after an hour was orphaned by a crash
@@ -41,7 +41,7 @@ def weights_sha256(engine: Engine, cache_path: Path) -> str:
     for a model built in memory (tests) or whose files cannot be found."""
     from engine import models
     from engine.config import EngineError
-    from engine.loading import resolve_model
+    from engine.loading import file_sha256, resolve_model
     from engine.quant import is_quantized
 
     source = engine.config.target
@@ -71,6 +71,8 @@ def weights_sha256(engine: Engine, cache_path: Path) -> str:
 
 def save_snapshot(folder: Path, session: Session, record: dict) -> dict:
     """Write the snapshot atomically; returns `record` plus the file's sha256 (for meta.json)."""
+    from engine.loading import file_sha256
+
     _remove_stale_temp_files(folder)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".snapshot.", suffix=".tmp")
     os.close(fd)
@@ -90,6 +92,8 @@ def load_snapshot(folder: Path, engine: Engine, saved: dict | None, expected: di
                   doc_ids: list[int]) -> Session | None:
     """The session in `folder`'s snapshot when `saved` (its meta.json record) matches `expected`,
     the file's sha256 matches the record, and its cache holds exactly `doc_ids`; else None."""
+    from engine.loading import file_sha256
+
     path = folder / SNAPSHOT
     if not saved or {k: saved.get(k) for k in expected} != expected or not path.is_file():
         return None

@@ -10,7 +10,6 @@ write (ENOSPC, read-only folder) raises OSError and leaves the old file and no t
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import tempfile
@@ -67,15 +66,6 @@ def read_json(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return obj if isinstance(obj, dict) else None
-
-
-def file_sha256(path: str | os.PathLike[str], chunk_bytes: int = 1 << 24) -> str:
-    """Hex sha256 of a file, read in 16 MB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while chunk := file.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def write_failure(error: OSError) -> str:

@@ -33,8 +33,8 @@ from app.tokens import PlainChatFormat
 from app.views import Counters, Stages, is_remote, render_metrics, render_plot, render_reading
 from engine import models
 from engine.batch import Batcher
-from engine.config import LEVEL_STACKS, Cancelled, SamplingConfig
-from engine.engine import Engine
+from engine.config import LEVEL_STACKS, Cancelled, Levels, SamplingConfig
+from engine.session import Engine
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 FILE_TYPES = [".pdf", ".epub", ".txt", ".md", ".markdown", ".html", ".htm", ".docx"]
@@ -486,7 +486,7 @@ class App:
     def _levels(self) -> list[str]:
         if getattr(self.engine, "is_remote", False):  # the server's own decoding (app/remote.py)
             return [self.engine.config.levels]
-        return [s for s in LEVEL_STACKS if "draft" not in s or self.engine.draft is not None]
+        return [s for s in LEVEL_STACKS if self.engine.draft is not None or not Levels.parse(s).needs_draft]
 
     def model_settings(self) -> list:
         """Updates that put the sampling widgets (c.sampling) and the level stack at the model's defaults."""

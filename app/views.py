@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from app.remote import NOT_AVAILABLE, RemoteBook
 from app.session import BookSession
-from engine.engine import Stats
+from engine.session import Stats
 
 STAGES = ("Extract", "Clean", "Tokenize", "Prefill")
 

@@ -34,7 +34,7 @@ from benchmarks.longctx import BOOK, machine, timing
 from engine.batch import Batcher
 from engine.chat import ChatFormat
 from engine.config import EngineConfig, SamplingConfig
-from engine.engine import Engine, Session
+from engine.session import Engine, Session
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = ("Summarize the story so far in one paragraph.",

@@ -28,7 +28,7 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from engine.config import LEVEL_STACKS, EngineConfig, ModelConfig
+from engine.config import LEVEL_STACKS, EngineConfig, Levels, ModelConfig
 from engine.memory import GIB, DeviceBudget, plan_memory, weight_bytes
 
 RESULTS_PATH = Path(__file__).parent / "results" / "cost_model.json"
@@ -190,7 +190,7 @@ def stack_tbt_ms(setup: Setup, stack: str, gamma_bottom: int, gamma_middle: int)
 
     Two-level stacks use `gamma_middle` as their draft length.
     """
-    levels = ("full",) if stack == "plain" else tuple(stack.split(">"))
+    levels = Levels.parse(stack).names
     if len(levels) == 1:
         return level_forward_ms(setup, "full", 1)
     if len(levels) == 2:
@@ -208,7 +208,7 @@ def stack_tbt_ms(setup: Setup, stack: str, gamma_bottom: int, gamma_middle: int)
 def best_gammas(setup: Setup, stack: str,
                 max_gamma: int = MAX_GAMMA_MIDDLE) -> tuple[int, int, float]:
     """(gamma_bottom, gamma_middle, TBT) minimising TBT, as the adaptive engine would."""
-    n_levels = 1 if stack == "plain" else len(stack.split(">"))
+    n_levels = len(Levels.parse(stack).names)
     bottoms = range(1, min(MAX_GAMMA_BOTTOM, max_gamma) + 1) if n_levels == 3 else [1]
     middles = range(1, max_gamma + 1) if n_levels > 1 else [1]
     return min(((b, m, stack_tbt_ms(setup, stack, b, m)) for b in bottoms for m in middles),
@@ -219,9 +219,9 @@ def planned_setup(hw: Hardware, target: ModelConfig, n_tokens: int, stack: str,
                   draft: ModelConfig | None, retrieval_budget_tokens: int,
                   rates: AcceptanceRates, prefill_chunk_tokens: int = 128) -> Setup:
     """A `Setup` whose resident KV layers come from our memory planner for this stack."""
-    levels = stack.split(">")
-    budget = retrieval_budget_tokens if "retrieval" in levels else 0
-    stack_draft = draft if "draft" in levels else target if "selfspec" in levels else None
+    levels = Levels.parse(stack)
+    budget = retrieval_budget_tokens if levels.has_retrieval else 0
+    stack_draft = {"draft": draft, "selfspec": target}.get(levels.bottom)
     gpus = [DeviceBudget(f"cuda:{i}", hw.gpu_memory_bytes - CUDA_CONTEXT_BYTES, "cuda")
             for i in range(hw.n_gpus)]
     host = DeviceBudget("cpu", HOST_MEMORY_BYTES, "cpu")
@@ -391,7 +391,7 @@ ENGINE_RETRIEVAL_ACCEPTANCES = (0.8, 0.85, 0.9)  # inputs at budget 1024: not me
 def engine_overheads_ms(setup: Setup, gamma_middle: int, rebuild_every_tokens: int) -> float:
     """Per generated token, what our engine adds to the level forwards: under tensor parallel
     each top check broadcasts its coins, the cancel flag and the draft length (`SharedCoins`,
-    `SharedFlag`, `SharedTuner`: gamma + 3 small broadcasts, each a host sync), and every
+    `SharedFlag`, the tuners' `share`: gamma + 3 small broadcasts, each a host sync), and every
     `rebuild_every_tokens` the retrieval rebuild copies each offloaded layer's whole K over PCIe
     (engine/kv/retrieval.py reads it from host memory in slices) and scores its chunk means."""
     hw, cfg = setup.hardware, setup.target

@@ -42,11 +42,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine import layouts
 from engine.attention import cpu_attention, cpu_kernel, sdpa_attention, tail_mask
 from engine.device import can_pack_linear_weights, cpu_linear_kernel, linear_layout, pick_dtype
 from engine.kv.full import FullCache
+from engine.layouts import Bf16Linear, PackedLinear
 from engine.loading import load_model, resolve_model
-from engine.model import Bf16Linear, PackedLinear
 from engine.sampling import Draft, sampling_probs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,13 +126,13 @@ class Models:
         from transformers import AutoModelForCausalLM
 
         self.ours, _ = load_model(name, dtype, torch.device("cpu"))
-        fits_bf16 = dtype == torch.float32 and self.ours.linear_weights_fit_bf16()
+        fits_bf16 = dtype == torch.float32 and layouts.linear_weights_fit_bf16(self.ours)
         layout = linear_layout(torch.device("cpu"), dtype, fits_bf16)
-        self.ours.lay_out_linears(layout)  # as Engine does
+        layouts.lay_out_linears(self.ours, layout)  # as Engine does
         self.ours_input_major = None
         if layout in ("packed", "bf16-stored"):
             self.ours_input_major, _ = load_model(name, dtype, torch.device("cpu"))
-            self.ours_input_major.lay_out_linears("input-major")
+            layouts.lay_out_linears(self.ours_input_major, "input-major")
         self.hf = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype, attn_implementation="sdpa",
                                                        local_files_only=True).eval()
         self.dtype = dtype

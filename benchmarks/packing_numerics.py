@@ -14,8 +14,8 @@ import argparse
 import torch
 
 from engine.config import EngineConfig
-from engine.engine import Engine, Session
 from engine.model import Segment
+from engine.session import Engine, Session
 
 
 def segment(session: Session, ids: list[int], n_logits: int) -> Segment:

@@ -38,9 +38,9 @@ import torch
 from benchmarks.longctx import BOOK, book_doc_ids, log, machine, timing
 from engine.chat import ChatFormat
 from engine.config import PAIRED_DRAFTS, EngineConfig, SamplingConfig
-from engine.engine import Engine
 from engine.loading import cache_root, generation_defaults, load_model
 from engine.models import PACKAGED_MODELS, gguf_path
+from engine.session import Engine
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = "Summarize the story so far in one paragraph."

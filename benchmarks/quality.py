@@ -36,7 +36,7 @@ import torch
 
 from engine.chat import ChatFormat
 from engine.config import EngineConfig, SamplingConfig
-from engine.engine import Engine
+from engine.session import Engine
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOK = ROOT / "assets" / "persuasion.txt"

@@ -32,7 +32,7 @@ def child(threads: int, repeats: int) -> dict:
     import torch
 
     from engine.device import can_pack_linear_weights, pick_dtype
-    from engine.model import PackedLinear
+    from engine.layouts import PackedLinear
 
     torch.set_num_threads(threads)
     dtype = pick_dtype("auto", torch.device("cpu"))

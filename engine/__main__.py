@@ -16,8 +16,8 @@ import torch
 
 from engine import parallel, serve
 from engine.chat import ChatFormat
-from engine.config import LEVEL_STACKS, EngineConfig, EngineError, SamplingConfig
-from engine.engine import Engine, Stats
+from engine.config import EngineError, SamplingConfig, add_engine_args, engine_config
+from engine.session import Engine, Stats
 
 SAMPLING_FLAGS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
                   "presence_penalty": float, "frequency_penalty": float}
@@ -27,20 +27,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="answer questions about a text file")
-    g.add_argument("--model", default=EngineConfig.target, help="folder, .gguf, hub id or packaged name")
-    g.add_argument("--draft", default=EngineConfig.draft, help="small draft model for the `draft` level; auto: "
-                   "the 0.5B for the 1.5B, none for other models")
-    g.add_argument("--levels", default=EngineConfig.levels, choices=("auto", *LEVEL_STACKS))
-    g.add_argument("--yarn", type=float, default=EngineConfig.yarn_factor, help="YaRN context extension factor")
-    g.add_argument("--device", default="auto")
-    g.add_argument("--dtype", default="auto", help="auto, bfloat16, float32, float16")
-    g.add_argument("--gpus", type=int, default=EngineConfig.n_gpus, help="tensor parallel over N GPUs")
-    g.add_argument("--offload", action="store_true", help="full KV cache in host memory, streamed per layer")
-    g.add_argument("--resident-kv-layers", type=int, default=None, help="with --offload: layers kept on the GPU")
-    g.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=EngineConfig.use_flash_attn)
-    g.add_argument("--cpu-kernel", action=argparse.BooleanOptionalAction, default=EngineConfig.use_cpu_kernel,
-                   help="compiled AVX2 attention on CPU (SDPA when off or it cannot build)")
-    g.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs where shapes allow (eager on CPU)")
+    add_engine_args(g)
     g.add_argument("--file", required=True, help="the document (UTF-8 text)")
     g.add_argument("--max-doc-tokens", type=int, default=None, help="keep only the first N tokens")
     g.add_argument("--question", action="append", required=True, help="repeat for a multi-turn chat")
@@ -48,7 +35,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--seed", type=int, default=SamplingConfig.seed)
     for name, kind in SAMPLING_FLAGS.items():  # unset: the model's own (its generation_config)
         g.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     serve.add_serve_parser(sub)
     t = sub.add_parser("selftest", help="compare each GPU path with its reference here (a few minutes)")
     t.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
@@ -95,11 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        config = EngineConfig(target=args.model, draft=args.draft, levels=args.levels,
-                              device=args.device, dtype=args.dtype, n_gpus=args.gpus,
-                              offload_kv=args.offload, resident_kv_layers=args.resident_kv_layers,
-                              use_flash_attn=args.flash_attn, use_cpu_kernel=args.cpu_kernel,
-                              use_cuda_graphs=args.cuda_graphs, yarn_factor=args.yarn)
+        config = engine_config(args)
         engine = Engine.load(config)
         given = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
         sampling = replace(engine.default_sampling, max_new_tokens=args.max_new_tokens, seed=args.seed, **given)

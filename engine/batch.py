@@ -9,8 +9,7 @@ request is a top-level check, a middle-level check, a drafter step or a question
 
 Answers join and leave between rounds: one that finishes, fails or is stopped never stalls the
 others. Each keeps its own caches, drafter state, sampling settings, coins and counters, so it
-commits the same tokens it would commit alone. Answers beyond `max_active` wait in order (the
-app sizes `max_active` with the memory planner, `sessions_that_fit`).
+commits the same tokens it would commit alone. Answers beyond `max_active` wait in order.
 """
 
 from __future__ import annotations
@@ -19,8 +18,6 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Generator, Iterator
-
-import torch
 
 from engine.model import Forward
 
@@ -150,23 +147,3 @@ class Batcher:
             self.n_forwards += 1
             self.n_segments += len(group)
         self.n_rounds += 1
-
-
-def sessions_that_fit(bytes_per_session: int, free_bytes: int, reserve_fraction: float = 0.1,
-                      limit: int = 8) -> int:
-    """How many sessions may decode at once: each holds its own caches (full KV of its book,
-    retrieval cache, drafter), the weights are shared and already loaded. At least 1."""
-    usable = int(free_bytes * (1 - reserve_fraction))
-    return max(1, min(limit, usable // max(bytes_per_session, 1)))
-
-
-def session_bytes(session) -> int:
-    """Bytes of the tensors one open session holds (its full cache, retrieval and drafter caches)."""
-    seen, total = set(), 0
-    for cache in (session.full, session.retrieval, getattr(session.stack.drafter, "cache", None),
-                  getattr(getattr(session.stack.drafter, "below", None), "cache", None)):
-        for t in (getattr(cache, "k", None), getattr(cache, "v", None)):
-            if isinstance(t, torch.Tensor) and id(t) not in seen:
-                seen.add(id(t))
-                total += t.numel() * t.element_size()
-    return total

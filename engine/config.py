@@ -7,6 +7,7 @@ The level stacks are described in ALGORITHM.md section 2; `LEVEL_STACKS` lists t
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 LEVEL_STACKS = (
@@ -18,12 +19,43 @@ LEVEL_STACKS = (
     "draft>retrieval>full",
     "selfspec>full",
 )
-BOTTOM_DRAFTERS = ("ngram", "draft", "selfspec")
 # draft="auto": the small model of the same family that drafts for a packaged target (same
 # tokenizer); levels="auto": the stack measured best for the pair (benchmarks/RESULTS.md,
 # issue 21: sampled answers at 16K), else the model-free default
 PAIRED_DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 AUTO_LEVELS = {True: "draft>retrieval>full", False: "ngram>retrieval>full"}  # has a draft -> stack
+
+
+@dataclass(frozen=True)
+class Levels:
+    """A level stack parsed from its name (a `LEVEL_STACKS` entry), bottom up: an optional
+    drafter, an optional middle level over the retrieval cache, the target with its full cache."""
+
+    name: str
+    bottom: str | None  # "ngram", "draft" (the small model), "selfspec" (the target); None: no drafter
+    has_retrieval: bool  # a middle level: the target over the retrieval cache
+
+    @classmethod
+    def parse(cls, name: str) -> Levels:
+        if name not in LEVEL_STACKS:
+            raise ValueError(f"levels={name!r}; choose one of {', '.join(LEVEL_STACKS)}")
+        names = ("full",) if name == "plain" else tuple(name.split(">"))
+        bottom = names[0] if names[0] not in ("retrieval", "full") else None
+        return cls(name, bottom, "retrieval" in names)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """From the bottom up, e.g. ("ngram", "retrieval", "full")."""
+        return (self.bottom,) * bool(self.bottom) + ("retrieval",) * self.has_retrieval + ("full",)
+
+    @property
+    def needs_draft(self) -> bool:
+        """The `draft` level runs the small draft model, so the engine must hold one."""
+        return self.bottom == "draft"
+
+    def check_draft(self, draft: object | None) -> None:
+        if self.needs_draft and not draft:
+            raise ValueError(f"levels={self.name!r} needs a draft model: load the engine with one (--draft)")
 
 
 class EngineError(Exception):
@@ -173,20 +205,13 @@ class EngineConfig:
             object.__setattr__(self, "levels", AUTO_LEVELS[self.draft is not None])
         if not 1 <= self.yarn_factor <= 8:
             raise ValueError(f"yarn_factor={self.yarn_factor}: 1 (off) to 8 (4 gives Qwen2.5 131,072 tokens)")
-        if self.levels not in LEVEL_STACKS:
-            raise ValueError(f"levels={self.levels!r}; choose one of {', '.join(LEVEL_STACKS)}")
-        if "draft" in self.levels.split(">") and not self.draft:
-            raise ValueError(f"levels={self.levels!r} needs a draft model (--draft)")
+        Levels.parse(self.levels).check_draft(self.draft)
         if self.prefill_chunk_tokens < 1 or self.max_gamma < 1:
             raise ValueError("prefill_chunk_tokens and max_gamma must be at least 1")
         if self.n_gpus < 1 or (self.resident_kv_layers or 0) < 0:
             raise ValueError(f"n_gpus={self.n_gpus} must be at least 1 and resident_kv_layers="
                              f"{self.resident_kv_layers} at least 0")
 
-    @property
-    def level_names(self) -> tuple[str, ...]:
-        """Levels from the bottom up, e.g. ("ngram", "retrieval", "full")."""
-        return ("full",) if self.levels == "plain" else tuple(self.levels.split(">"))
 
 
 @dataclass(frozen=True)
@@ -223,3 +248,35 @@ class SamplingConfig:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags, shared by `app.py`, `python -m engine generate` and `... serve`; each maps
+    onto one EngineConfig field (`engine_config`) and takes its default from there."""
+    p, c = parser, EngineConfig
+    p.add_argument("--model", default=c.target, help="packaged name, folder, .gguf or hub id")
+    p.add_argument("--draft", default=c.draft, help="draft model for the `draft` level (same tokenizer); "
+                   "auto: the 0.5B for the 1.5B, none for other models")
+    p.add_argument("--levels", default=c.levels, choices=("auto", *LEVEL_STACKS),
+                   help="auto: draft>retrieval>full with a draft, else ngram>retrieval>full")
+    p.add_argument("--yarn", type=float, default=c.yarn_factor, metavar="FACTOR",
+                   help="YaRN context extension for books beyond the native context (4: 131,072 tokens for "
+                   "Qwen2.5; changes answers on short books too, and reading 128K tokens takes hours on a CPU)")
+    p.add_argument("--device", default=c.device, help="auto, cpu, cuda, cuda:1 ...")
+    p.add_argument("--dtype", default=c.dtype, help="auto, float32, bfloat16, float16")
+    p.add_argument("--gpus", type=int, default=c.n_gpus, help="tensor parallel over N GPUs")
+    p.add_argument("--offload", action="store_true", help="full KV cache in host memory, streamed per layer")
+    p.add_argument("--resident-kv-layers", type=int, default=None, help="with --offload: layers kept on the GPU")
+    p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=c.use_flash_attn)
+    p.add_argument("--cpu-kernel", action=argparse.BooleanOptionalAction, default=c.use_cpu_kernel,
+                   help="compiled AVX2 attention on CPU (SDPA when off or it cannot build)")
+    p.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs where shapes allow (eager on CPU)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of the flags `add_engine_args` defined (`--threads` is the caller's)."""
+    return EngineConfig(target=args.model, draft=args.draft, levels=args.levels, yarn_factor=args.yarn,
+                        device=args.device, dtype=args.dtype, n_gpus=args.gpus, offload_kv=args.offload,
+                        resident_kv_layers=args.resident_kv_layers, use_flash_attn=args.flash_attn,
+                        use_cpu_kernel=args.cpu_kernel, use_cuda_graphs=args.cuda_graphs)

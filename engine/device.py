@@ -69,7 +69,7 @@ def linear_layout(device: torch.device, dtype: torch.dtype, weights_fit_bf16: bo
       multiplied in float32 by engine/csrc/linear_cpu.cpp, the same products as float32 on half
       the bytes. Every linear of the 0.5B, AVX2 EPYC, 2 threads, T = 1 / 5 / 9 tokens: 46 / 89 /
       111 ms vs 103 / 134 / 180 packed (benchmarks/RESULTS.md);
-    - "packed": on a CPU where oneDNN prepacks linears (`Transformer.pack_linear_weights`), for
+    - "packed": on a CPU where oneDNN prepacks linears (engine/layouts.py `PackedLinear`), for
       float32, and for bf16 where the CPU has AVX512-BF16 but no AMX. Every linear of the 0.5B,
       AVX2 EPYC, float32, 2 threads, T = 1 / 5 / 9 tokens: 94 / 80 / 96 ms vs 100 / 244 / 293
       input-major; AVX512-BF16 EPYC, bf16, T = 1 / 9: 51 / 55 ms vs 98 / 103 as loaded

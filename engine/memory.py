@@ -250,7 +250,7 @@ def resident_kv_layers(target: ModelConfig, n_tokens: int, gpu_free_bytes: list[
     """Layers of an offloaded full cache that stay on each GPU for `n_tokens`. `target` whole (not
     one rank's shard); `gpu_free_bytes`: each rank's free memory measured now plus the weights it
     holds already (the plan counts them), `host_free_bytes` the host's, the same numbers on every
-    rank (engine.py gathers them), so every rank reaches the same plan and the host is planned
+    rank (session.py gathers them), so every rank reaches the same plan and the host is planned
     for all ranks' KV together."""
     devices = [DeviceBudget(f"cuda:{i}", free, "cuda") for i, free in enumerate(gpu_free_bytes)]
     devices.append(DeviceBudget("cpu", host_free_bytes, "cpu"))

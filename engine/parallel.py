@@ -6,8 +6,8 @@ q/k/v/gate/up rows and o_proj/down_proj columns sliced; the partial outputs of a
 MLP (o_proj's and down_proj's) summed by an all-reduce (forward hooks on the blocks); embeddings,
 norms and lm_head whole. The model code does not change. Every rank must take the same decisions:
 rank 0 draws every random outcome and broadcasts it (`SharedCoins`: accept or not, which token), as
-it does the cancel flag (`SharedFlag`) and the adaptive draft lengths (`SharedTuner`; they depend
-on timings). Rank 0 drives (`Leader`): each call that touches a session is broadcast first, and the
+it does the cancel flag (`SharedFlag`) and the adaptive draft lengths (`shared`, the tuners'
+`share`: they depend on timings). Rank 0 drives (`Leader`): each call that touches a session is broadcast first, and the
 other ranks make the same call on their shard (`follow`). `start` spawns ranks 1..N-1 or joins
 torchrun.
 """
@@ -80,7 +80,7 @@ def shard(model: Transformer, rank: int, n_ranks: int) -> Transformer:
             _slice(linear, part, dim)
         attn.n_heads, attn.n_kv_heads = H, Hkv
         # on the blocks, not on o_proj/down_proj (their outputs are the blocks'): the engine may
-        # swap the linears for packed ones afterwards (engine/model.py `pack_linear_weights`)
+        # swap the linears for packed ones afterwards (engine/layouts.py)
         attn.register_forward_hook(_all_reduce)
         mlp.register_forward_hook(_all_reduce)
     model.config = replace(c, n_heads=H, n_kv_heads=Hkv, intermediate=F)
@@ -96,6 +96,11 @@ def _share(value: int | float, dtype: torch.dtype = torch.long) -> int | float:
     t = torch.tensor([value], dtype=dtype, device=_device())
     dist.broadcast(t, src=0)
     return t.item()
+
+
+def shared(value: float) -> float:
+    """Rank 0's `value` on every rank, exactly (float64): the tuners' `share` under tensor parallel."""
+    return _share(value, torch.float64)
 
 
 def gathered(value):
@@ -144,35 +149,6 @@ class SharedFlag:
         return bool(_share(int(self.is_forced or (self.flag is not None and self.flag.is_set()))))
 
 
-class SharedTuner:
-    """A GammaTuner whose draft lengths are rank 0's: they come from measured times."""
-
-    def __init__(self, tuner):
-        self.tuner = tuner
-
-    @property
-    def fixed(self) -> int | None:
-        return self.tuner.fixed  # configuration: the same on every rank
-
-    def gamma(self) -> int:
-        return int(_share(self.tuner.gamma()))
-
-    def expected_rate(self, g: int) -> float | None:
-        rate = _share(-1.0 if (r := self.tuner.expected_rate(g)) is None else r, torch.float64)
-        return None if rate < 0 else rate
-
-    def observe(self, *args) -> None:
-        self.tuner.observe(*args)
-
-
-def _share_gammas(session) -> None:
-    # TODO(#4): a hook in LevelStack/CheckingDrafter would avoid reaching into the stack
-    for level, name in ((session.stack, "tuner"), (session.stack, "direct_tuner"), (session.stack.drafter, "tuner")):
-        tuner = getattr(level, name, None)
-        if tuner is not None and not isinstance(tuner, SharedTuner):
-            setattr(level, name, SharedTuner(tuner))
-
-
 @dataclass
 class Ranks:
     """What every rank holds: its engine and its sessions, by the id rank 0 gave them."""
@@ -188,14 +164,12 @@ def _open(ranks: Ranks, sid: int, doc_ids: list[int], on_progress=None, cancel=N
 
 def _ask(ranks: Ranks, sid: int, question_ids, sampling: SamplingConfig, stop_ids, cancel=None):
     session = ranks.sessions[sid]
-    _share_gammas(session)
     coins = GeneratorCoins(torch.Generator().manual_seed(sampling.seed)) if dist.get_rank() == 0 else None
     return session.ask(question_ids, sampling, cancel or SharedFlag(), stop_ids, SharedCoins(coins))
 
 
 def _method(ranks: Ranks, sid: int, name: str, *args):
     session = ranks.sessions[sid]
-    _share_gammas(session)
     return getattr(session, name)(*args)
 
 

@@ -22,10 +22,10 @@ import torch
 
 from engine import attention, graphs, parallel
 from engine.config import EngineConfig, RetrievalConfig, SamplingConfig
-from engine.engine import Engine
 from engine.kv.offload import OffloadCache
 from engine.memory import DeviceBudget, free_memory_bytes, plan_memory
 from engine.model import Transformer
+from engine.session import Engine
 
 N_DOC_TOKENS, N_NEW_TOKENS, VOCAB = 400, 16, 256
 RETRIEVAL = RetrievalConfig(budget_tokens=128, sink_tokens=4, window_tokens=32, chunk_tokens=8,

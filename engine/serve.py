@@ -37,8 +37,8 @@ from starlette.routing import Route
 from engine.batch import Batcher
 from engine.chat import ChatFormat
 from engine.config import EngineError
-from engine.engine import Engine, Session, Stats
 from engine.openai_chat import MIN_DOCUMENT_CHARS, ApiError, ChatRequest, StopText, parse_request
+from engine.session import Engine, Session, Stats
 
 LOCAL_HOSTS = ("127.0.0.1", "::1", "localhost")
 MAX_REQUESTS = 64  # answering or waiting; more get 429 at once rather than waiting for minutes
@@ -331,17 +331,10 @@ def _shared_prefix(a: list[int], b: list[int]) -> int:
 
 # ---- `python -m engine serve` ---------------------------------------------------------------------
 def add_serve_parser(sub) -> None:
-    from engine.config import LEVEL_STACKS, EngineConfig
+    from engine.config import add_engine_args
 
     s = sub.add_parser("serve", help="serve the engine as an OpenAI-compatible API (no UI)")
-    s.add_argument("--model", default=EngineConfig.target, help="folder, .gguf, hub id or packaged name")
-    s.add_argument("--draft", default=EngineConfig.draft, help="small draft model for the `draft` level "
-                   "(auto: the packaged target's pair)")
-    s.add_argument("--levels", default=EngineConfig.levels, choices=("auto", *LEVEL_STACKS))
-    s.add_argument("--device", default="auto")
-    s.add_argument("--dtype", default="auto", help="auto, bfloat16, float32, float16")
-    s.add_argument("--cpu-kernel", action=argparse.BooleanOptionalAction, default=EngineConfig.use_cpu_kernel)
-    s.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1", help="without --api-key only 127.0.0.1 is answered")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
@@ -356,13 +349,12 @@ def serve_main(args: argparse.Namespace) -> int:
     import uvicorn
     from starlette.applications import Starlette
 
-    from engine.config import EngineConfig
+    from engine.config import engine_config
 
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        engine = Engine.load(EngineConfig(target=args.model, draft=args.draft, levels=args.levels, device=args.device,
-                                          dtype=args.dtype, use_cpu_kernel=args.cpu_kernel))
+        engine = Engine.load(engine_config(args))
     except (EngineError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -8,19 +8,19 @@ drafter for the level above: it runs its own rounds of propose -> score -> verif
 acceptance rule, `sampling.verify`. All randomness comes from one `Coins` per request, in call order:
 a drafter's draws, then the coins of the check of its proposal.
 Every method that runs a model is a generator of `model.Forward` requests (`Steps`): one session
-drives it alone with `model.run`, many sessions share forwards through engine/batch.py.
-This module names no concrete cache or drafter; the engine wires them (engine/engine.py).
+drives it alone with `model.drive`, many sessions share forwards through engine/batch.py.
+This module names no concrete cache or drafter; the engine wires them (engine/session.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
 
 from engine.attention import is_tree_mask
-from engine.config import SamplingConfig
+from engine.config import Cancelled, SamplingConfig
 from engine.device import now
 from engine.drafters import Drafter
 from engine.kv import KVCache
@@ -28,6 +28,7 @@ from engine.model import Forward, QueryLog, Segment, Steps, Transformer
 from engine.sampling import Coins, Draft, Verdict, draft_histories, token_probs, verify
 
 EMPTY_DRAFT = Draft.chain([])
+Prefill = Callable[[list[int], object], Steps[None]]  # (ids, cancel flag) -> forwards writing their KV
 
 
 @dataclass
@@ -73,8 +74,11 @@ class GammaTuner:
     """
 
     def __init__(self, fixed: int | None, max_gamma: int, decay: float = 0.8, retry_every: int = 16,
-                 check_s: dict[int, float] | None = None):
+                 check_s: dict[int, float] | None = None, share: Callable[[float], float] | None = None):
         self.fixed, self.max_gamma, self.decay = fixed, max_gamma, decay
+        # tensor parallel: every rank takes rank 0's draft lengths and rates, which come from its
+        # timings (engine/parallel.py `shared`); one process: the value itself
+        self.share = share or (lambda value: value)
         self.acceptance = 0.7  # prior before the first check
         self.draft_s_per_token: float | None = None  # set by the first drafted check
         # tokens checked -> seconds (moving average): the checking level's costs, so the tuners
@@ -86,13 +90,22 @@ class GammaTuner:
         self.retry_every, self.n_undrafted = retry_every, 0
 
     def gamma(self) -> int:
+        return int(self.share(self._gamma()))
+
+    def expected_rate(self, g: int) -> float | None:
+        """Expected tokens per second with draft length g (0: plain decoding); None until two
+        numbers of tokens checked are measured."""
+        rate = self.share(-1.0 if (r := self._rate(g)) is None else r)
+        return None if rate < 0 else rate
+
+    def _gamma(self) -> int:
         if self.fixed is not None:
             return self.fixed
         if self.check_s and 1 not in self.check_s:  # measure the plain step every draft length is
             return 0  # compared with; drafts of one length all accepted would never measure it
         if len(self.check_s) < 2:
             return min(4, self.max_gamma)
-        rate = self.expected_rate
+        rate = self._rate
         best = max(range(1, self.max_gamma + 1), key=rate)
         if rate(best) >= rate(0):
             self.n_undrafted = 0
@@ -103,9 +116,7 @@ class GammaTuner:
             return 1
         return 0  # checking the last token alone is expected to be faster
 
-    def expected_rate(self, g: int) -> float | None:
-        """Expected tokens per second with draft length g (0: plain decoding); None until two
-        numbers of tokens checked are measured."""
+    def _rate(self, g: int) -> float | None:
         if len(self.check_s) < 2:
             return None
         a = min(self.acceptance, 0.999)
@@ -183,13 +194,24 @@ class Scorer:
             self.cache.keep_tail(start, torch.tensor(path))
 
 
-def check(scorer: Scorer, pending: list[int], start_pos: int, draft: Draft, sampling: SamplingConfig,
-          coins: Coins, tokens: list[int]) -> Steps[tuple[Verdict, torch.Tensor]]:
-    """Score a draft, accept a prefix of it, keep its KV; returns the verdict and q ([N+1, V])."""
-    q = yield from scorer.score(pending, start_pos, draft, sampling, tokens)
+def check(scorer: Scorer, drafter: Drafter | None, gamma: int, tuner: GammaTuner, stats: LevelStats,
+          pending: list[int], tokens: list[int], sampling: SamplingConfig, coins: Coins
+          ) -> Steps[tuple[Draft, Verdict, torch.Tensor, float]]:
+    """One round of a checking level: `drafter` proposes up to `gamma` tokens after `tokens`;
+    the scorer scores them after `pending` (the tokens of `tokens` its cache lacks), `verify`
+    accepts a prefix and the cache keeps its KV; the tuner and the counters take the timings.
+    Returns the draft, the verdict, q ([N+1, V]) and the drafter's seconds."""
+    device = scorer.model.lm_head.weight.device
+    t0 = now(device)
+    draft = (yield from drafter.propose(gamma, sampling, coins)) if drafter else EMPTY_DRAFT
+    t1 = now(device)
+    q = yield from scorer.score(pending, len(tokens) - len(pending), draft, sampling, tokens)
     verdict = verify(q, draft, coins)
     scorer.keep(len(pending), len(draft), verdict.path)
-    return verdict, q
+    t2 = now(device)
+    tuner.observe(len(draft), t1 - t0, verdict, len(pending) + len(draft), t2 - t1)
+    stats.record(verdict, t2 - t1)
+    return draft, verdict, q, t1 - t0
 
 
 def emitted(draft: Draft, verdict: Verdict) -> list[int]:
@@ -247,7 +269,10 @@ class CheckingDrafter:
         self.drafted = None
         if self.below:
             self.below.truncate(length)
-        self._rebuild()
+        if length - 1 >= self.synced_length():  # only tokens this cache never took: the selection stands
+            self.sync()
+        else:
+            self._rebuild()
 
     def _needs_rebuild(self) -> bool:
         w = self.window
@@ -261,15 +286,8 @@ class CheckingDrafter:
         drafted, qs = [], []
         while len(drafted) < gamma:
             g = min(self.tuner.gamma(), gamma - len(drafted))
-            t0 = now(self.scorer.model.lm_head.weight.device)
-            draft = (yield from self.below.propose(g, sampling, coins)) if self.below else EMPTY_DRAFT
-            t1 = now(self.scorer.model.lm_head.weight.device)
-            start_pos = len(self.tokens) + len(drafted) - len(pending)
-            verdict, q = yield from check(self.scorer, pending, start_pos, draft, sampling, coins,
-                                          self.tokens + drafted)
-            t2 = now(self.scorer.model.lm_head.weight.device)
-            self.tuner.observe(len(draft), t1 - t0, verdict, len(pending) + len(draft), t2 - t1)
-            self.stats.record(verdict, t2 - t1)
+            draft, verdict, q, _ = yield from check(self.scorer, self.below, g, self.tuner, self.stats, pending,
+                                                    self.tokens + drafted, sampling, coins)
             self.window.record(verdict, 0.0)
             new = emitted(draft, verdict)
             qs += [q[0]] + [q[i + 1] for i in verdict.path]
@@ -285,7 +303,12 @@ class CheckingDrafter:
 
 
 class LevelStack:
-    """The committed tokens of one session and the levels that extend them, top level last.
+    """The committed tokens of one conversation and the levels that extend them, top level last.
+
+    The rule every method keeps: the top cache holds every committed token but the last (after a
+    prefill, all of them); the tokens it lacks are fed with the next forward of the top level.
+    `extend` commits a prompt (prefilled by the `prefill` callback), `step` one check's tokens,
+    cut at a stop token or the length limit before they are committed; `truncate` rolls back.
 
     With a middle level and a drafter below it, `direct_tuner` lets that drafter propose to the
     top itself, as `ngram>full` or `draft>full` would, whenever the middle level is not expected
@@ -296,9 +319,10 @@ class LevelStack:
     """
 
     def __init__(self, top: Scorer, drafter: Drafter | None, top_stats: LevelStats, tuner: GammaTuner,
-                 direct_tuner: GammaTuner | None = None):
+                 direct_tuner: GammaTuner | None = None, prefill: Prefill | None = None):
         self.top, self.drafter, self.top_stats, self.tuner = top, drafter, top_stats, tuner
         self.direct_tuner = direct_tuner  # draft lengths of the bottom drafter checked by the top
+        self.prefill = prefill  # (ids, cancel) -> the forwards that write ids' KV after the top cache's
         self.tokens: list[int] = []
         self.drafter_s = 0.0
 
@@ -308,11 +332,31 @@ class LevelStack:
         if self.drafter:
             self.drafter.reset(tokens)
 
+    def _unseen(self) -> list[int]:
+        """Committed tokens the top cache lacks (at least the last one before a check)."""
+        return self.tokens[self.top.cache.length:]
+
+    def _hold_all_but_last(self) -> None:
+        self.top.cache.truncate(min(self.top.cache.length, len(self.tokens) - 1))
+
     def truncate(self, length: int) -> None:
         del self.tokens[length:]
-        self.top.cache.truncate(min(self.top.cache.length, length - 1))
+        self._hold_all_but_last()
         if self.drafter:
             self.drafter.truncate(length)
+
+    def extend(self, prompt: list[int], cancel=None) -> Steps[None]:
+        """Commit `prompt` (a question): its KV but the last token's is prefilled, in chunks
+        between which `cancel` is checked; `Cancelled` leaves the stack as it was."""
+        n_kept = self.top.cache.length
+        try:
+            yield from self.prefill(self._unseen() + prompt[:-1], cancel)
+        except Cancelled:
+            self.top.cache.truncate(n_kept)
+            raise
+        self.tokens += prompt
+        if self.drafter:
+            self.drafter.extend(prompt)
 
     def _goes_direct(self, gamma: int, direct_gamma: int) -> bool:
         """Whether the bottom drafter should propose to the top this check: the top's tuner
@@ -325,10 +369,11 @@ class LevelStack:
         middle, direct = self.tuner.expected_rate(gamma), self.direct_tuner.expected_rate(direct_gamma)
         return middle is not None and direct is not None and direct > middle
 
-    def step(self, sampling: SamplingConfig, coins: Coins) -> Steps[list[int]]:
-        """One check of the top level; returns the tokens it committed (at least one)."""
-        device = self.top.model.lm_head.weight.device
-        pending = self.tokens[self.top.cache.length:]
+    def step(self, sampling: SamplingConfig, coins: Coins, limit: int, stop_ids: Collection[int] = ()
+             ) -> Steps[tuple[list[int], str | None]]:
+        """One check of the top level: the tokens it commits (1 to `limit`, cut after the first
+        stop token) and why the answer ends ("stop", "length") or None."""
+        pending = self._unseen()
         drafter, tuner = self.drafter, self.tuner
         gamma = tuner.gamma() if drafter else 0
         direct_gamma = self.direct_tuner.gamma() if self.direct_tuner is not None else None
@@ -337,17 +382,20 @@ class LevelStack:
             # no forward, but re-selects its cache on schedule ("where the model is reading")
             yield from drafter.propose(0, sampling, coins)
             drafter, tuner, gamma = drafter.below, self.direct_tuner, direct_gamma
-        t0 = now(device)
-        draft = (yield from drafter.propose(gamma, sampling, coins)) if drafter else EMPTY_DRAFT
-        t1 = now(device)
-        verdict, _ = yield from check(self.top, pending, len(self.tokens) - len(pending), draft, sampling, coins,
-                                      self.tokens)
-        t2 = now(device)
-        tuner.observe(len(draft), t1 - t0, verdict, len(pending) + len(draft), t2 - t1)
-        self.top_stats.record(verdict, t2 - t1)
-        self.drafter_s += t1 - t0
-        new = emitted(draft, verdict)
+        draft, verdict, _, draft_s = yield from check(self.top, drafter, gamma, tuner, self.top_stats, pending,
+                                                      self.tokens, sampling, coins)
+        self.drafter_s += draft_s
+        new, reason = cut(emitted(draft, verdict), limit, stop_ids)
         self.tokens += new
+        self._hold_all_but_last()  # a cut token's KV is in the top cache
         if self.drafter:
             self.drafter.extend(new)
-        return new
+        return new, reason
+
+
+def cut(new: list[int], limit: int, stop_ids: Collection[int]) -> tuple[list[int], str | None]:
+    """`new` up to its first stop token and at most `limit` tokens, and why the answer ends there."""
+    for i, t in enumerate(new[:limit]):
+        if t in stop_ids:
+            return new[:i + 1], "stop"
+    return new[:limit], "length" if len(new) >= limit else None

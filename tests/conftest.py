@@ -9,8 +9,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from engine.config import EngineConfig, ModelConfig, RetrievalConfig
-from engine.engine import Engine
 from engine.model import Transformer
+from engine.session import Engine
 
 torch.set_num_threads(1)  # tiny models: one thread is faster, and immune to a busy second core
 XDIST = "PYTEST_XDIST_WORKER" in os.environ  # scripts/test.sh runs one worker per core

@@ -5,8 +5,14 @@ from typing import Protocol
 
 import torch
 
+from engine.config import OutOfMemoryPlan
+
+GROW_TOKENS = 1024  # past the planned capacity (session.py allocates it once), grow this much at a time
+
 
 class KVCache(Protocol):
+    """What the model (`update`, `advance`) and the levels (`truncate`, `keep_tail`, `reserve`) call."""
+
     length: int  # tokens held; slots past it are stale and never in a view
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -18,9 +24,21 @@ class KVCache(Protocol):
     def truncate(self, length: int) -> None:
         """Forget everything from `length` on (O(1): only the length changes)."""
 
+    def keep_tail(self, start: int, keep_idx: torch.Tensor) -> None:
+        """Keep entries start+keep_idx (sorted, [n]) of the last call, moved to follow `start`
+        (the accepted path of a verified token tree)."""
+
+    def reserve(self, n_tokens: int) -> None:
+        """Make room for `n_tokens` more entries before a long write (a prefill)."""
+
 
 class SlotCache:
-    """K and V slots [L, B, Hkv, S_max, D] filled up to `length`: the shared mechanics of every cache."""
+    """K and V slots [L, B, Hkv, S_max, D] filled up to `length`: the shared mechanics of every cache.
+
+    Growth: `reserve` past the capacity asks `_grow` for `GROW_TOKENS` more slots at a time; only
+    the full caches grow (the others have a fixed capacity, and `_grow` refuses)."""
+
+    grow_hint = "open the book with --offload"  # what to do when growing runs out of memory
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device):
@@ -28,6 +46,10 @@ class SlotCache:
         self.k = torch.empty(shape, dtype=dtype, device=device)  # [L, B, Hkv, S_max, D]
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return min(self.k.shape[3], self.v.shape[3])  # they differ only after a failed growth
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
         end = self.length + k.shape[2]
@@ -44,12 +66,44 @@ class SlotCache:
         self.length = length
 
     def keep_tail(self, start: int, keep_idx: torch.Tensor) -> None:
-        """Keep entries start+keep_idx (sorted, [n]) of the last call, moved to follow `start`."""
         n = keep_idx.shape[0]
         src = start + keep_idx.to(self.k.device)
         for t in (self.k, self.v):
             t[:, :, :, start:start + n] = t[:, :, :, src]
         self.length = start + n
+
+    def reserve(self, n_tokens: int) -> None:
+        needed = self.length + n_tokens
+        if needed <= self.capacity:
+            return
+        old_capacity = self.capacity
+        try:
+            self._grow(max(needed, old_capacity + GROW_TOKENS))
+        except torch.OutOfMemoryError as error:
+            raise OutOfMemoryPlan(f"The chat outgrew the memory planned for this book ({old_capacity:,} tokens): "
+                                  f"start a new chat, or {self.grow_hint}.") from error
+
+    def _grow(self, capacity: int) -> None:
+        """Reallocate for `capacity` slots keeping the first `length` entries (OutOfMemoryError
+        leaves the cache as it was)."""
+        raise AssertionError(f"{capacity} entries do not fit in a cache of {self.capacity} slots")
+
+    def entries(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions [start, end) for all layers: [L, B, Hkv, end-start, D]."""
+        return self.k[:, :, :, start:end], self.v[:, :, :, start:end]
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """{"k", "v"} of [L, B, Hkv, S, D] in host memory, copied a layer at a time: the device
+        never holds a second copy of the cache (a snapshot of a long book would not fit)."""
+        return {"k": _host_copy(self.k, self.length), "v": _host_copy(self.v, self.length)}
+
+
+def _host_copy(t: torch.Tensor, length: int) -> torch.Tensor:
+    """t[:, :, :, :length] ([L, B, Hkv, S_max, D]) in host memory, one layer at a time."""
+    out = torch.empty(t.shape[:3] + (length, t.shape[4]), dtype=t.dtype)
+    for layer_idx in range(t.shape[0]):
+        out[layer_idx] = t[layer_idx, :, :, :length]
+    return out
 
 
 class StaticSlots:

@@ -22,10 +22,9 @@ import os
 
 import torch
 
-from engine.config import OutOfMemoryPlan
+from engine.kv import GROW_TOKENS, SlotCache  # noqa: F401 (GROW_TOKENS: the growth step, as FullCache's)
 
 log = logging.getLogger(__name__)
-GROW_TOKENS = 1024  # past the planned capacity (engine.py allocates it once), grow this much at a time
 PINNED_CACHE_MB = 64  # pinned blocks above this are allocated exactly and freed at once (below)
 
 
@@ -83,11 +82,16 @@ def to_heads(t: torch.Tensor) -> torch.Tensor:
     return t.permute(*range(n - 4), n - 3, n - 2, n - 4, n - 1)
 
 
-class OffloadCache:
-    """Full cache in host memory, streamed to the device a layer at a time (see the module doc)."""
+class OffloadCache(SlotCache):
+    """Full cache in host memory, streamed to the device a layer at a time (see the module doc).
+    Length, truncate, keep_tail, growth policy, entries and state are SlotCache's, over the host
+    copy (`k`, `v`); this class adds the device copies and the streaming."""
+
+    grow_hint = "open the book with fewer resident layers"
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device, n_resident_layers: int = 0):
+        # no SlotCache.__init__: its device-sized K and V are what this cache keeps off the device
         assert 0 <= n_resident_layers <= n_layers, f"{n_resident_layers} resident of {n_layers} layers"
         self.n_layers, self.n_resident_layers, self.device = n_layers, n_resident_layers, device
         self.entry_shape = (batch, n_kv_heads, head_dim)
@@ -119,24 +123,19 @@ class OffloadCache:
     def capacity(self) -> int:
         return self.host_k.shape[1]
 
-    def reserve(self, n_tokens: int) -> None:
-        """Make room for `n_tokens` more entries: past the planned capacity, `GROW_TOKENS` more at
-        a time. The device copies are dropped first and refilled from the host copy (which holds
+    def _grow(self, capacity: int) -> None:
+        """The device copies are dropped first and refilled from the host copy (which holds
         every layer), so the GPU never holds an old and a new cache at once."""
-        needed, n = self.length + n_tokens, self.length
-        if needed <= self.capacity:
-            return
+        n, old_capacity = self.length, self.capacity
         self.side.sync_host()
         self._forget_prefetches()
-        old_capacity, capacity = self.capacity, max(needed, self.capacity + GROW_TOKENS)
         self.resident_k = self.resident_v = self.buffer_k = self.buffer_v = None
         try:
             self._allocate_device(capacity)
-        except torch.OutOfMemoryError as error:
+        except torch.OutOfMemoryError:
             self._allocate_device(old_capacity)  # what fitted before fits again: the cache stays usable
             self._refill_resident(n)
-            raise OutOfMemoryPlan(f"The chat outgrew the memory planned for this book ({old_capacity:,} tokens): "
-                                  "start a new chat, or open the book with fewer resident layers.") from error
+            raise
         for name in ("host_k", "host_v"):
             old = getattr(self, name)
             new = self._new(self.n_layers, capacity, True)
@@ -198,21 +197,11 @@ class OffloadCache:
             self.n_written_bytes += dev[start:end].nbytes
         return to_heads(dev_k[:end]), to_heads(dev_v[:end])
 
-    def advance(self, n_tokens: int) -> None:
-        self.length += n_tokens
-
-    def truncate(self, length: int) -> None:
-        assert 0 <= length <= self.length, f"truncate({length}) of a cache holding {self.length}"
-        self.length = length
-
     def keep_tail(self, start: int, keep_idx: torch.Tensor) -> None:
-        """Keep entries start+keep_idx (sorted, [n]) of the last call, moved to follow `start`."""
-        self.side.sync_host()
+        super().keep_tail(start, keep_idx)  # the host copy (`k`, `v` wait for its write-backs)
         n = keep_idx.shape[0]
-        for t in (self.host_k, self.host_v, self.resident_k, self.resident_v):
-            src = start + keep_idx.to(t.device)
-            t[:, start:start + n] = t[:, src]
-        self.length = start + n
+        for t in (self.resident_k, self.resident_v):
+            t[:, start:start + n] = t[:, start + keep_idx.to(t.device)]
 
     @property
     def k(self) -> torch.Tensor:  # [L, B, Hkv, S_max, D] host view, as FullCache.k
@@ -223,15 +212,6 @@ class OffloadCache:
     def v(self) -> torch.Tensor:
         self.side.sync_host()
         return to_heads(self.host_v)
-
-    def entries(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of positions [start, end) for all layers, from host: [L, B, Hkv, end-start, D]."""
-        return self.k[:, :, :, start:end], self.v[:, :, :, start:end]
-
-    def state(self) -> dict[str, torch.Tensor]:
-        """The same snapshot as FullCache.state: {"k", "v"} of [L, B, Hkv, S, D], contiguous."""
-        k, v = self.entries(0, self.length)
-        return {"k": k.contiguous(), "v": v.contiguous()}
 
     @classmethod
     def from_state(cls, state: dict[str, torch.Tensor], capacity: int, device: torch.device,

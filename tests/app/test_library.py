@@ -24,7 +24,7 @@ BOOK = Document("A Short Book", "Chapter 1\n\nIt was a dark night.\n\nChapter 2\
 def engine():
     from engine import models
     from engine.config import EngineConfig
-    from engine.engine import Engine
+    from engine.session import Engine
 
     if models.packaged_model_dir("smollm2-135m", assemble=False) is None:
         pytest.skip("smollm2-135m is not assembled: run `python -m engine.models --only smollm2-135m`")

@@ -49,7 +49,7 @@ def client(server):
 @pytest.fixture(scope="module")
 def engine():
     from engine.config import EngineConfig
-    from engine.engine import Engine
+    from engine.session import Engine
 
     return Engine.load(EngineConfig(target=MODEL))
 

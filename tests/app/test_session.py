@@ -33,7 +33,7 @@ GREEDY = SamplingConfig(max_new_tokens=8)
 def engine():
     from engine import models
     from engine.config import EngineConfig, RetrievalConfig
-    from engine.engine import Engine
+    from engine.session import Engine
 
     if models.packaged_model_dir("smollm2-135m", assemble=False) is None:
         pytest.skip("smollm2-135m is not assembled: run `python -m engine.models --only smollm2-135m`")

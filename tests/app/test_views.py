@@ -1,7 +1,7 @@
 """The metrics panel's table (app/views.py), without a server."""
 
 from app.views import Counters, render_metrics
-from engine.engine import Stats
+from engine.session import Stats
 from engine.speculative import LevelStats
 
 

@@ -11,9 +11,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.batch import Batcher, Job, session_bytes, sessions_that_fit
+from engine.batch import Batcher, Job
 from engine.config import LEVEL_STACKS, BadTokens, Busy, SamplingConfig
-from engine.engine import Event
+from engine.session import Event
 from tests.conftest import tiny_engine
 from tests.engine.test_speculative import CHI_SAMPLES, CHI_VOCAB, chi_setup, chi_square_pvalue, random_ids
 
@@ -145,17 +145,6 @@ def test_one_answer_at_a_time_per_session():
         next(session.answer_steps(QUESTIONS[1], SamplingConfig(max_new_tokens=4)))
     first.close()  # releases it
     assert len([t for e in session.ask(QUESTIONS[1], SamplingConfig(max_new_tokens=4)) for t in e.tokens]) == 4
-
-
-def test_sessions_that_fit_uses_each_sessions_cache_bytes():
-    engine = tiny_engine("ngram>retrieval>full")
-    session = engine.open(DOCS[0])
-    per = session_bytes(session)
-    full = session.full.k.numel() * 8 * 2
-    assert per > full  # full cache plus the retrieval cache
-    assert sessions_that_fit(per, free_bytes=10 * per, reserve_fraction=0.0) == 8  # capped
-    assert sessions_that_fit(per, free_bytes=3 * per + 1, reserve_fraction=0.0) == 3
-    assert sessions_that_fit(per, free_bytes=per // 2) == 1
 
 
 def test_stop_while_reading_a_long_question_keeps_the_chat_as_it_was():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.config import Cancelled, DocumentTooLong, EmptyPrompt, EngineConfig, SamplingConfig
-from engine.engine import Session
+from engine.session import Session
 from tests.conftest import tiny_engine
 from tests.engine.test_speculative import random_ids
 
@@ -176,9 +176,9 @@ def test_float32_on_cpu_lays_weights_out_for_the_cpu_and_stays_lossless(levels, 
     """float32 on CPU takes bf16-stored linears where the weights are bf16 values, else
     oneDNN-packed ones, else input-major weights (engine/device.py), for the target and the
     draft; speculation over any of them still gives plain decoding's greedy answer."""
-    from engine import engine as engine_module
+    from engine import session as engine_module
     from engine.device import can_pack_linear_weights, cpu_linear_kernel
-    from engine.model import Bf16Linear, PackedLinear
+    from engine.layouts import Bf16Linear, PackedLinear
 
     if layout == "packed" and not can_pack_linear_weights(torch.float32):
         pytest.skip("this torch cannot prepack float32 linears with oneDNN")
@@ -205,7 +205,7 @@ def test_float32_on_cpu_lays_weights_out_for_the_cpu_and_stays_lossless(levels, 
 def test_a_bf16_checkpoint_on_cpu_is_stored_bf16_and_others_are_not():
     """The engine picks "bf16-stored" per model: for weights that are bf16 values only."""
     from engine.device import cpu_linear_kernel
-    from engine.model import Bf16Linear, PackedLinear
+    from engine.layouts import Bf16Linear, PackedLinear
 
     if cpu_linear_kernel() is None:
         pytest.skip("the CPU linear kernel does not build here")
@@ -215,3 +215,34 @@ def test_a_bf16_checkpoint_on_cpu_is_stored_bf16_and_others_are_not():
     assert not isinstance(raw.target.lm_head, Bf16Linear)
     assert isinstance(raw.target.lm_head, PackedLinear) or raw.target.lm_head.weight.stride(0) == 1
     assert rounded.dtype == raw.dtype == torch.float32
+
+
+def test_a_check_cut_at_the_length_limit_keeps_the_retrieval_selection(monkeypatch):
+    """The stack cuts a check's tokens at the length limit (or a stop token) before committing
+    them, so the cut never rolls the middle level back (a re-selection the next question repeats)."""
+    from engine.speculative import CheckingDrafter
+
+    n_rebuilds, rebuild = [0], CheckingDrafter._rebuild
+    monkeypatch.setattr(CheckingDrafter, "_rebuild", lambda self: (n_rebuilds.__setitem__(0, n_rebuilds[0] + 1),
+                                                                   rebuild(self)))
+    session = tiny_engine("retrieval>full", gamma_middle=4).open(random_ids(40, 128, 1))  # fits the budget
+    n_rebuilds[0] = 0
+    events = list(session.ask(random_ids(3, 128, 2), SamplingConfig(max_new_tokens=2)))
+    assert len([t for e in events for t in e.tokens]) == 2 and events[-1].finish_reason == "length"
+    assert events[-1].stats.levels[-1].n_emitted > 2  # the check emitted more than the answer keeps
+    assert n_rebuilds[0] == 1  # the question's re-selection only
+
+
+def test_truncating_only_tokens_the_middle_never_took_keeps_its_selection():
+    """A rollback that removes only tokens whose KV the retrieval cache has not taken (at or past
+    `synced`) drops the middle's scratch and keeps its chunks; one into taken tokens re-selects."""
+    from engine.speculative import CheckingDrafter, GammaTuner, LevelStats
+
+    calls = []
+    middle = CheckingDrafter(None, None, LevelStats("retrieval"), GammaTuner(1, 4), synced_length=lambda: 5,
+                             sync=lambda: calls.append("sync"), rebuild=lambda: calls.append("rebuild"),
+                             rebuild_every_tokens=16, rebuild_below=0.4)
+    middle.reset(list(range(8)))
+    middle.truncate(7)  # tokens 0..6 stay: the cache took 0..4, so its selection stands
+    middle.truncate(5)  # token 4 was taken: its KV must go, re-select
+    assert calls == ["rebuild", "sync", "rebuild"] and middle.tokens == [0, 1, 2, 3, 4]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import layouts
 from engine.kv.full import FullCache
 from tests.conftest import ours, tiny_hf
 
@@ -65,7 +66,7 @@ def test_input_major_weights_keep_logits_names_and_ties(family, tie):
     hf = tiny_hf(family, seed=5, tie=tie)
     model = ours(hf)
     names = {k: v.shape for k, v in model.state_dict().items()}
-    model.store_weights_input_major()
+    layouts.store_weights_input_major(model)
     assert {k: v.shape for k, v in model.state_dict().items()} == names
     q_proj = model.model.layers[0].self_attn.q_proj.weight
     assert q_proj.stride() == (1, q_proj.shape[0])
@@ -84,7 +85,7 @@ def test_packed_linears_keep_logits_names_and_the_embedding(family, tie, dtype):
     the layout only: same parameter names and shapes, the embedding keeps its own rows (a tied
     LM head gets a packed copy), logits equal the unpacked model's to rounding, across chunks."""
     from engine.device import can_pack_linear_weights
-    from engine.model import PackedLinear
+    from engine.layouts import PackedLinear
 
     if not can_pack_linear_weights(dtype):
         pytest.skip(f"this torch cannot prepack {dtype} linears with oneDNN here")
@@ -100,7 +101,7 @@ def test_packed_linears_keep_logits_names_and_the_embedding(family, tie, dtype):
 
     want = logits()
     embedding = model.model.embed_tokens.weight
-    model.pack_linear_weights()
+    layouts.pack_linear_weights(model)
     assert {k: v.shape for k, v in model.state_dict().items()} == names
     assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 7 * c.n_layers + 1
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
@@ -144,16 +145,16 @@ def test_bf16_stored_linears_keep_logits_and_names(family, tie):
     too, and logits equal the float32 model's to float32 rounding, through the kernel (decoding,
     checks) and through BLAS (a chunk of more rows than the kernel takes)."""
     from engine.device import cpu_linear_kernel
-    from engine.model import Bf16Linear
+    from engine.layouts import Bf16Linear
 
     if cpu_linear_kernel() is None:
         pytest.skip("the CPU linear kernel does not build here")
     model = ours(tiny_hf(family, seed=5, tie=tie)).float()
-    assert not model.linear_weights_fit_bf16()  # random float32 weights: bf16 would round them
+    assert not layouts.linear_weights_fit_bf16(model)  # random float32 weights: bf16 would round them
     with pytest.raises(AssertionError, match="bf16 would round"):
-        model.store_weights_bf16(cpu_linear_kernel())
+        layouts.store_weights_bf16(model, cpu_linear_kernel())
     model = model.bfloat16().float()  # a bf16 checkpoint loaded as float32
-    assert model.linear_weights_fit_bf16()
+    assert layouts.linear_weights_fit_bf16(model)
     names = set(model.state_dict())
     ids = torch.randint(0, 128, (1, 160), generator=torch.Generator().manual_seed(2))
     c = model.config
@@ -165,7 +166,7 @@ def test_bf16_stored_linears_keep_logits_and_names(family, tie):
                           model(ids[:, 159:], torch.arange(159, 160), cache)], 1)
 
     want = logits()
-    model.lay_out_linears("bf16-stored")
+    layouts.lay_out_linears(model, "bf16-stored")
     assert set(model.state_dict()) == names
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert isinstance(model.lm_head, Bf16Linear) and model.lm_head.weight.dtype == torch.bfloat16

@@ -11,9 +11,9 @@ import torch
 
 from engine.chat import ChatFormat
 from engine.config import LEVEL_STACKS, EngineConfig, SamplingConfig
-from engine.engine import Engine
 from engine.models import packaged_model_dir
 from engine.quant import is_quantized
+from engine.session import Engine
 from tests.conftest import XDIST
 
 pytestmark = pytest.mark.slow

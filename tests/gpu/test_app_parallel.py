@@ -11,7 +11,7 @@ import pytest
 
 from engine import parallel
 from engine.config import EngineConfig, RetrievalConfig
-from engine.engine import Engine
+from engine.session import Engine
 from tests.conftest import tiny_hf
 from tests.engine.test_chat import TINY
 from tests.reliability.conftest import last, make_app, request, run, write_book

@@ -113,7 +113,7 @@ def test_offloaded_engine_gives_the_on_chip_tokens(levels, n_resident):
 
 
 def test_the_engine_allocates_the_planned_capacity_once(monkeypatch):
-    from engine import engine as engine_module
+    from engine import session as engine_module
     from engine.kv import offload
 
     n_host = []
@@ -190,7 +190,7 @@ def test_snapshots_go_through_host_memory_and_restore_the_same_answers(tmp_path,
     """A snapshot is written from host memory and read back memory-mapped into host memory; the
     cache copies it to the device a layer at a time (a GPU never holds a second whole cache, and
     an offloaded cache is restored rather than prefilled again)."""
-    from engine import engine as engine_module
+    from engine import session as engine_module
 
     engine = tiny_engine("ngram>retrieval>full", offload_kv=offload_kv, resident_kv_layers=1)
     session = engine.open(doc_with_repeats())
@@ -211,7 +211,7 @@ def test_offloaded_prefill_with_flash_attn_runs_in_large_chunks():
     """Each offloaded prefill forward copies every offloaded layer's filled prefix to the device:
     with flash-attn (no [T, S] masks to plan) the prefill runs in chunks of 8192 tokens."""
     from engine.attention import flash_attention
-    from engine.engine import OFFLOAD_PREFILL_CHUNK_TOKENS
+    from engine.session import OFFLOAD_PREFILL_CHUNK_TOKENS
 
     engine = tiny_engine("plain", offload_kv=True, resident_kv_layers=0)  # chunks of 7 tokens
     doc = random_ids(300, 128, 4)
@@ -229,7 +229,7 @@ def test_a_gpu_that_cannot_hold_the_book_refuses_before_allocating(monkeypatch, 
     """On a GPU the full cache is planned before it is allocated, on chip or offloaded: a document
     that does not fit is refused with the largest length that does, not a CUDA out-of-memory
     error mid-prefill. (The device is only named: nothing is allocated on it.)"""
-    from engine import engine as engine_module
+    from engine import session as engine_module
     from engine.config import OutOfMemoryPlan
 
     engine = tiny_engine("plain", offload_kv=offload_kv)

@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from engine import parallel
 from engine.config import EngineConfig, EngineError, RetrievalConfig, SamplingConfig
-from engine.engine import Engine, Session
 from engine.kv.full import FullCache
 from engine.kv.offload import OffloadCache
+from engine.session import Engine, Session
 from tests.conftest import ours, tiny_hf
 from tests.engine.test_loading import word_tokenizer
 from tests.engine.test_speculative import random_ids

@@ -59,7 +59,7 @@ def tiny_model_dir(smol_dir, tmp_path_factory) -> Path:
 
 def load_engine(folder: Path, **overrides):
     from engine.config import EngineConfig
-    from engine.engine import Engine
+    from engine.session import Engine
 
     settings = dict(target=str(folder), dtype="float32", device="cpu", levels=LEVELS, prefill_chunk_tokens=64)
     return Engine.load(EngineConfig(**(settings | overrides)))

@@ -164,7 +164,7 @@ def disk_full(*args, **kwargs):
 
 
 def test_a_full_disk_is_reported_and_the_book_and_chat_keep_working(engine, tmp_path, monkeypatch):
-    from engine.engine import Session
+    from engine.session import Session
 
     app = make_app(engine, tmp_path / "lib")
     req = request("full-disk")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from engine import parallel
+from engine import layouts, parallel
 from engine.attention import flash_attention, pick_attention
 from engine.config import (
     BadTokens,
@@ -26,6 +26,7 @@ from engine.config import (
     DocumentTooLong,
     EmptyPrompt,
     EngineConfig,
+    Levels,
     SamplingConfig,
 )
 from engine.device import linear_layout, now, pick_device, pick_dtype
@@ -37,7 +38,7 @@ from engine.kv.offload import OffloadCache
 from engine.kv.retrieval import RetrievalCache
 from engine.kv.streaming import StreamingCache
 from engine.memory import Workload, free_memory_bytes, resident_kv_layers
-from engine.model import Forward, QueryLog, Segment, Steps, Transformer, run
+from engine.model import Forward, QueryLog, Segment, Steps, Transformer, drive, run
 from engine.quant import is_quantized
 from engine.sampling import Coins, GeneratorCoins
 from engine.speculative import CheckingDrafter, GammaTuner, LevelStack, LevelStats, Scorer
@@ -96,8 +97,8 @@ class Engine:
             if model is not None:
                 model.set_attention(attend)
                 if not is_quantized(model):  # a GGUF's blocks (engine/quant.py) stay as in the file
-                    fits_bf16 = self.dtype == torch.float32 and model.linear_weights_fit_bf16()  # a bf16 checkpoint
-                    model.lay_out_linears(linear_layout(self.device, self.dtype, fits_bf16))
+                    fits_bf16 = self.dtype == torch.float32 and layouts.linear_weights_fit_bf16(model)  # bf16 file
+                    layouts.lay_out_linears(model, linear_layout(self.device, self.dtype, fits_bf16))
         self.n_prefills = 0  # documents prefilled (the app asserts a question does not add one)
         self.n_prefill_tokens = 0
 
@@ -228,17 +229,18 @@ class Engine:
         session.start(list(doc_ids))
         return session
 
-    def build_stack(self, full: FullCache, query_log: QueryLog, levels: str
+    def build_stack(self, full: FullCache, query_log: QueryLog, name: str
                     ) -> tuple[LevelStack, list[LevelStats], RetrievalCache | None]:
-        cfg, c = replace(self.config, levels=levels), self.target.config
-        if "draft" in cfg.level_names and self.draft is None:
-            raise ValueError(f"levels={levels!r} needs a draft model: load the engine with one (--draft)")
-        names = cfg.level_names
-        stats = [LevelStats(name) for name in names if name in ("retrieval", "full")]  # checking levels
-        bottom = self._bottom_drafter(names[0]) if len(names) > 1 and names[0] != "retrieval" else None
+        """The levels of the stack `name` (a LEVEL_STACKS entry) over this full cache."""
+        cfg, c, levels = self.config, self.target.config, Levels.parse(name)
+        levels.check_draft(self.draft)
+        share = parallel.shared if cfg.n_gpus > 1 else None  # every rank tunes as rank 0 does
+        tuner = functools.partial(GammaTuner, max_gamma=cfg.max_gamma, share=share)
+        stats = [LevelStats(name) for name in levels.names if name in ("retrieval", "full")]  # checking levels
+        bottom = self._bottom_drafter(levels.bottom) if levels.bottom else None
         retrieval = None
         drafter = bottom
-        if "retrieval" in names:
+        if levels.has_retrieval:
             r = cfg.retrieval
             scratch = 2 + cfg.max_gamma * (cfg.n_ngram_candidates + 1)
             retrieval = RetrievalCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, r.budget_tokens, r.sink_tokens,
@@ -246,17 +248,17 @@ class Engine:
             one_token = static_decode_step(self.target, retrieval, self.uses_cuda_graphs)
             middle = Scorer(self.target, retrieval, None, one_token)
             drafter = CheckingDrafter(
-                middle, bottom, stats[0], GammaTuner(cfg.gamma_bottom, cfg.max_gamma),
+                middle, bottom, stats[0], tuner(cfg.gamma_bottom),
                 synced_length=lambda: retrieval.synced,
                 sync=lambda: retrieval.append(full, retrieval.synced, full.length),
                 rebuild=lambda: retrieval.build(full, query_log.queries),
                 rebuild_every_tokens=r.rebuild_every_tokens, rebuild_below=r.rebuild_below_acceptance)
-        top_gamma = cfg.gamma_middle if "retrieval" in names else cfg.gamma_bottom
-        tuner = GammaTuner(top_gamma, cfg.max_gamma)
+        top = tuner(cfg.gamma_middle if levels.has_retrieval else cfg.gamma_bottom)
         direct = None  # the bottom drafter proposing to the top while the middle does not pay
         if retrieval is not None and bottom is not None:
-            direct = GammaTuner(cfg.gamma_bottom, cfg.max_gamma, check_s=tuner.check_s)
-        stack = LevelStack(Scorer(self.target, full, query_log), drafter, stats[-1], tuner, direct)
+            direct = tuner(cfg.gamma_bottom, check_s=top.check_s)
+        prefill = lambda ids, cancel: self.prefill_steps(full, ids, query_log, cancel=cancel)
+        stack = LevelStack(Scorer(self.target, full, query_log), drafter, stats[-1], top, direct, prefill)
         return stack, stats, retrieval
 
     def _bottom_drafter(self, name: str):
@@ -295,13 +297,13 @@ class Session:
         length = self.length
         plain = LevelStack(Scorer(self.engine.target, self.full), None, LevelStats("probe"), GammaTuner(0, 1))
         plain.reset(self.tokens)
-        self.full.truncate(min(self.full.length, length - 1))
+        plain.truncate(length)
         coins = GeneratorCoins(torch.Generator().manual_seed(0))
         t0 = now(self.engine.device)
         for _ in range(n_tokens):
-            run(plain.step(SamplingConfig(), coins))
+            run(plain.step(SamplingConfig(), coins, n_tokens))
         ms = 1000 * (now(self.engine.device) - t0) / n_tokens
-        self.full.truncate(min(self.full.length, length - 1))
+        plain.truncate(length)
         return ms
 
     def start(self, tokens: list[int]) -> None:
@@ -326,7 +328,7 @@ class Session:
         """Append the question and stream the answer. Randomness: `sampling.seed`, unless tests
         pass their own `coins` (an exact enumerator of every random outcome)."""
         with self.lock:
-            yield from serve_alone(self._steps(question_ids, sampling, cancel, stop_ids, coins))
+            yield from drive(self._steps(question_ids, sampling, cancel, stop_ids, coins))
 
     def answer_steps(self, question_ids: list[int], sampling: SamplingConfig = SamplingConfig(),
                      cancel=None, stop_ids: set[int] | None = None, coins: Coins | None = None
@@ -354,19 +356,13 @@ class Session:
             s.reset()
         stack.drafter_s = 0.0
         t_start = now(engine.device)
-        unseen = stack.tokens[self.full.length:]  # e.g. the last token after a truncate
-        n_kept = self.full.length
         try:
-            yield from engine.prefill_steps(self.full, unseen + question_ids[:-1], self.query_log, cancel=cancel)
+            yield from stack.extend(question_ids, cancel)
         except Cancelled:  # stopped while reading the question: the chat stays as it was
-            self.full.truncate(n_kept)
             yield Event([], Stats(self.level_stats), None, "cancelled")
             return
-        stack.tokens += question_ids
-        if stack.drafter:
-            stack.drafter.extend(question_ids)
         if sampling.penalty_start is None:  # the penalties count this answer's tokens
-            sampling = replace(sampling, penalty_start=len(stack.tokens))
+            sampling = replace(sampling, penalty_start=self.length)
         stats, n_new, n_first, t_first = Stats(self.level_stats), 0, 0, 0.0
         reason, reading_version = None, None
         while reason is None:
@@ -374,8 +370,7 @@ class Session:
                 reason = "cancelled"
                 break
             t0 = now(engine.device)
-            new = yield from stack.step(sampling, coins)
-            new, reason = self._cut(new, n_new, max_new, stop_ids)
+            new, reason = yield from stack.step(sampling, coins, max_new - n_new, stop_ids)
             t1 = now(engine.device)
             n_new += len(new)
             if not t_first:
@@ -385,19 +380,6 @@ class Session:
             yield Event(new, stats, reading, reason)
         if reason == "cancelled":
             yield Event([], stats, None, reason)
-
-    def _cut(self, new: list[int], n_before: int, max_new: int, stop_ids: set[int]):
-        """Cut a step's tokens at the first stop token or at max_new; roll the stack back to match."""
-        keep, reason = len(new), None
-        for i, t in enumerate(new):
-            if t in stop_ids:
-                keep, reason = i + 1, "stop"
-                break
-        if n_before + keep >= max_new:
-            keep, reason = min(keep, max_new - n_before), reason or "length"
-        if keep < len(new):
-            self.stack.truncate(self.length - (len(new) - keep))
-        return new[:keep], reason
 
     def _stats(self, stats: Stats, n_new, n_first, t_start, t_first, t_now, tbt_last_s) -> Stats:
         mean_s = (t_now - t_first) / (n_new - n_first) if n_new > n_first else tbt_last_s
@@ -437,21 +419,6 @@ class Session:
         session.query_log.queries = [q if q is None else q.to(engine.device) for q in state["queries"]]
         session.start(state["tokens"])
         return session
-
-
-def serve_alone(steps: Generator[Forward | Event, torch.Tensor | None, None]) -> Iterator[Event]:
-    """Run a session's steps by itself: serve each forward request, pass the events on."""
-    result = None
-    while True:
-        try:
-            item = steps.send(result)
-        except StopIteration:
-            return
-        if isinstance(item, Forward):
-            result = item.model.forward_packed([item.segment])[0]
-        else:
-            result = None
-            yield item
 
 
 def reading_ranges(chunk_starts: torch.Tensor, chunk_tokens: int, top: int = 12) -> list[tuple[int, int, float]]:

@@ -1,0 +1,28 @@
+"""The engine's face in one import (DESIGN.md "The engine's face"):
+
+    from engine import Engine, EngineConfig, SamplingConfig
+    session = Engine.load(EngineConfig(...)).open(doc_ids)
+    for event in session.ask(question_ids, SamplingConfig(temperature=0.6)): ...
+
+Names resolve on first use, so `import engine.config` (flags, settings) stays free of torch.
+engine/README.md walks one request through the modules.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_FACE = {
+    "engine.session": ("Engine", "Session", "Event", "Stats"),
+    "engine.config": ("EngineConfig", "SamplingConfig", "RetrievalConfig", "Levels", "EngineError",
+                      "DocumentTooLong", "EmptyPrompt", "TokenizerMismatch", "ModelNotFound", "OutOfMemoryPlan",
+                      "Cancelled", "BadTokens", "Busy"),
+}
+_MODULE_OF = {name: module for module, names in _FACE.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_MODULE_OF[name]), name)

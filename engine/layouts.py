@@ -1,0 +1,143 @@
+"""CPU weight layouts: how a built model's linear weights are stored for this CPU, applied from
+outside the model as `parallel.shard` is (engine/device.py `linear_layout` picks one per model).
+
+- `input-major`: same tensors, strides (1, out), so BLAS gets a plain x @ W_t;
+- `packed`: `PackedLinear`, oneDNN's blocked layout, prepacked once;
+- `bf16-stored`: `Bf16Linear`, weights that are exact bf16 values stored as bf16 and multiplied
+  in float32 by engine/csrc/linear_cpu.cpp (half the bytes, the same products).
+Every layout keeps the values and the `weight`/`bias` names; none changes a product's result
+beyond BLAS's own summation order (tests/engine/test_model.py).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+from engine.model import Transformer
+
+
+def lay_out_linears(model: Transformer, layout: str) -> None:
+    """Store `model`'s linear weights as engine/device.py `linear_layout` chose for this device."""
+    if layout == "packed":
+        pack_linear_weights(model)
+    elif layout == "bf16-stored":
+        from engine.device import cpu_linear_kernel
+
+        store_weights_bf16(model, cpu_linear_kernel())
+    elif layout == "input-major":
+        store_weights_input_major(model)
+    else:
+        assert layout == "as loaded", f"unknown linear layout {layout!r}"
+
+
+def store_weights_input_major(model: Transformer) -> None:
+    """Store every linear weight input-major: same [out, in] shape, names and values, strides
+    (1, out), so F.linear hands BLAS a plain x @ W_t (engine/device.py says when it pays).
+    A tied embedding moves with the LM head and stays one tensor."""
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            module.weight = nn.Parameter(module.weight.t().contiguous().t(), requires_grad=False)
+    if tied:
+        model.model.embed_tokens.weight = model.lm_head.weight
+
+
+def _replace_linears(model: Transformer, make) -> None:
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, make(child))
+
+
+def pack_linear_weights(model: Transformer) -> None:
+    """Replace every nn.Linear by a `PackedLinear` (CPU, engine/device.py says when). A tied
+    LM head gets its own packed copy: the embedding keeps the rows its lookups read."""
+    _replace_linears(model, PackedLinear)
+
+
+def linear_weights_fit_bf16(model: Transformer) -> bool:
+    """Whether every linear weight is exactly a bf16 value, so storing them as bf16 loses
+    nothing (and its shape is one engine/csrc/linear_cpu.cpp takes: out % 8, in % 2)."""
+    return all(m.out_features % 8 == 0 and m.in_features % 2 == 0 and _fits_bf16(m.weight)
+               for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def store_weights_bf16(model: Transformer, kernel) -> None:
+    """Replace every nn.Linear by a `Bf16Linear` (float32 models whose weights fit bf16,
+    engine/device.py says when). The embedding table, when its values fit bf16 too (always
+    when tied to the LM head), keeps its rows in bf16, widened to float32 on lookup."""
+    assert model.dtype == torch.float32 and linear_weights_fit_bf16(model), "weights that bf16 would round"
+    _replace_linears(model, lambda linear: Bf16Linear(linear, kernel))
+    table = model.model.embed_tokens.weight
+    if _fits_bf16(table):
+        model.model.embed_tokens.weight = nn.Parameter(table.detach().bfloat16(), requires_grad=False)
+
+
+class PackedLinear(nn.Module):
+    """A frozen nn.Linear with its weight prepacked once in oneDNN's blocked layout (CPU), as
+    Inductor's freezing does: few-row products run near the memory floor instead of MKL's
+    small-M kernels. Same names (`weight`, `bias`) and values; each output row depends only on
+    its input row, not on how many rows share the call (tests/engine/test_model.py)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())  # opaque [out, in]
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        # the bias added apart: the same sum, and with grad mode on torch 2.13 the fused bias
+        # makes a one-row call 100x slower (0.16 vs 22 ms for 896 x 896); inference mode does not
+        out = torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+        return out if self.bias is None else out.add_(self.bias)
+
+
+_widen_scratch = threading.local()  # Bf16Linear._widened: one buffer per thread running forwards
+
+
+def _fits_bf16(t: torch.Tensor) -> bool:
+    return torch.equal(t, t.bfloat16().to(t.dtype))
+
+
+class Bf16Linear(nn.Module):
+    """A frozen nn.Linear whose weight holds only bf16 values, stored as bf16 and multiplied in
+    float32 (CPU): `kernel` (engine/csrc/linear_cpu.cpp) widens each weight as it reads it, so
+    a decoding step reads half the bytes of float32 for the same products. The weight is kept
+    in the kernel's blocked layout ([out/8, in/2, 8, 2]). In the kernel a row's output does not
+    depend on the rows beside it; calls of more rows than `KERNEL_MAX_ROWS` (prefill chunks, a
+    large packed batch) widen blocks of weights to float32 (input-major) for BLAS, whose sums
+    round differently in the last bits."""
+
+    KERNEL_MAX_ROWS = 128  # every layer linear of the 0.5B: kernel 628 vs BLAS 810 ms at 64 rows, 1248 vs 1232 at 128
+    BLOCK_GROUPS = 1024  # groups of 8 weight rows widened at a time for BLAS (an LM head whole: 0.5 GB)
+
+    def __init__(self, linear: nn.Linear, kernel):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        blocked = kernel.block_weight(linear.weight.detach().bfloat16())  # [out/8, in/2, 8, 2]
+        self.weight = nn.Parameter(blocked, requires_grad=False)
+        self.bias = linear.bias
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] float32 -> [..., out] float32
+        rows = x.reshape(-1, self.in_features)  # [M, in]
+        if rows.shape[0] <= self.KERNEL_MAX_ROWS:
+            out = self.kernel.bf16_linear(rows.contiguous(), self.weight)
+        else:
+            blocks = [rows @ self._widened(block) for block in self.weight.split(self.BLOCK_GROUPS)]
+            out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        out = out.view(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out.add_(self.bias)
+
+    def _widened(self, block: torch.Tensor) -> torch.Tensor:  # [in, 8 * groups] float32
+        """`block`'s weights as float32, input-major, in this thread's scratch buffer, reused by
+        every call (no fresh pages). Widening costs ~5% of a 512-row product (2.3 vs 43 ms)."""
+        n = block.shape[0] * 8 * self.in_features
+        buffer = getattr(_widen_scratch, "buffer", None)
+        if buffer is None or buffer.numel() < n:
+            buffer = _widen_scratch.buffer = torch.empty(n)
+        return self.kernel.widen_weight(block, buffer[:n].view(self.in_features, -1))
