@@ -355,7 +355,8 @@ def predict_stacks(engine_max_gamma: int = EngineConfig.max_gamma) -> list[dict]
     rows = []
     for p in PREDICTION_SETUPS:
         plain_ms = None
-        for stack in LEVEL_STACKS:
+        for stack in (s for s in LEVEL_STACKS if "+" not in s):  # a mixed bottom (n-grams or the draft
+            # model, whichever matched) has no single cost to model
             setup = planned_setup(p.hardware, p.target, p.n_tokens, stack, p.draft,
                                   p.retrieval_budget_tokens, p.rates, prefill_chunk_tokens=512)
             gamma_bottom, gamma_middle, tbt_ms = best_gammas(setup, stack, MAX_GAMMA_MIDDLE)

@@ -17,6 +17,8 @@ LEVEL_STACKS = (
     "retrieval>full",
     "ngram>retrieval>full",
     "draft>retrieval>full",
+    "ngram+draft>full",
+    "ngram+draft>retrieval>full",
     "selfspec>full",
 )
 # draft="auto": the small model of the same family that drafts for a packaged target (same
@@ -32,7 +34,8 @@ class Levels:
     drafter, an optional middle level over the retrieval cache, the target with its full cache."""
 
     name: str
-    bottom: str | None  # "ngram", "draft" (the small model), "selfspec" (the target); None: no drafter
+    bottom: str | None  # "ngram", "draft" (the small model), "ngram+draft" (n-grams first, then the small
+    # model: engine/drafters/lookup_first.py), "selfspec" (the target); None: no drafter
     has_retrieval: bool  # a middle level: the target over the retrieval cache
 
     @classmethod
@@ -51,7 +54,7 @@ class Levels:
     @property
     def needs_draft(self) -> bool:
         """The `draft` level runs the small draft model, so the engine must hold one."""
-        return self.bottom == "draft"
+        return self.bottom in ("draft", "ngram+draft")
 
     def check_draft(self, draft: object | None) -> None:
         if self.needs_draft and not draft:

@@ -30,6 +30,7 @@ from engine.config import (
     SamplingConfig,
 )
 from engine.device import linear_layout, now, pick_device, pick_dtype
+from engine.drafters.lookup_first import LookupFirst
 from engine.drafters.model import ModelDrafter
 from engine.drafters.ngram import NgramDrafter
 from engine.graphs import graphs_available, static_decode_step
@@ -265,6 +266,8 @@ class Engine:
         cfg = self.config
         if name == "ngram":
             return NgramDrafter(cfg.max_ngram, cfg.n_ngram_candidates)
+        if name == "ngram+draft":
+            return LookupFirst(self._bottom_drafter("ngram"), self._bottom_drafter("draft"))
         model = self.draft if name == "draft" else self.target
         c = model.config
         cache = StreamingCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, cfg.streaming_sink_tokens,
