@@ -37,7 +37,7 @@ import torch
 
 from benchmarks.longctx import BOOK, book_doc_ids, log, machine, timing
 from engine.chat import ChatFormat
-from engine.config import PAIRED_DRAFTS, EngineConfig, SamplingConfig
+from engine.config import PAIRED_DRAFTS, EngineConfig, Levels, SamplingConfig
 from engine.loading import cache_root, generation_defaults, load_model
 from engine.models import PACKAGED_MODELS, gguf_path
 from engine.session import Engine
@@ -64,15 +64,15 @@ def llama_bench(bench: Path, gguf: Path, threads: int, n_prompt: int, n_gen: int
             "command": " ".join(["llama-bench", *command[1:]]), "n_threads": row["n_threads"]}
 
 
-def ours(engine: Engine, chat: ChatFormat, doc_ids: list[int], new_tokens: int, stacks: list[str]) -> dict:
+def ours(engine: Engine, chat: ChatFormat, doc_ids: list[int], q_ids: list[int], new_tokens: int,
+         stacks: list[str]) -> dict:
     """Our prefill of the document, then one greedy answer per level stack (`plain` first), each
     from the same prefill (the session is truncated back to the book between them)."""
     t0 = time.perf_counter()
     session = engine.open(doc_ids)
     prefill_s = time.perf_counter() - t0
-    q_ids = chat.question_ids(QUESTION, is_first=True, previous_answer_ended=False)
     result = {"prefill_s": prefill_s, "prefill_tokens_per_s": len(doc_ids) / prefill_s, "stacks": {}}
-    for stack in (s for s in stacks if engine.draft is not None or "draft" not in s):
+    for stack in (s for s in stacks if engine.draft is not None or not Levels.parse(s).needs_draft):
         session.set_levels(stack)
         events, tokens, t_start = [], [], time.perf_counter()
         for event in session.ask(q_ids, SamplingConfig(max_new_tokens=new_tokens), stop_ids=chat.stop_ids):
@@ -215,11 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         log(f"peers: skipped, {report['skipped']}")
         args.out.write_text(json.dumps(report, indent=1) + "\n")
         return 0
-    draft = "auto" if any("draft" in stack for stack in args.stacks) else None
+    draft = "auto" if any(Levels.parse(stack).needs_draft for stack in args.stacks) else None
     engines = {d: load_engine(args.model, d, draft) for d in args.dtypes}
     paired = PAIRED_DRAFTS.get(args.model)
     chat = ChatFormat(next(iter(engines.values())).tokenizer)
     book_ids = chat._user_text(BOOK.read_text(encoding="utf-8-sig").strip())
+    q_ids = chat.question_ids(QUESTION, is_first=True, previous_answer_ended=False)
     for threads in args.threads:
         torch.set_num_threads(threads)
         for engine in engines.values():
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             report["runs"].append(run)
             for d, engine in engines.items():
                 run[f"load_avg_before_ours_{d}"] = list(psutil.getloadavg())
-                run["ours"][d] = ours(engine, chat, doc_ids, args.new_tokens, args.stacks)
+                run["ours"][d] = ours(engine, chat, doc_ids, q_ids, args.new_tokens, args.stacks)
                 log(f"ours {d} t={threads} d={depth}: prefill {run['ours'][d]['prefill_tokens_per_s']:.1f} tok/s, "
                     + ", ".join(f"{k} {v['ms_per_token']:.1f} ms" for k, v in run["ours"][d]["stacks"].items()))
                 args.out.write_text(json.dumps(report, indent=1) + "\n")
@@ -247,7 +248,6 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"llama.cpp t={threads} d={depth}: prefill {run['llama.cpp']['prefill']['tokens_per_s']:.0f} tok/s")
             if args.spec:
                 prompt = args.out.with_suffix(f".prompt{depth}.txt")
-                q_ids = chat.question_ids(QUESTION, is_first=True, previous_answer_ended=False)
                 prompt.write_text(chat.tokenizer.decode(doc_ids + q_ids), encoding="utf-8")
                 tools = {"lookup": (bench.parent / "llama-lookup", None)}
                 if paired:
