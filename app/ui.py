@@ -534,7 +534,7 @@ class App:
             yield {c.model_status: f"`{name}` is already loaded" + (" for long books." if yarn != 1 else ".")}
             return
         user.cancel.clear()
-        yield {c.model_status: f"Loading `{name}` … (the first time: download and conversion, a few minutes)"}
+        yield {c.model_status: f"Loading `{name}` … (the first time: a download of a few minutes)"}
         try:
             config = replace(self.engine.config, target=name, draft="auto", levels="auto", yarn_factor=yarn)
             engine = yield from self._progress(user, Stages(name), load_engine, config)
