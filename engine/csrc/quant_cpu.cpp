@@ -22,13 +22,14 @@
 // ISA and inlines its own intrinsics.
 //
 // Block types (ggml ids): Q4_0 2, Q4_1 3, Q5_0 6, Q8_0 8, Q4_K 12, Q6_K 14.
-#ifndef BOOKCHAT_QUANT_GENERIC
+#if !defined(BOOKCHAT_QUANT_GENERIC) && !defined(BOOKCHAT_QUICK_GENERIC)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -325,6 +326,345 @@ struct Isa {
 }  // namespace avx512
 #pragma GCC pop_options
 
+// ---- Quick (lossy) linears: llama.cpp-style int8 activations ------------------------------------
+//
+// `quick_linear` is NOT the model in the file: each activation row is quantized to int8 in blocks
+// of 32 (scale max|x| / 127, rounded to nearest), and each weight block's UNSIGNED (or, for the
+// 32-value types, signed) integer codes are multiplied with them in integer dot products (AVX-512
+// VNNI `vpdpbusd` where the CPU has it, else AVX2 `vpmaddubsw` + `vpmaddwd`), scaled in float32:
+// y = sum over groups g of d_g * dx_g * isum_g + offsets_g * dx_g * xsum_g, with offsets the
+// K-quants' -dmin * m (Q4_K) and -32 * d * scale (Q6_K, whose 6-bit codes 0..63 take the -32
+// out). Its error is the activations' rounding (about 0.3% of |x| per value at max / rms = 3):
+// a middle level's draft, verified by the exact top level. Types: Q4_0, Q5_0, Q8_0 (signed codes),
+// Q4_K, Q6_K; others (Q4_1) have no quick path (`quick_supports`), Python keeps the exact kernel.
+struct QuickAct {  // a call's activations: x[m] ~= dx[m, k / 32] * q[m, k]
+  const int8_t* q;     // [M, K]
+  const float* dxl;    // [M, K / 4]: dx of value 4 i, one per int32 lane of a dot product
+  const float* xs16;   // [M, K / 16]: dx * sum of q over each 16 values
+  const float* xs32;   // [M, K / 32]: over each 32
+  int64_t K;
+};
+
+inline void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* q, float* dxl, float* xs16, float* xs32) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const float* xb = x + m * K + 32 * b;
+      int8_t* qb = q + m * K + 32 * b;
+      float amax = 0.0f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float dx = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int sums[2] = {0, 0};
+      for (int i = 0; i < 32; ++i) {
+        const int v = static_cast<int>(std::nearbyint(std::min(127.0f, std::max(-127.0f, xb[i] * inv))));
+        qb[i] = static_cast<int8_t>(v);
+        sums[i / 16] += v;
+      }
+      xs16[m * (K / 16) + 2 * b] = dx * static_cast<float>(sums[0]);
+      xs16[m * (K / 16) + 2 * b + 1] = dx * static_cast<float>(sums[1]);
+      xs32[m * (K / 32) + b] = dx * static_cast<float>(sums[0] + sums[1]);
+      for (int l = 0; l < 8; ++l) dxl[m * (K / 4) + 8 * b + l] = dx;
+    }
+}
+
+// Q4_K's 12 bytes of 6-bit scales and mins -> 8 scales, then 8 mins (ggml get_scale_min_k4, as
+// llama.cpp unpacks them: three 32-bit words).
+inline void q4k_scales_mins(const uint8_t* sc, uint8_t out[16]) {
+  uint32_t u[4];
+  std::memcpy(u, sc, 12);
+  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+  u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+  const uint32_t mins_low = u[1] & k1;
+  u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+  u[2] = mins_low;
+  u[0] &= k1;
+  std::memcpy(out, u, 16);
+}
+
+namespace avx2q {  // 32 values per vector, `maddubs` + `madd` (codes <= 63 or signed: no int16 saturation)
+
+using VI = __m256i;
+using VF = __m256;
+
+// value i of a 32-value Q4_0 / Q5_0 block: nibble of qs[i % 16] (low for i < 16)
+inline __m256i nibbles32(const uint8_t* qs) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), f = _mm_set1_epi8(0xF);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), f), _mm_and_si128(b, f));
+}
+
+inline __m256i bits_to_bytes(const uint8_t* p) {  // bit i of 32 -> byte i 0xFF / 0 (as llama.cpp)
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  const __m256i bytes = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuffle),
+                                        _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+inline __m256i q5_0_codes(const uint8_t* b) {  // signed q - 16
+  const __m256i high = _mm256_and_si256(bits_to_bytes(b + 2), _mm256_set1_epi8(0x10));
+  return _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), high), _mm256_set1_epi8(16));
+}
+
+struct QIsa {
+  static constexpr int kChunk = 32, kRows = 4;  // 16 registers: 4 x 2 accumulators
+  static inline VF zero() { return _mm256_setzero_ps(); }
+  static inline VF loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static inline VF mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+  static inline VF fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+  template <bool kSigned> static inline VF dot(VI q, const int8_t* x) {  // 8 lanes, each 4 products
+    __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    if constexpr (kSigned) {  // |w| (<= 128) times x with w's sign: 128 * 127 * 2 < 32768
+      xv = _mm256_sign_epi8(xv, q);
+      q = _mm256_sign_epi8(q, q);
+    }
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), _mm256_set1_epi16(1)));
+  }
+  static inline float reduce(VF a) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+  }
+};
+
+struct Q4_K {
+  static constexpr int kValues = 256, kBytes = 144, kChunks = 8, kOffVecs = 1;
+  static constexpr bool kSigned = false;
+  struct Block {
+    const uint8_t* qs;
+    float ds[8];
+    __m256 ov[1];
+    explicit ALWAYS_INLINE Block(const uint8_t* b) : qs(b + 16) {
+      uint8_t sm[16];
+      q4k_scales_mins(b + 4, sm);
+      const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm))));
+      const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8))));
+      _mm256_storeu_ps(ds, _mm256_mul_ps(sc, _mm256_set1_ps(half(b))));
+      ov[0] = _mm256_mul_ps(mn, _mm256_set1_ps(-half(b + 2)));
+    }
+    ALWAYS_INLINE VI codes(int c) const {  // sub-block c: nibbles of qs[32 (c / 2) ..], low for even c
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (c / 2)));
+      return _mm256_and_si256(c % 2 == 0 ? v : _mm256_srli_epi16(v, 4), _mm256_set1_epi8(0xF));
+    }
+    ALWAYS_INLINE VF scale(int c) const { return _mm256_set1_ps(ds[c]); }
+  };
+  static const float* off_x(const QuickAct& a, int64_t m, int64_t blk, int) { return a.xs32 + m * (a.K / 32) + 8 * blk; }
+};
+
+struct Q6_K {
+  static constexpr int kValues = 256, kBytes = 210, kChunks = 8, kOffVecs = 2;
+  static constexpr bool kSigned = false;
+  struct Block {
+    const uint8_t* b;
+    float ds[16];
+    __m256 ov[2];
+    explicit ALWAYS_INLINE Block(const uint8_t* p) : b(p) {
+      const __m256 d = _mm256_set1_ps(half(p + 208)), minus32 = _mm256_set1_ps(-32.0f);
+      for (int i = 0; i < 2; ++i) {
+        const __m256 s = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 192 + 8 * i)))));
+        _mm256_storeu_ps(ds + 8 * i, s);
+        ov[i] = _mm256_mul_ps(s, minus32);
+      }
+    }
+    ALWAYS_INLINE VI codes(int c) const {  // values 128 h + 32 t .. + 31, c = 4 h + t: 6-bit codes 0..63
+      const int h = c / 4, t = c % 4;
+      const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (t & 1)));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+      const __m256i low = _mm256_and_si256(t < 2 ? ql : _mm256_srli_epi16(ql, 4), _mm256_set1_epi8(0xF));
+      const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t)), _mm256_set1_epi8(3));
+      return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+    }
+    ALWAYS_INLINE VF scale(int c) const {  // lanes 0-3: scale 2 c, 4-7: 2 c + 1
+      return _mm256_set_m128(_mm_set1_ps(ds[2 * c + 1]), _mm_set1_ps(ds[2 * c]));
+    }
+  };
+  static const float* off_x(const QuickAct& a, int64_t m, int64_t blk, int i) {
+    return a.xs16 + m * (a.K / 16) + 16 * blk + 8 * i;
+  }
+};
+
+template <int kBlockBytes, int kScaleAt>
+struct Small {  // a 32-value type with signed codes and one float16 scale: no offsets
+  static constexpr int kValues = 32, kBytes = kBlockBytes, kChunks = 1, kOffVecs = 0;
+  static constexpr bool kSigned = true;
+  static const float* off_x(const QuickAct&, int64_t, int64_t, int) { return nullptr; }
+};
+
+struct Q8_0 : Small<34, 0> {
+  struct Block {
+    const uint8_t* b;
+    __m256 ov[1];
+    explicit ALWAYS_INLINE Block(const uint8_t* p) : b(p) {}
+    ALWAYS_INLINE VI codes(int) const { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)); }
+    ALWAYS_INLINE VF scale(int) const { return _mm256_set1_ps(half(b)); }
+  };
+};
+
+struct Q5_0 : Small<22, 0> {
+  struct Block {
+    const uint8_t* b;
+    __m256 ov[1];
+    explicit ALWAYS_INLINE Block(const uint8_t* p) : b(p) {}
+    ALWAYS_INLINE VI codes(int) const { return q5_0_codes(b); }
+    ALWAYS_INLINE VF scale(int) const { return _mm256_set1_ps(half(b)); }
+  };
+};
+
+struct Q4_0 : Small<18, 0> {
+  struct Block {
+    const uint8_t* b;
+    __m256 ov[1];
+    explicit ALWAYS_INLINE Block(const uint8_t* p) : b(p) {}
+    ALWAYS_INLINE VI codes(int) const { return _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8)); }
+    ALWAYS_INLINE VF scale(int) const { return _mm256_set1_ps(half(b)); }
+  };
+};
+
+#define BOOKCHAT_QUICK_GENERIC
+#include __FILE__
+#undef BOOKCHAT_QUICK_GENERIC
+
+}  // namespace avx2q
+
+// AVX-512 VNNI (Zen 4, Ice Lake and later): 64 values per vector, `vpdpbusd`. The 32-value types
+// go two blocks at a time (K a multiple of 64), their signed codes offset by 128 (no `sign_epi8`
+// in AVX-512): dot(w + 128, x) - dot(128, x).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+namespace avx512q {
+
+using VI = __m512i;
+using VF = __m512;
+
+struct QIsa {
+  static constexpr int kChunk = 64, kRows = 8;  // 32 registers: 8 x (1 + 1 ymm) accumulators
+  static inline VF zero() { return _mm512_setzero_ps(); }
+  static inline VF loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static inline VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+  static inline VF fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+  template <bool kSigned> static inline VF dot(VI q, const int8_t* x) {  // 16 lanes, each 4 products
+    const __m512i xv = _mm512_loadu_si512(x);
+    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv);
+    if constexpr (kSigned) s = _mm512_sub_epi32(s, _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(-128), xv));
+    return _mm512_cvtepi32_ps(s);
+  }
+  static inline float reduce(VF a) { return avx2q::QIsa::reduce(_mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1))); }
+};
+
+inline __m512 halves(float a, float b) {  // lanes 0-7 a, 8-15 b
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(a)), _mm256_set1_ps(b), 1);
+}
+
+inline __m512i join(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
+
+struct Q4_K {
+  static constexpr int kValues = 256, kBytes = 144, kChunks = 4, kOffVecs = 1;
+  static constexpr bool kSigned = false;
+  struct Block {
+    const uint8_t* qs;
+    float ds[8];
+    __m256 ov[1];
+    explicit inline Block(const uint8_t* b) : qs(b + 16) {
+      uint8_t sm[16];
+      q4k_scales_mins(b + 4, sm);
+      const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm))));
+      const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8))));
+      _mm256_storeu_ps(ds, _mm256_mul_ps(sc, _mm256_set1_ps(half(b))));
+      ov[0] = _mm256_mul_ps(mn, _mm256_set1_ps(-half(b + 2)));
+    }
+    inline VI codes(int j) const {  // sub-blocks 2 j (low nibbles) and 2 j + 1 (high) of qs[32 j ..]
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j)), f = _mm256_set1_epi8(0xF);
+      return join(_mm256_and_si256(v, f), _mm256_and_si256(_mm256_srli_epi16(v, 4), f));
+    }
+    inline VF scale(int j) const { return halves(ds[2 * j], ds[2 * j + 1]); }
+  };
+  static const float* off_x(const QuickAct& a, int64_t m, int64_t blk, int) { return a.xs32 + m * (a.K / 32) + 8 * blk; }
+};
+
+struct Q6_K {
+  static constexpr int kValues = 256, kBytes = 210, kChunks = 4, kOffVecs = 2;
+  static constexpr bool kSigned = false;
+  struct Block {
+    const uint8_t* b;
+    __m512 ds;  // d * scale of the 16 groups of 16
+    __m256 ov[2];
+    explicit inline Block(const uint8_t* p) : b(p) {
+      ds = _mm512_mul_ps(_mm512_set1_ps(half(p + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)))));
+      ov[0] = _mm256_mul_ps(_mm512_castps512_ps256(ds), _mm256_set1_ps(-32.0f));
+      ov[1] = _mm256_mul_ps(_mm512_extractf32x8_ps(ds, 1), _mm256_set1_ps(-32.0f));
+    }
+    inline VI codes(int c) const {  // values 64 c .. + 63, c = 2 h + p: t = 2 p and 2 p + 1
+      const int h = c / 2, p = c % 2;
+      const __m512i ql = _mm512_loadu_si512(b + 64 * h), f = _mm512_set1_epi8(0xF);
+      const __m512i low = _mm512_and_si512(p == 0 ? ql : _mm512_srli_epi16(ql, 4), f);
+      const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h)));
+      const __m512i shift = _mm512_set_epi64(4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p + 2, 4 * p, 4 * p, 4 * p, 4 * p);
+      const __m512i high = _mm512_and_si512(_mm512_srlv_epi64(qh, shift), _mm512_set1_epi8(3));
+      return _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
+    }
+    inline VF scale(int c) const {  // lane l: group 4 c + l / 4
+      const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(4 * c),
+                                           _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+      return _mm512_permutexvar_ps(idx, ds);
+    }
+  };
+  static const float* off_x(const QuickAct& a, int64_t m, int64_t blk, int i) {
+    return a.xs16 + m * (a.K / 16) + 16 * blk + 8 * i;
+  }
+};
+
+template <int kBlockBytes>
+struct Pair {  // two blocks of a 32-value type, signed codes offset by 128
+  static constexpr int kValues = 64, kBytes = 2 * kBlockBytes, kChunks = 1, kOffVecs = 0;
+  static constexpr bool kSigned = true;
+  static const float* off_x(const QuickAct&, int64_t, int64_t, int) { return nullptr; }
+  static inline VI offset(__m256i a, __m256i b) { return _mm512_xor_si512(join(a, b), _mm512_set1_epi8(-128)); }
+};
+
+struct Q8_0 : Pair<34> {
+  struct Block {
+    const uint8_t* b;
+    __m256 ov[1];
+    explicit inline Block(const uint8_t* p) : b(p) {}
+    inline VI codes(int) const {
+      return offset(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)),
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 36)));
+    }
+    inline VF scale(int) const { return halves(half(b), half(b + 34)); }
+  };
+};
+
+struct Q5_0 : Pair<22> {
+  struct Block {
+    const uint8_t* b;
+    __m256 ov[1];
+    explicit inline Block(const uint8_t* p) : b(p) {}
+    inline VI codes(int) const { return offset(avx2q::q5_0_codes(b), avx2q::q5_0_codes(b + 22)); }
+    inline VF scale(int) const { return halves(half(b), half(b + 22)); }
+  };
+};
+
+struct Q4_0 : Pair<18> {
+  struct Block {
+    const uint8_t* b;
+    __m256 ov[1];
+    explicit inline Block(const uint8_t* p) : b(p) {}
+    inline VI codes(int) const {
+      const __m256i eight = _mm256_set1_epi8(8);
+      return offset(_mm256_sub_epi8(avx2q::nibbles32(b + 2), eight), _mm256_sub_epi8(avx2q::nibbles32(b + 20), eight));
+    }
+    inline VF scale(int) const { return halves(half(b), half(b + 18)); }
+  };
+};
+
+#define BOOKCHAT_QUICK_GENERIC
+#include __FILE__
+#undef BOOKCHAT_QUICK_GENERIC
+
+}  // namespace avx512q
+#pragma GCC pop_options
+
 template <class Body>
 void dispatch(int64_t qtype, Body&& body) {  // kValues / kBytes are the same in both namespaces
   avx2::dispatch(qtype, body);
@@ -382,6 +722,37 @@ torch::Tensor dequantize(const torch::Tensor& w, int64_t qtype, torch::Tensor ou
   return out;
 }
 
+bool use_quick_avx512() {
+  __builtin_cpu_init();
+  return use_avx512() && __builtin_cpu_supports("avx512vnni");
+}
+
+bool quick_supports(int64_t qtype, int64_t K) {
+  return use_quick_avx512() ? avx512q::quick_supports(qtype, K) : avx2q::quick_supports(qtype, K);
+}
+
+// x [M, K] float32 contiguous, w [N, row bytes] uint8: y [M, N] float32 ~= x deq(w)^T, with x
+// rounded to int8 per 32 values (lossy: see "Quick" above). A type or K without a quick path
+// raises (Python asks `quick_supports` first and keeps the exact kernel for those).
+torch::Tensor quick_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous(), "quick_linear: x float32 [M, K] contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  dispatch(qtype, [&](auto q) { check_weight<decltype(q)>(w, K); });
+  TORCH_CHECK(quick_supports(qtype, K), "quick_linear: no quick path for ggml type ", qtype, " at K = ", K);
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dxl(M * K / 4), xs16(M * K / 16), xs32(M * K / 32);
+  quantize_activations(x.data_ptr<float>(), M, K, xq.data(), dxl.data(), xs16.data(), xs32.data());
+  const QuickAct a{xq.data(), dxl.data(), xs16.data(), xs32.data(), K};
+  if (use_quick_avx512()) {
+    avx512q::quick_linear(a, M, w.data_ptr<uint8_t>(), w.size(1), y.data_ptr<float>(), N, qtype);
+  } else {
+    avx2q::quick_linear(a, M, w.data_ptr<uint8_t>(), w.size(1), y.data_ptr<float>(), N, qtype);
+  }
+  return y;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -389,9 +760,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "GGUF blocks w [N, row bytes], ggml type -> out float32 [N, K]");
   m.def("set_isa", [](int64_t isa) { g_isa = static_cast<int>(isa); }, "-1 best available, 0 AVX2, 1 AVX-512");
   m.def("uses_avx512", &use_avx512, "whether calls run the AVX-512 kernel");
+  m.def("quick_linear", &quick_linear, "y ~= x deq(w)^T with x rounded to int8 per 32 values (lossy, integer dots)");
+  m.def("quick_supports", &quick_supports, "whether quick_linear has a path for ggml type `qtype` at K inputs");
+  m.def("quick_uses_vnni", &use_quick_avx512, "whether quick_linear runs AVX-512 VNNI");
 }
 
-#else  // BOOKCHAT_QUANT_GENERIC: the loops, compiled once per instruction set (namespaces avx2, avx512)
+#elif defined(BOOKCHAT_QUANT_GENERIC)  // the loops, compiled once per instruction set (namespaces avx2, avx512)
 
 using V = Isa::V;
 constexpr int kWidth = Isa::kWidth, kAcc = Isa::kAcc;
@@ -522,4 +896,79 @@ void dequantize(const uint8_t* w, int64_t N, int64_t row_bytes, int64_t K, float
   });
 }
 
-#endif  // BOOKCHAT_QUANT_GENERIC
+#else  // BOOKCHAT_QUICK_GENERIC: the quick loops, compiled once per instruction set (avx2q, avx512q)
+
+// NM activation rows (from row m0) against one weight row: y[m * N] for m < NM.
+template <class Q, int NM>
+inline void quick_dot_rows(const QuickAct& a, int64_t m0, const uint8_t* w, float* y, int64_t N) {
+  VF acc[NM];
+  __m256 off[NM];
+  for (int m = 0; m < NM; ++m) {
+    acc[m] = QIsa::zero();
+    off[m] = _mm256_setzero_ps();
+  }
+  const int64_t K = a.K;
+  for (int64_t blk = 0; blk < K / Q::kValues; ++blk) {
+    const typename Q::Block block(w + blk * Q::kBytes);
+    for (int c = 0; c < Q::kChunks; ++c) {
+      const VI q = block.codes(c);
+      const VF s = block.scale(c);
+      const int64_t k = blk * Q::kValues + c * QIsa::kChunk;
+      for (int m = 0; m < NM; ++m) {
+        const VF sx = QIsa::mul(s, QIsa::loadf(a.dxl + (m0 + m) * (K / 4) + k / 4));
+        acc[m] = QIsa::fma(QIsa::template dot<Q::kSigned>(q, a.q + (m0 + m) * K + k), sx, acc[m]);
+      }
+    }
+    for (int i = 0; i < Q::kOffVecs; ++i)
+      for (int m = 0; m < NM; ++m) off[m] = _mm256_fmadd_ps(block.ov[i], _mm256_loadu_ps(Q::off_x(a, m0 + m, blk, i)), off[m]);
+  }
+  for (int m = 0; m < NM; ++m) y[m * N] = QIsa::reduce(acc[m]) + avx2q::QIsa::reduce(off[m]);
+}
+
+template <class Q, int R>
+inline void quick_in_registers(const QuickAct& a, int64_t m0, int64_t M, const uint8_t* w, float* y, int64_t N) {
+  if constexpr (R > 1) {
+    if (M < R) return quick_in_registers<Q, R - 1>(a, m0, M, w, y, N);
+  }
+  quick_dot_rows<Q, R>(a, m0, w, y, N);
+}
+
+template <class Body>
+bool quick_dispatch(int64_t qtype, Body&& body) {
+  switch (qtype) {
+    case 2: body(Q4_0{}); return true;
+    case 6: body(Q5_0{}); return true;
+    case 8: body(Q8_0{}); return true;
+    case 12: body(Q4_K{}); return true;
+    case 14: body(Q6_K{}); return true;
+    default: return false;
+  }
+}
+
+bool quick_supports(int64_t qtype, int64_t K) {
+  bool ok = false;
+  quick_dispatch(qtype, [&](auto q) { ok = K % decltype(q)::kValues == 0 && K % 64 == 0; });
+  return ok;
+}
+
+// Weight rows in groups of 16, each against all M rows in chunks of at most QIsa::kRows, as the
+// exact kernel goes: a group's blocks stay in L1 across chunks.
+void quick_linear(const QuickAct& a, int64_t M, const uint8_t* w, int64_t row_bytes, float* y, int64_t N, int64_t qtype) {
+  quick_dispatch(qtype, [&](auto q) {
+    using Q = decltype(q);
+    constexpr int R = QIsa::kRows;
+    const int64_t chunks = (M + R - 1) / R;
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      for (int64_t g = n0; g < n1; g += 16) {
+        const int64_t g1 = std::min(g + 16, n1);
+        for (int64_t c = 0, m = 0; c < chunks; ++c) {
+          const int64_t size = (M - m) / (chunks - c);
+          for (int64_t n = g; n < g1; ++n) quick_in_registers<Q, R>(a, m, size, w + n * row_bytes, y + m * N + n, N);
+          m += size;
+        }
+      }
+    });
+  });
+}
+
+#endif  // BOOKCHAT_QUANT_GENERIC / BOOKCHAT_QUICK_GENERIC
