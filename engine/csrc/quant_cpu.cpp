@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 // AVX2: unpacking and multiplying must inline into each loop: GCC otherwise leaves a K-quant's
@@ -835,12 +836,19 @@ inline void unpacked_rows(const float* x, int64_t M, int64_t K, const float* w, 
 // 0.52 ms): 5 rows 0.80 vs 1.43 ms, 25 rows 4.1 vs 7.1, 128 rows 22 vs 54, against unpacking
 // each weight row once to a buffer and passing 6 rows at a time over it. Above kUnpackOnceAbove
 // rows (AVX2: 3), that: each weight row unpacked once into a buffer, then chunk after chunk.
+//
+// At most 7 rows a chunk where 8 were slower than two chunks of 4 (AVX-512, 1 thread, Zen 4, one
+// layer of 8960 rows): Q4_K, whose 8-row loop spills (K = 768: 8 rows 2.45 ms, 7 rows 1.32, 4 rows
+// 0.91), and every type at K > 1024, where 8 rows of x (32 KB at K = 1024) leave Zen 4's 32 KB L1
+// (Q6_K, K = 1536: 8 rows 5.1 ms, 7 rows 3.5, 4 rows 2.4; Q4_K 4.8, 3.3, 1.7). A chunk's size
+// changes no output bit: each row's accumulators take the same operations in any chunk.
 template <class Q>
 void rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N,
           int64_t n0, int64_t n1) {
   constexpr int R = Isa::kRegisterRows;
   constexpr int64_t kGroup = 16;
-  const int64_t chunks = (M + R - 1) / R;
+  const int64_t most = std::min<int64_t>(R, std::is_same_v<Q, Q4_K> || K > 1024 ? 7 : 8);
+  const int64_t chunks = (M + most - 1) / most;
   if (M > Isa::kUnpackOnceAbove) {
     std::vector<float> row(K);
     for (int64_t n = n0; n < n1; ++n) {
