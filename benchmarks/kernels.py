@@ -21,6 +21,12 @@ random keys and values at the context length (costs do not depend on the values)
   rows through bf16 tiles) vs the bf16-stored kernel (`Bf16Linear`, float32 arithmetic) and bf16
   oneDNN-packed (this CPU's bf16 model without the blocks), with the weight bytes each reads per
   forward (issue 22).
+- quick: every linear of a GGUF model at T = 1, 5, 8, 9 rows (issue 22's middle level), the
+  exact blocks kernel (`quant_linear`) vs the lossy one with int8 activations (`quick_linear`,
+  engine/quant.py `quick_view`), and the quick kernel's relative error ||quick - exact|| / ||exact||
+  per linear on the model's own activations (9 tokens of the book, captured from a forward).
+
+    python -m benchmarks.kernels --model qwen2.5-coder-1.5b --only quick --threads 1
 - compiled: the same matmuls (T = 1, 2, 5, 9, 16), input-major under MKL (the engine's fallback)
   vs `torch.compile` with freezing and Inductor's C++ GEMM template (weights prepacked at compile
   time; needs a C++ compiler). Not used by the engine yet: this measures what it would give.
@@ -288,6 +294,54 @@ def bench_quant(source: str, repeats: int) -> dict:
     return out
 
 
+def bench_quick(source: str, repeats: int) -> dict:
+    """Every linear of the GGUF model at T rows: exact blocks kernel vs quick (int8 activations)."""
+    from engine.quant import KERNEL_TYPES, QuantLinear, cpu_quant_kernel
+
+    if cpu_quant_kernel() is None:
+        return {"skipped": "the quantized linear kernel did not build here"}
+    model, tokenizer = load_model(source, torch.float32, torch.device("cpu"))
+    exact = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if not exact:
+        return {"skipped": f"{source} did not load as GGUF blocks"}
+    quick = [m.quick() for m in exact]
+    types: dict[str, int] = {}
+    for m in exact:
+        name = KERNEL_TYPES[m.qtype] + ("" if m.has_quick_path() else " (no quick path)")
+        types[name] = types.get(name, 0) + 1
+    out = {"linears": types, "weight_bytes": sum(m.weight.numel() for m in exact),
+           "vnni": bool(cpu_quant_kernel().quick_uses_vnni())}
+    for T in (1, 5, 8, 9):
+        x = {n: torch.randn(T, n) for n in {m.in_features for m in exact}}
+        with torch.inference_mode():
+            out[f"T={T}"] = side_by_side({"exact": lambda x=x: [m(x[m.in_features]) for m in exact],
+                                          "quick": lambda x=x: [m(x[m.in_features]) for m in quick]}, repeats)
+        print(f"quick T={T}: {json.dumps(out[f'T={T}'], default=lambda v: round(v, 2))}", flush=True)
+    inputs = {}  # each linear's input on 9 tokens of the book
+    hooks = [m.register_forward_pre_hook(lambda m, args: inputs.__setitem__(m, args[0].reshape(-1, m.in_features)))
+             for m in exact]
+    ids = torch.tensor([tokenizer.encode((ROOT / "assets" / "persuasion.txt").read_text()[:400])[:9]])
+    c = model.config
+    model(ids, torch.arange(ids.shape[1]), FullCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, 16, torch.float32,
+                                                     torch.device("cpu")))
+    for h in hooks:
+        h.remove()
+    errors: dict[str, list[float]] = {}
+    with torch.inference_mode():
+        for e, q in zip(exact, quick):
+            if q.lossy:
+                ref = e(inputs[e])
+                errors.setdefault(KERNEL_TYPES[e.qtype], []).append(float((q(inputs[e]) - ref).norm() / ref.norm()))
+    out["relative_error"] = {t: {"median": statistics.median(v), "max": max(v), "n": len(v)} for t, v in errors.items()}
+    print("| rows | exact ms | quick ms | speed-up |\n|---:|---:|---:|---:|")
+    for T in (1, 5, 8, 9):
+        a, b = out[f"T={T}"]["exact"]["min_ms"], out[f"T={T}"]["quick"]["min_ms"]
+        print(f"| {T} | {a:.1f} | {b:.1f} | {a / b:.2f}x |")
+    for t, v in out["relative_error"].items():
+        print(f"quick error {t} ({v['n']} linears, real activations): median {v['median']:.2e}, max {v['max']:.2e}")
+    return out
+
+
 INDUCTOR_CPU_GEMM = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
@@ -356,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--only", default="attention,cpu-attention,prefill,decode,sampling,weights",
-                   help="comma-separated; also: compiled, quant")
+                   help="comma-separated; also: compiled, quant, quick")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="model dtype; auto = the engine's choice (bf16 with AMX or AVX512-BF16, else float32)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kernels.json")
@@ -381,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"weights: {json.dumps(report['results']['weights'], default=lambda x: round(x, 2))}", flush=True)
     if "quant" in only:
         report["results"]["quant"] = bench_quant(args.model, args.repeats)
+    if "quick" in only:
+        report["results"]["quick"] = bench_quick(args.model, args.repeats)
     if "compiled" in only:  # not in the default set: it compiles for a minute or two
         report["results"]["compiled"] = bench_compiled(args.model, dtype, args.repeats)
     if "sampling" in only:

@@ -340,13 +340,15 @@ struct Isa {
 // Q4_K, Q6_K; others (Q4_1) have no quick path (`quick_supports`), Python keeps the exact kernel.
 struct QuickAct {  // a call's activations: x[m] ~= dx[m, k / 32] * q[m, k]
   const int8_t* q;     // [M, K]
+  const float* dx;     // [M, K / 32]
   const float* dxl;    // [M, K / 4]: dx of value 4 i, one per int32 lane of a dot product
   const float* xs16;   // [M, K / 16]: dx * sum of q over each 16 values
   const float* xs32;   // [M, K / 32]: over each 32
   int64_t K;
 };
 
-inline void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* q, float* dxl, float* xs16, float* xs32) {
+inline void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* q, float* dxs, float* dxl, float* xs16,
+                                 float* xs32) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < K / 32; ++b) {
       const float* xb = x + m * K + 32 * b;
@@ -363,6 +365,7 @@ inline void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* q
       xs16[m * (K / 16) + 2 * b] = dx * static_cast<float>(sums[0]);
       xs16[m * (K / 16) + 2 * b + 1] = dx * static_cast<float>(sums[1]);
       xs32[m * (K / 32) + b] = dx * static_cast<float>(sums[0] + sums[1]);
+      dxs[m * (K / 32) + b] = dx;
       for (int l = 0; l < 8; ++l) dxl[m * (K / 4) + 8 * b + l] = dx;
     }
 }
@@ -429,6 +432,8 @@ struct QIsa {
 
 struct Q4_K {
   static constexpr int kValues = 256, kBytes = 144, kChunks = 8, kOffVecs = 1;
+  static constexpr bool kRowScaled = false;
+  static constexpr int kOffLanes = 8;
   static constexpr bool kSigned = false;
   struct Block {
     const uint8_t* qs;
@@ -453,6 +458,8 @@ struct Q4_K {
 
 struct Q6_K {
   static constexpr int kValues = 256, kBytes = 210, kChunks = 8, kOffVecs = 2;
+  static constexpr bool kRowScaled = false;
+  static constexpr int kOffLanes = 8;
   static constexpr bool kSigned = false;
   struct Block {
     const uint8_t* b;
@@ -487,6 +494,8 @@ struct Q6_K {
 template <int kBlockBytes, int kScaleAt>
 struct Small {  // a 32-value type with signed codes and one float16 scale: no offsets
   static constexpr int kValues = 32, kBytes = kBlockBytes, kChunks = 1, kOffVecs = 0;
+  static constexpr bool kRowScaled = false;
+  static constexpr int kOffLanes = 8;
   static constexpr bool kSigned = true;
   static const float* off_x(const QuickAct&, int64_t, int64_t, int) { return nullptr; }
 };
@@ -528,8 +537,8 @@ struct Q4_0 : Small<18, 0> {
 }  // namespace avx2q
 
 // AVX-512 VNNI (Zen 4, Ice Lake and later): 64 values per vector, `vpdpbusd`. The 32-value types
-// go two blocks at a time (K a multiple of 64), their signed codes offset by 128 (no `sign_epi8`
-// in AVX-512): dot(w + 128, x) - dot(128, x).
+// go two blocks at a time (K a multiple of 64) with unsigned codes (Q8_0: w + 128) and the
+// difference as an offset per block (-128 d, -16 d, -8 d) times dx * sum(q) of the activations.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 namespace avx512q {
@@ -544,10 +553,8 @@ struct QIsa {
   static inline VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
   static inline VF fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
   template <bool kSigned> static inline VF dot(VI q, const int8_t* x) {  // 16 lanes, each 4 products
-    const __m512i xv = _mm512_loadu_si512(x);
-    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv);
-    if constexpr (kSigned) s = _mm512_sub_epi32(s, _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(-128), xv));
-    return _mm512_cvtepi32_ps(s);
+    static_assert(!kSigned, "vpdpbusd: unsigned codes");
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(x)));
   }
   static inline float reduce(VF a) { return avx2q::QIsa::reduce(_mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1))); }
 };
@@ -558,32 +565,39 @@ inline __m512 halves(float a, float b) {  // lanes 0-7 a, 8-15 b
 
 inline __m512i join(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
 
-struct Q4_K {
+struct Q4_K {  // the activations' dx folded into the 8 sub-block scales once per block and row
   static constexpr int kValues = 256, kBytes = 144, kChunks = 4, kOffVecs = 1;
-  static constexpr bool kSigned = false;
+  static constexpr bool kSigned = false, kRowScaled = true;
+  static constexpr int kOffLanes = 8;
   struct Block {
     const uint8_t* qs;
-    float ds[8];
+    __m256 ds;  // d * scale of the 8 sub-blocks
     __m256 ov[1];
     explicit inline Block(const uint8_t* b) : qs(b + 16) {
       uint8_t sm[16];
       q4k_scales_mins(b + 4, sm);
       const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm))));
       const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8))));
-      _mm256_storeu_ps(ds, _mm256_mul_ps(sc, _mm256_set1_ps(half(b))));
+      ds = _mm256_mul_ps(sc, _mm256_set1_ps(half(b)));
       ov[0] = _mm256_mul_ps(mn, _mm256_set1_ps(-half(b + 2)));
     }
     inline VI codes(int j) const {  // sub-blocks 2 j (low nibbles) and 2 j + 1 (high) of qs[32 j ..]
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j)), f = _mm256_set1_epi8(0xF);
       return join(_mm256_and_si256(v, f), _mm256_and_si256(_mm256_srli_epi16(v, 4), f));
     }
-    inline VF scale(int j) const { return halves(ds[2 * j], ds[2 * j + 1]); }
+    inline __m512 row_scale(const float* dx) const { return _mm512_castps256_ps512(_mm256_mul_ps(ds, _mm256_loadu_ps(dx))); }
+    static inline VF scale_of(__m512 row, int j) {  // lanes 0-7: sub-block 2 j, 8-15: 2 j + 1
+      const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+      return _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(2 * j)), row);
+    }
   };
   static const float* off_x(const QuickAct& a, int64_t m, int64_t blk, int) { return a.xs32 + m * (a.K / 32) + 8 * blk; }
 };
 
 struct Q6_K {
   static constexpr int kValues = 256, kBytes = 210, kChunks = 4, kOffVecs = 2;
+  static constexpr bool kRowScaled = false;
+  static constexpr int kOffLanes = 8;
   static constexpr bool kSigned = false;
   struct Block {
     const uint8_t* b;
@@ -616,45 +630,57 @@ struct Q6_K {
 };
 
 template <int kBlockBytes>
-struct Pair {  // two blocks of a 32-value type, signed codes offset by 128
-  static constexpr int kValues = 64, kBytes = 2 * kBlockBytes, kChunks = 1, kOffVecs = 0;
-  static constexpr bool kSigned = true;
-  static const float* off_x(const QuickAct&, int64_t, int64_t, int) { return nullptr; }
-  static inline VI offset(__m256i a, __m256i b) { return _mm512_xor_si512(join(a, b), _mm512_set1_epi8(-128)); }
+struct Pair {  // two blocks of a 32-value type: unsigned codes, the offset (-128 d, -16 d, -8 d) per block
+  static constexpr int kValues = 64, kBytes = 2 * kBlockBytes, kChunks = 1, kOffVecs = 1;
+  static constexpr bool kSigned = false, kRowScaled = false;
+  static constexpr int kOffLanes = 2;
+  static const float* off_x(const QuickAct& a, int64_t m, int64_t blk, int) { return a.xs32 + m * (a.K / 32) + 2 * blk; }
+  static inline __m256 offsets(float a, float b) { return _mm256_setr_ps(a, b, 0, 0, 0, 0, 0, 0); }
 };
 
-struct Q8_0 : Pair<34> {
+// the nibbles of two 16-byte qs: [a low, a high, b low, b high] (values 0-31 of a, then of b)
+inline __m512i pair_nibbles(const uint8_t* qa, const uint8_t* qb) {
+  const __m512i t = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qa))),
+                                                0xFF00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)));
+  return _mm512_and_si512(_mm512_srlv_epi64(t, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0)), _mm512_set1_epi8(0xF));
+}
+
+struct Q8_0 : Pair<34> {  // codes w + 128
   struct Block {
     const uint8_t* b;
     __m256 ov[1];
-    explicit inline Block(const uint8_t* p) : b(p) {}
+    explicit inline Block(const uint8_t* p) : b(p) { ov[0] = offsets(-128.0f * half(p), -128.0f * half(p + 34)); }
     inline VI codes(int) const {
-      return offset(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)),
-                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 36)));
+      return _mm512_xor_si512(join(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)),
+                                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 36))),
+                              _mm512_set1_epi8(-128));
     }
     inline VF scale(int) const { return halves(half(b), half(b + 34)); }
   };
 };
 
-struct Q5_0 : Pair<22> {
+struct Q5_0 : Pair<22> {  // codes 0..31: nibble, and 16 where qh's bit is set
   struct Block {
     const uint8_t* b;
     __m256 ov[1];
-    explicit inline Block(const uint8_t* p) : b(p) {}
-    inline VI codes(int) const { return offset(avx2q::q5_0_codes(b), avx2q::q5_0_codes(b + 22)); }
+    explicit inline Block(const uint8_t* p) : b(p) { ov[0] = offsets(-16.0f * half(p), -16.0f * half(p + 22)); }
+    inline VI codes(int) const {
+      uint32_t qa, qb;
+      std::memcpy(&qa, b + 2, 4);
+      std::memcpy(&qb, b + 24, 4);
+      const __m512i nibbles = pair_nibbles(b + 6, b + 28);
+      return _mm512_mask_add_epi8(nibbles, _cvtu64_mask64(qa | static_cast<uint64_t>(qb) << 32), nibbles, _mm512_set1_epi8(16));
+    }
     inline VF scale(int) const { return halves(half(b), half(b + 22)); }
   };
 };
 
-struct Q4_0 : Pair<18> {
+struct Q4_0 : Pair<18> {  // codes 0..15
   struct Block {
     const uint8_t* b;
     __m256 ov[1];
-    explicit inline Block(const uint8_t* p) : b(p) {}
-    inline VI codes(int) const {
-      const __m256i eight = _mm256_set1_epi8(8);
-      return offset(_mm256_sub_epi8(avx2q::nibbles32(b + 2), eight), _mm256_sub_epi8(avx2q::nibbles32(b + 20), eight));
-    }
+    explicit inline Block(const uint8_t* p) : b(p) { ov[0] = offsets(-8.0f * half(p), -8.0f * half(p + 18)); }
+    inline VI codes(int) const { return pair_nibbles(b + 2, b + 20); }
     inline VF scale(int) const { return halves(half(b), half(b + 18)); }
   };
 };
@@ -743,9 +769,9 @@ torch::Tensor quick_linear(const torch::Tensor& x, const torch::Tensor& w, int64
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   std::vector<int8_t> xq(M * K);
-  std::vector<float> dxl(M * K / 4), xs16(M * K / 16), xs32(M * K / 32);
-  quantize_activations(x.data_ptr<float>(), M, K, xq.data(), dxl.data(), xs16.data(), xs32.data());
-  const QuickAct a{xq.data(), dxl.data(), xs16.data(), xs32.data(), K};
+  std::vector<float> dx(M * K / 32), dxl(M * K / 4), xs16(M * K / 16), xs32(M * K / 32);
+  quantize_activations(x.data_ptr<float>(), M, K, xq.data(), dx.data(), dxl.data(), xs16.data(), xs32.data());
+  const QuickAct a{xq.data(), dx.data(), dxl.data(), xs16.data(), xs32.data(), K};
   if (use_quick_avx512()) {
     avx512q::quick_linear(a, M, w.data_ptr<uint8_t>(), w.size(1), y.data_ptr<float>(), N, qtype);
   } else {
@@ -918,17 +944,33 @@ inline void quick_dot_rows(const QuickAct& a, int64_t m0, const uint8_t* w, floa
   const int64_t K = a.K;
   for (int64_t blk = 0; blk < K / Q::kValues; ++blk) {
     const typename Q::Block block(w + blk * Q::kBytes);
-    for (int c = 0; c < Q::kChunks; ++c) {
-      const VI q = block.codes(c);
-      const VF s = block.scale(c);
-      const int64_t k = blk * Q::kValues + c * QIsa::kChunk;
-      for (int m = 0; m < NM; ++m) {
-        const VF sx = QIsa::mul(s, QIsa::loadf(a.dxl + (m0 + m) * (K / 4) + k / 4));
-        acc[m] = QIsa::fma(QIsa::template dot<Q::kSigned>(q, a.q + (m0 + m) * K + k), sx, acc[m]);
+    if constexpr (Q::kRowScaled) {  // each row's dx folded into the block's scales once
+      VF rows[NM];
+      for (int m = 0; m < NM; ++m) rows[m] = block.row_scale(a.dx + (m0 + m) * (K / 32) + blk * (Q::kValues / 32));
+      for (int c = 0; c < Q::kChunks; ++c) {
+        const VI q = block.codes(c);
+        const int64_t k = blk * Q::kValues + c * QIsa::kChunk;
+        for (int m = 0; m < NM; ++m)
+          acc[m] = QIsa::fma(QIsa::template dot<Q::kSigned>(q, a.q + (m0 + m) * K + k), Q::Block::scale_of(rows[m], c), acc[m]);
+      }
+    } else {
+      for (int c = 0; c < Q::kChunks; ++c) {
+        const VI q = block.codes(c);
+        const VF s = block.scale(c);
+        const int64_t k = blk * Q::kValues + c * QIsa::kChunk;
+        for (int m = 0; m < NM; ++m) {
+          const VF sx = QIsa::mul(s, QIsa::loadf(a.dxl + (m0 + m) * (K / 4) + k / 4));
+          acc[m] = QIsa::fma(QIsa::template dot<Q::kSigned>(q, a.q + (m0 + m) * K + k), sx, acc[m]);
+        }
       }
     }
     for (int i = 0; i < Q::kOffVecs; ++i)
-      for (int m = 0; m < NM; ++m) off[m] = _mm256_fmadd_ps(block.ov[i], _mm256_loadu_ps(Q::off_x(a, m0 + m, blk, i)), off[m]);
+      for (int m = 0; m < NM; ++m) {
+        const float* p = Q::off_x(a, m0 + m, blk, i);
+        const __m256 xs = Q::kOffLanes == 8 ? _mm256_loadu_ps(p)  // 2 lanes: the rest zero, never read
+                                            : _mm256_zextps128_ps256(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p))));
+        off[m] = _mm256_fmadd_ps(block.ov[i], xs, off[m]);
+      }
   }
   for (int m = 0; m < NM; ++m) y[m * N] = QIsa::reduce(acc[m]) + avx2q::QIsa::reduce(off[m]);
 }
