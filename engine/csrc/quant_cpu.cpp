@@ -344,15 +344,18 @@ struct QuickAct {  // a call's activations: x[m] ~= dx[m, k / 32] * q[m, k]
   const float* dxl;    // [M, K / 4]: dx of value 4 i, one per int32 lane of a dot product
   const float* xs16;   // [M, K / 16]: dx * sum of q over each 16 values
   const float* xs32;   // [M, K / 32]: over each 32
+  const int32_t* init;  // [M, K / 4]: -C * (q[4 i] + .. + q[4 i + 3]), a dot product lane's start (codes q + C)
   int64_t K;
 };
 
 inline void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* q, float* dxs, float* dxl, float* xs16,
-                                 float* xs32) {
+                                 float* xs32, int32_t* init, int init_offset, bool q4k_order) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < K / 32; ++b) {
       const float* xb = x + m * K + 32 * b;
-      int8_t* qb = q + m * K + 32 * b;
+      // Q4_K order (AVX-512): the 32-value blocks of each 128 stored as 0, 2, 1, 3 (see avx512q::Q4_K)
+      const int64_t at = q4k_order ? 128 * (b / 4) + 32 * (b % 4 == 1 ? 2 : b % 4 == 2 ? 1 : b % 4) : 32 * b;
+      int8_t* qb = q + m * K + at;
       float amax = 0.0f;
       for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
       const float dx = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -366,7 +369,10 @@ inline void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* q
       xs16[m * (K / 16) + 2 * b + 1] = dx * static_cast<float>(sums[1]);
       xs32[m * (K / 32) + b] = dx * static_cast<float>(sums[0] + sums[1]);
       dxs[m * (K / 32) + b] = dx;
-      for (int l = 0; l < 8; ++l) dxl[m * (K / 4) + 8 * b + l] = dx;
+      for (int l = 0; l < 8; ++l) {
+        dxl[m * (K / 4) + 8 * b + l] = dx;
+        if (init_offset != 0) init[m * (K / 4) + 8 * b + l] = -init_offset * (qb[4 * l] + qb[4 * l + 1] + qb[4 * l + 2] + qb[4 * l + 3]);
+      }
     }
 }
 
@@ -415,7 +421,7 @@ struct QIsa {
   static inline VF loadf(const float* p) { return _mm256_loadu_ps(p); }
   static inline VF mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
   static inline VF fma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
-  template <bool kSigned> static inline VF dot(VI q, const int8_t* x) {  // 8 lanes, each 4 products
+  template <bool kSigned> static inline VF dot(VI q, const int8_t* x, const int32_t*) {  // 8 lanes, each 4 products
     __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
     if constexpr (kSigned) {  // |w| (<= 128) times x with w's sign: 128 * 127 * 2 < 32768
       xv = _mm256_sign_epi8(xv, q);
@@ -433,7 +439,8 @@ struct QIsa {
 struct Q4_K {
   static constexpr int kValues = 256, kBytes = 144, kChunks = 8, kOffVecs = 1;
   static constexpr bool kRowScaled = false;
-  static constexpr int kOffLanes = 8;
+  static constexpr int kInitOffset = 0;
+  static constexpr bool kQ4KOrder = false;
   static constexpr bool kSigned = false;
   struct Block {
     const uint8_t* qs;
@@ -459,7 +466,8 @@ struct Q4_K {
 struct Q6_K {
   static constexpr int kValues = 256, kBytes = 210, kChunks = 8, kOffVecs = 2;
   static constexpr bool kRowScaled = false;
-  static constexpr int kOffLanes = 8;
+  static constexpr int kInitOffset = 0;
+  static constexpr bool kQ4KOrder = false;
   static constexpr bool kSigned = false;
   struct Block {
     const uint8_t* b;
@@ -495,7 +503,8 @@ template <int kBlockBytes, int kScaleAt>
 struct Small {  // a 32-value type with signed codes and one float16 scale: no offsets
   static constexpr int kValues = 32, kBytes = kBlockBytes, kChunks = 1, kOffVecs = 0;
   static constexpr bool kRowScaled = false;
-  static constexpr int kOffLanes = 8;
+  static constexpr int kInitOffset = 0;
+  static constexpr bool kQ4KOrder = false;
   static constexpr bool kSigned = true;
   static const float* off_x(const QuickAct&, int64_t, int64_t, int) { return nullptr; }
 };
@@ -537,8 +546,8 @@ struct Q4_0 : Small<18, 0> {
 }  // namespace avx2q
 
 // AVX-512 VNNI (Zen 4, Ice Lake and later): 64 values per vector, `vpdpbusd`. The 32-value types
-// go two blocks at a time (K a multiple of 64) with unsigned codes (Q8_0: w + 128) and the
-// difference as an offset per block (-128 d, -16 d, -8 d) times dx * sum(q) of the activations.
+// go two blocks at a time (K a multiple of 64) with unsigned codes w + C (Q8_0: C = 128, Q5_0: 16,
+// Q4_0: 8), each dot product lane started at -C times its 4 activations' sum (QuickAct::init).
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 namespace avx512q {
@@ -552,9 +561,10 @@ struct QIsa {
   static inline VF loadf(const float* p) { return _mm512_loadu_ps(p); }
   static inline VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
   static inline VF fma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
-  template <bool kSigned> static inline VF dot(VI q, const int8_t* x) {  // 16 lanes, each 4 products
+  template <bool kSigned> static inline VF dot(VI q, const int8_t* x, const int32_t* init) {  // 16 lanes, 4 products each
     static_assert(!kSigned, "vpdpbusd: unsigned codes");
-    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(x)));
+    const __m512i start = init == nullptr ? _mm512_setzero_si512() : _mm512_loadu_si512(init);
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, q, _mm512_loadu_si512(x)));
   }
   static inline float reduce(VF a) { return avx2q::QIsa::reduce(_mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1))); }
 };
@@ -566,9 +576,12 @@ inline __m512 halves(float a, float b) {  // lanes 0-7 a, 8-15 b
 inline __m512i join(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
 
 struct Q4_K {  // the activations' dx folded into the 8 sub-block scales once per block and row
+  // The activations come in Q4_K order: per 128 values, blocks of 32 stored as 0, 2, 1, 3, so
+  // the low nibbles of 64 bytes of qs (sub-blocks 4 g and 4 g + 2) and their high nibbles
+  // (4 g + 1, 4 g + 3) each meet 64 consecutive activations.
   static constexpr int kValues = 256, kBytes = 144, kChunks = 4, kOffVecs = 1;
-  static constexpr bool kSigned = false, kRowScaled = true;
-  static constexpr int kOffLanes = 8;
+  static constexpr bool kSigned = false, kRowScaled = true, kQ4KOrder = true;
+  static constexpr int kInitOffset = 0;
   struct Block {
     const uint8_t* qs;
     __m256 ds;  // d * scale of the 8 sub-blocks
@@ -581,14 +594,14 @@ struct Q4_K {  // the activations' dx folded into the 8 sub-block scales once pe
       ds = _mm256_mul_ps(sc, _mm256_set1_ps(half(b)));
       ov[0] = _mm256_mul_ps(mn, _mm256_set1_ps(-half(b + 2)));
     }
-    inline VI codes(int j) const {  // sub-blocks 2 j (low nibbles) and 2 j + 1 (high) of qs[32 j ..]
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j)), f = _mm256_set1_epi8(0xF);
-      return join(_mm256_and_si256(v, f), _mm256_and_si256(_mm256_srli_epi16(v, 4), f));
+    inline VI codes(int c) const {  // c = 2 g + h: sub-blocks 4 g + h and 4 g + 2 + h
+      const __m512i v = _mm512_loadu_si512(qs + 64 * (c / 2));
+      return _mm512_and_si512(c % 2 == 0 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(0xF));
     }
     inline __m512 row_scale(const float* dx) const { return _mm512_castps256_ps512(_mm256_mul_ps(ds, _mm256_loadu_ps(dx))); }
-    static inline VF scale_of(__m512 row, int j) {  // lanes 0-7: sub-block 2 j, 8-15: 2 j + 1
-      const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-      return _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(2 * j)), row);
+    static inline VF scale_of(__m512 row, int c) {  // lanes 0-7: sub-block 4 g + h, 8-15: 4 g + 2 + h
+      const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+      return _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(4 * (c / 2) + c % 2)), row);
     }
   };
   static const float* off_x(const QuickAct& a, int64_t m, int64_t blk, int) { return a.xs32 + m * (a.K / 32) + 8 * blk; }
@@ -597,7 +610,8 @@ struct Q4_K {  // the activations' dx folded into the 8 sub-block scales once pe
 struct Q6_K {
   static constexpr int kValues = 256, kBytes = 210, kChunks = 4, kOffVecs = 2;
   static constexpr bool kRowScaled = false;
-  static constexpr int kOffLanes = 8;
+  static constexpr int kInitOffset = 0;
+  static constexpr bool kQ4KOrder = false;
   static constexpr bool kSigned = false;
   struct Block {
     const uint8_t* b;
@@ -629,13 +643,13 @@ struct Q6_K {
   }
 };
 
-template <int kBlockBytes>
-struct Pair {  // two blocks of a 32-value type: unsigned codes, the offset (-128 d, -16 d, -8 d) per block
-  static constexpr int kValues = 64, kBytes = 2 * kBlockBytes, kChunks = 1, kOffVecs = 1;
+template <int kBlockBytes, int kOffset>
+struct Pair {  // two blocks of a 32-value type: codes w + kOffset (unsigned), each dot started at -kOffset sum(x)
+  static constexpr int kValues = 64, kBytes = 2 * kBlockBytes, kChunks = 1, kOffVecs = 0;
   static constexpr bool kSigned = false, kRowScaled = false;
-  static constexpr int kOffLanes = 2;
-  static const float* off_x(const QuickAct& a, int64_t m, int64_t blk, int) { return a.xs32 + m * (a.K / 32) + 2 * blk; }
-  static inline __m256 offsets(float a, float b) { return _mm256_setr_ps(a, b, 0, 0, 0, 0, 0, 0); }
+  static constexpr int kInitOffset = kOffset;
+  static constexpr bool kQ4KOrder = false;
+  static const float* off_x(const QuickAct&, int64_t, int64_t, int) { return nullptr; }
 };
 
 // the nibbles of two 16-byte qs: [a low, a high, b low, b high] (values 0-31 of a, then of b)
@@ -645,11 +659,11 @@ inline __m512i pair_nibbles(const uint8_t* qa, const uint8_t* qb) {
   return _mm512_and_si512(_mm512_srlv_epi64(t, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0)), _mm512_set1_epi8(0xF));
 }
 
-struct Q8_0 : Pair<34> {  // codes w + 128
+struct Q8_0 : Pair<34, 128> {  // codes w + 128
   struct Block {
     const uint8_t* b;
     __m256 ov[1];
-    explicit inline Block(const uint8_t* p) : b(p) { ov[0] = offsets(-128.0f * half(p), -128.0f * half(p + 34)); }
+    explicit inline Block(const uint8_t* p) : b(p) {}
     inline VI codes(int) const {
       return _mm512_xor_si512(join(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)),
                                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 36))),
@@ -659,11 +673,11 @@ struct Q8_0 : Pair<34> {  // codes w + 128
   };
 };
 
-struct Q5_0 : Pair<22> {  // codes 0..31: nibble, and 16 where qh's bit is set
+struct Q5_0 : Pair<22, 16> {  // codes 0..31: nibble, and 16 where qh's bit is set
   struct Block {
     const uint8_t* b;
     __m256 ov[1];
-    explicit inline Block(const uint8_t* p) : b(p) { ov[0] = offsets(-16.0f * half(p), -16.0f * half(p + 22)); }
+    explicit inline Block(const uint8_t* p) : b(p) {}
     inline VI codes(int) const {
       uint32_t qa, qb;
       std::memcpy(&qa, b + 2, 4);
@@ -675,11 +689,11 @@ struct Q5_0 : Pair<22> {  // codes 0..31: nibble, and 16 where qh's bit is set
   };
 };
 
-struct Q4_0 : Pair<18> {  // codes 0..15
+struct Q4_0 : Pair<18, 8> {  // codes 0..15
   struct Block {
     const uint8_t* b;
     __m256 ov[1];
-    explicit inline Block(const uint8_t* p) : b(p) { ov[0] = offsets(-8.0f * half(p), -8.0f * half(p + 18)); }
+    explicit inline Block(const uint8_t* p) : b(p) {}
     inline VI codes(int) const { return pair_nibbles(b + 2, b + 20); }
     inline VF scale(int) const { return halves(half(b), half(b + 18)); }
   };
@@ -770,9 +784,14 @@ torch::Tensor quick_linear(const torch::Tensor& x, const torch::Tensor& w, int64
   if (M == 0 || N == 0) return y;
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * K / 32), dxl(M * K / 4), xs16(M * K / 16), xs32(M * K / 32);
-  quantize_activations(x.data_ptr<float>(), M, K, xq.data(), dx.data(), dxl.data(), xs16.data(), xs32.data());
-  const QuickAct a{xq.data(), dx.data(), dxl.data(), xs16.data(), xs32.data(), K};
-  if (use_quick_avx512()) {
+  const bool vnni = use_quick_avx512();
+  const int init_offset = vnni ? avx512q::quick_init_offset(qtype) : avx2q::quick_init_offset(qtype);
+  const bool q4k_order = vnni && avx512q::quick_q4k_order(qtype);
+  std::vector<int32_t> init(init_offset != 0 ? M * K / 4 : 0);
+  quantize_activations(x.data_ptr<float>(), M, K, xq.data(), dx.data(), dxl.data(), xs16.data(), xs32.data(), init.data(),
+                       init_offset, q4k_order);
+  const QuickAct a{xq.data(), dx.data(), dxl.data(), xs16.data(), xs32.data(), init.data(), K};
+  if (vnni) {
     avx512q::quick_linear(a, M, w.data_ptr<uint8_t>(), w.size(1), y.data_ptr<float>(), N, qtype);
   } else {
     avx2q::quick_linear(a, M, w.data_ptr<uint8_t>(), w.size(1), y.data_ptr<float>(), N, qtype);
@@ -951,7 +970,8 @@ inline void quick_dot_rows(const QuickAct& a, int64_t m0, const uint8_t* w, floa
         const VI q = block.codes(c);
         const int64_t k = blk * Q::kValues + c * QIsa::kChunk;
         for (int m = 0; m < NM; ++m)
-          acc[m] = QIsa::fma(QIsa::template dot<Q::kSigned>(q, a.q + (m0 + m) * K + k), Q::Block::scale_of(rows[m], c), acc[m]);
+          acc[m] = QIsa::fma(QIsa::template dot<Q::kSigned>(q, a.q + (m0 + m) * K + k, nullptr), Q::Block::scale_of(rows[m], c),
+                             acc[m]);
       }
     } else {
       for (int c = 0; c < Q::kChunks; ++c) {
@@ -960,16 +980,14 @@ inline void quick_dot_rows(const QuickAct& a, int64_t m0, const uint8_t* w, floa
         const int64_t k = blk * Q::kValues + c * QIsa::kChunk;
         for (int m = 0; m < NM; ++m) {
           const VF sx = QIsa::mul(s, QIsa::loadf(a.dxl + (m0 + m) * (K / 4) + k / 4));
-          acc[m] = QIsa::fma(QIsa::template dot<Q::kSigned>(q, a.q + (m0 + m) * K + k), sx, acc[m]);
+          const int32_t* init = Q::kInitOffset == 0 ? nullptr : a.init + (m0 + m) * (K / 4) + k / 4;
+          acc[m] = QIsa::fma(QIsa::template dot<Q::kSigned>(q, a.q + (m0 + m) * K + k, init), sx, acc[m]);
         }
       }
     }
     for (int i = 0; i < Q::kOffVecs; ++i)
       for (int m = 0; m < NM; ++m) {
-        const float* p = Q::off_x(a, m0 + m, blk, i);
-        const __m256 xs = Q::kOffLanes == 8 ? _mm256_loadu_ps(p)  // 2 lanes: the rest zero, never read
-                                            : _mm256_zextps128_ps256(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p))));
-        off[m] = _mm256_fmadd_ps(block.ov[i], xs, off[m]);
+        off[m] = _mm256_fmadd_ps(block.ov[i], _mm256_loadu_ps(Q::off_x(a, m0 + m, blk, i)), off[m]);
       }
   }
   for (int m = 0; m < NM; ++m) y[m * N] = QIsa::reduce(acc[m]) + avx2q::QIsa::reduce(off[m]);
@@ -993,6 +1011,18 @@ bool quick_dispatch(int64_t qtype, Body&& body) {
     case 14: body(Q6_K{}); return true;
     default: return false;
   }
+}
+
+bool quick_q4k_order(int64_t qtype) {
+  bool order = false;
+  quick_dispatch(qtype, [&](auto q) { order = decltype(q)::kQ4KOrder; });
+  return order;
+}
+
+int quick_init_offset(int64_t qtype) {
+  int offset = 0;
+  quick_dispatch(qtype, [&](auto q) { offset = decltype(q)::kInitOffset; });
+  return offset;
 }
 
 bool quick_supports(int64_t qtype, int64_t K) {
