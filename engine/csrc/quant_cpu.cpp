@@ -22,6 +22,10 @@
 // ISA and inlines its own intrinsics.
 //
 // Block types (ggml ids): Q4_0 2, Q4_1 3, Q5_0 6, Q8_0 8, Q4_K 12, Q6_K 14.
+//
+// `quick_linear` (below "Quick") is a second, lossy linear over the same blocks for a middle level:
+// int8 activations and integer dot products (namespaces avx2q, and avx512q with VNNI; its loops
+// below the second `#else`). `quant_linear`, the exact one, is untouched by it.
 #if !defined(BOOKCHAT_QUANT_GENERIC) && !defined(BOOKCHAT_QUICK_GENERIC)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
