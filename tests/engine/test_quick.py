@@ -105,6 +105,24 @@ def test_a_type_without_a_quick_path_stays_exact():
     assert not twin.lossy and torch.equal(twin(x), linear(x))
 
 
+def test_quick_twin_shares_the_blocks_and_keeps_prefill_calls_on_the_gemm():
+    """`QuantLinear.quick`: the same weight and bias storage; calls of at most KERNEL_MAX_ROWS rows
+    are quick_linear plus the bias (bf16 activations: widened, and the sum rounded to bf16 once);
+    larger calls are the exact twin's dequantizing GEMM; the original stays exact."""
+    kernel, qtype = cpu_quant_kernel(), int(GGMLQuantizationType.Q4_K)
+    linear = QuantLinear(torch.from_numpy(random_blocks("Q4_K", 24, 512)), qtype, 512, torch.randn(24), kernel)
+    twin = linear.quick()
+    assert twin.lossy and not linear.lossy and "quick" in repr(twin)
+    assert twin.weight.data_ptr() == linear.weight.data_ptr() and twin.bias.data_ptr() == linear.bias.data_ptr()
+    x = torch.randn(3, 512)
+    assert torch.equal(twin(x), kernel.quick_linear(x, linear.weight, qtype) + linear.bias)
+    assert torch.equal(linear(x), kernel.quant_linear(x, linear.weight, qtype) + linear.bias)
+    assert torch.equal(twin(x.bfloat16()), (kernel.quick_linear(x.bfloat16().float(), linear.weight, qtype)
+                                            + linear.bias).bfloat16())
+    big = torch.randn(QuantLinear.KERNEL_MAX_ROWS + 1, 512)
+    assert torch.equal(twin(big), linear(big))
+
+
 def gguf_file(name: str) -> Path:
     from engine.models import gguf_path
 
