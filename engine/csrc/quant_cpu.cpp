@@ -650,10 +650,17 @@ struct Q6_K {
 template <int kBlockBytes, int kOffset>
 struct Pair {  // two blocks of a 32-value type: codes w + kOffset (unsigned), each dot started at -kOffset sum(x)
   static constexpr int kValues = 64, kBytes = 2 * kBlockBytes, kChunks = 1, kOffVecs = 0;
-  static constexpr bool kSigned = false, kRowScaled = false;
+  static constexpr bool kSigned = false, kRowScaled = true;  // (d_a dx_a, d_b dx_b) once per pair and row
   static constexpr int kInitOffset = kOffset;
   static constexpr bool kQ4KOrder = false;
   static const float* off_x(const QuickAct&, int64_t, int64_t, int) { return nullptr; }
+  static inline __m128 scales(const uint8_t* b) { return _mm_setr_ps(half(b), half(b + kBlockBytes), 0.0f, 0.0f); }
+  static inline __m512 row_scale_of(__m128 ds, const float* dx) {  // lanes 0, 1: d_a dx_a, d_b dx_b
+    return _mm512_castps128_ps512(_mm_mul_ps(ds, _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(dx)))));
+  }
+  static inline VF lanes_of(__m512 row) {  // lanes 0-7: block a, 8-15: block b
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), row);
+  }
 };
 
 // the nibbles of two 16-byte qs: [a low, a high, b low, b high] (values 0-31 of a, then of b)
@@ -666,22 +673,27 @@ inline __m512i pair_nibbles(const uint8_t* qa, const uint8_t* qb) {
 struct Q8_0 : Pair<34, 128> {  // codes w + 128
   struct Block {
     const uint8_t* b;
+    __m128 ds;
     __m256 ov[1];
-    explicit inline Block(const uint8_t* p) : b(p) {}
+    explicit inline Block(const uint8_t* p) : b(p), ds(scales(p)) {}
+    inline __m512 row_scale(const float* dx) const { return row_scale_of(ds, dx); }
+    static inline VF scale_of(__m512 row, int) { return lanes_of(row); }
     inline VI codes(int) const {
       return _mm512_xor_si512(join(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)),
                                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 36))),
                               _mm512_set1_epi8(-128));
     }
-    inline VF scale(int) const { return halves(half(b), half(b + 34)); }
   };
 };
 
 struct Q5_0 : Pair<22, 16> {  // codes 0..31: nibble, and 16 where qh's bit is set
   struct Block {
     const uint8_t* b;
+    __m128 ds;
     __m256 ov[1];
-    explicit inline Block(const uint8_t* p) : b(p) {}
+    explicit inline Block(const uint8_t* p) : b(p), ds(scales(p)) {}
+    inline __m512 row_scale(const float* dx) const { return row_scale_of(ds, dx); }
+    static inline VF scale_of(__m512 row, int) { return lanes_of(row); }
     inline VI codes(int) const {
       uint32_t qa, qb;
       std::memcpy(&qa, b + 2, 4);
@@ -689,17 +701,18 @@ struct Q5_0 : Pair<22, 16> {  // codes 0..31: nibble, and 16 where qh's bit is s
       const __m512i nibbles = pair_nibbles(b + 6, b + 28);
       return _mm512_mask_add_epi8(nibbles, _cvtu64_mask64(qa | static_cast<uint64_t>(qb) << 32), nibbles, _mm512_set1_epi8(16));
     }
-    inline VF scale(int) const { return halves(half(b), half(b + 22)); }
   };
 };
 
 struct Q4_0 : Pair<18, 8> {  // codes 0..15
   struct Block {
     const uint8_t* b;
+    __m128 ds;
     __m256 ov[1];
-    explicit inline Block(const uint8_t* p) : b(p) {}
+    explicit inline Block(const uint8_t* p) : b(p), ds(scales(p)) {}
+    inline __m512 row_scale(const float* dx) const { return row_scale_of(ds, dx); }
+    static inline VF scale_of(__m512 row, int) { return lanes_of(row); }
     inline VI codes(int) const { return pair_nibbles(b + 2, b + 20); }
-    inline VF scale(int) const { return halves(half(b), half(b + 18)); }
   };
 };
 
@@ -973,9 +986,11 @@ inline void quick_dot_rows(const QuickAct& a, int64_t m0, const uint8_t* w, floa
       for (int c = 0; c < Q::kChunks; ++c) {
         const VI q = block.codes(c);
         const int64_t k = blk * Q::kValues + c * QIsa::kChunk;
-        for (int m = 0; m < NM; ++m)
-          acc[m] = QIsa::fma(QIsa::template dot<Q::kSigned>(q, a.q + (m0 + m) * K + k, nullptr), Q::Block::scale_of(rows[m], c),
+        for (int m = 0; m < NM; ++m) {
+          const int32_t* init = Q::kInitOffset == 0 ? nullptr : a.init + (m0 + m) * (K / 4) + k / 4;
+          acc[m] = QIsa::fma(QIsa::template dot<Q::kSigned>(q, a.q + (m0 + m) * K + k, init), Q::Block::scale_of(rows[m], c),
                              acc[m]);
+        }
       }
     } else {
       for (int c = 0; c < Q::kChunks; ++c) {
