@@ -611,9 +611,9 @@ struct Q4_K {  // the activations' dx folded into the 8 sub-block scales once pe
   static const float* off_x(const QuickAct& a, int64_t m, int64_t blk, int) { return a.xs32 + m * (a.K / 32) + 8 * blk; }
 };
 
-struct Q6_K {
+struct Q6_K {  // the activations' dx folded into the 16 group scales once per block and row
   static constexpr int kValues = 256, kBytes = 210, kChunks = 4, kOffVecs = 2;
-  static constexpr bool kRowScaled = false;
+  static constexpr bool kRowScaled = true;
   static constexpr int kInitOffset = 0;
   static constexpr bool kQ4KOrder = false;
   static constexpr bool kSigned = false;
@@ -636,10 +636,14 @@ struct Q6_K {
       const __m512i high = _mm512_and_si512(_mm512_srlv_epi64(qh, shift), _mm512_set1_epi8(3));
       return _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
     }
-    inline VF scale(int c) const {  // lane l: group 4 c + l / 4
+    inline __m512 row_scale(const float* dx) const {  // group g: d * scale_g * dx[g / 2]
+      const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+      return _mm512_mul_ps(ds, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_loadu_ps(dx))));
+    }
+    static inline VF scale_of(__m512 row, int c) {  // lane l: group 4 c + l / 4
       const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(4 * c),
                                            _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
-      return _mm512_permutexvar_ps(idx, ds);
+      return _mm512_permutexvar_ps(idx, row);
     }
   };
   static const float* off_x(const QuickAct& a, int64_t m, int64_t blk, int i) {
