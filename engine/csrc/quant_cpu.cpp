@@ -334,18 +334,22 @@ struct Isa {
 // ---- Quick (lossy) linears: llama.cpp-style int8 activations ------------------------------------
 //
 // `quick_linear` is NOT the model in the file: each activation row is quantized to int8 in blocks
-// of 32 (scale max|x| / 127, rounded to nearest), and each weight block's UNSIGNED (or, for the
-// 32-value types, signed) integer codes are multiplied with them in integer dot products (AVX-512
-// VNNI `vpdpbusd` where the CPU has it, else AVX2 `vpmaddubsw` + `vpmaddwd`), scaled in float32:
-// y = sum over groups g of d_g * dx_g * isum_g + offsets_g * dx_g * xsum_g, with offsets the
-// K-quants' -dmin * m (Q4_K) and -32 * d * scale (Q6_K, whose 6-bit codes 0..63 take the -32
-// out). Its error is the activations' rounding (about 0.3% of |x| per value at max / rms = 3):
-// a middle level's draft, verified by the exact top level. Types: Q4_0, Q5_0, Q8_0 (signed codes),
-// Q4_K, Q6_K; others (Q4_1) have no quick path (`quick_supports`), Python keeps the exact kernel.
+// of 32 (scale dx = max|x| / 127, rounded to nearest), and each weight block's integer codes are
+// multiplied with them in integer dot products (AVX-512 VNNI `vpdpbusd` where the CPU has it, on
+// unsigned codes; else AVX2 `vpmaddubsw` + `vpmaddwd`, the 32-value types' codes signed), scaled
+// in float32: y = sum over groups g of d_g dx_g isum_g + offset_g dx_g sum_g(q), the offsets the
+// K-quants' -dmin m (Q4_K) and -32 d scale (Q6_K: 6-bit codes 0..63, the -32 taken out), and
+// for the 32-value types on AVX-512 -C (Q8_0 128, Q5_0 16, Q4_0 8, codes w + C), started in
+// each dot product's integer accumulator. On AVX-512 each row's dx is folded into a block's
+// float scales once per block (`row_scale`), then permuted to the dot products' lanes.
+// Its error is the activations' rounding: about 0.5% relative on y (tests/engine/test_quick.py
+// derives the bound), a middle level's draft, verified by the exact top level. Types: Q4_0,
+// Q5_0, Q8_0, Q4_K, Q6_K; Q4_1 has no quick path (`quick_supports`): Python keeps the exact kernel.
+// Rows are independent: a row's output does not depend on the rows beside it.
 struct QuickAct {  // a call's activations: x[m] ~= dx[m, k / 32] * q[m, k]
   const int8_t* q;     // [M, K]
   const float* dx;     // [M, K / 32]
-  const float* dxl;    // [M, K / 4]: dx of value 4 i, one per int32 lane of a dot product
+  const float* dxl;    // [M, K / 4]: dx of value 4 i, one per int32 lane of a dot product (AVX2)
   const float* xs16;   // [M, K / 16]: dx * sum of q over each 16 values
   const float* xs32;   // [M, K / 32]: over each 32
   const int32_t* init;  // [M, K / 4]: -C * (q[4 i] + .. + q[4 i + 3]), a dot product lane's start (codes q + C)

@@ -67,6 +67,17 @@ def test_quick_linear_is_the_int8_arithmetic_within_the_bound(name, n_rows, isa)
     assert error < BOUND
 
 
+@pytest.mark.parametrize("name", QUICK_TYPES)
+def test_a_rows_quick_output_does_not_depend_on_the_rows_beside_it(name, isa):  # noqa: F811
+    """Tiles of up to 8 (AVX-512) or 4 (AVX2) rows: each row takes the same operations in any."""
+    qtype = int(GGMLQuantizationType[name])
+    blocks = torch.from_numpy(random_blocks(name, 24, 512))
+    x = torch.randn(40, 512)
+    alone = torch.cat([cpu_quant_kernel().quick_linear(x[i:i + 1], blocks, qtype) for i in range(40)])
+    for n in (2, 5, 8, 9, 17, 40):
+        assert torch.equal(cpu_quant_kernel().quick_linear(x[:n], blocks, qtype), alone[:n]), n
+
+
 @pytest.mark.parametrize(("name", "scale_byte", "bits"), [
     ("Q4_K", 4 + 1, 0x25), ("Q4_K", 4 + 9, 0x25), ("Q6_K", 192 + 13, 0x25), ("Q5_0", 1, 0x04), ("Q8_0", 1, 0x04)])
 def test_every_block_scale_counts(name, scale_byte, bits, isa):  # noqa: F811
