@@ -10,15 +10,19 @@ request is a top-level check, a middle-level check, a drafter step or a question
 Answers join and leave between rounds: one that finishes, fails or is stopped never stalls the
 others. Each keeps its own caches, drafter state, sampling settings, coins and counters, so it
 commits the same tokens it would commit alone. Answers beyond `max_active` wait in order.
+Tensor parallel (engine/parallel.py): rank 0 decides each round's joins and stops, and every rank
+runs the same round on its copies of the sessions (`round_on_every_rank`), in step.
 """
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 from collections import deque
 from collections.abc import Generator, Iterator
 
+from engine.config import EngineError
 from engine.model import Forward
 
 _DONE = object()
@@ -27,16 +31,19 @@ _DONE = object()
 class Job:
     """One answer in the batch: its generator, the logits owed to it, and its consumer's queue."""
 
-    def __init__(self, steps: Generator, wait_on_close: bool):
+    def __init__(self, steps: Generator, wait_on_close: bool, key: int = 0, origin: tuple | None = None):
         self.steps, self.request, self.result = steps, None, None
         self.wait_on_close = wait_on_close  # a background batcher: the consumer waits for the close
+        self.key, self.origin = key, origin  # tensor parallel: how the other ranks make the same answer
         self.ended = threading.Event()
         self.out: queue.Queue = queue.Queue()
-        self.abandoned = False  # the consumer went away: close at the next event boundary
+        self.abandoned = False  # the consumer went away: close at the next event boundary ...
+        self.is_closing = False  # ... of the next round (rank 0 decides it for every rank)
         self.value = None  # the generator's return value
 
-    def advance(self) -> Forward | None:
-        """Run until the next forward request; None when the answer is over."""
+    def advance(self, in_step: bool = False) -> Forward | None:
+        """Run until the next forward request; None when the answer is over. `in_step` (tensor
+        parallel): an untyped error means the ranks are out of step; it ends the round, not the answer."""
         while True:
             try:
                 item = self.steps.send(self.result)
@@ -44,13 +51,15 @@ class Job:
                 self.value = stop.value
                 return self._end(_DONE)
             except Exception as error:  # a typed engine error: the consumer gets it, the batch goes on
+                if in_step and not isinstance(error, (EngineError, ValueError)):
+                    raise
                 return self._end(error)
             self.result = None
             if isinstance(item, Forward):
                 self.request = item
                 return item
             self.out.put(item)
-            if self.abandoned:  # between two steps the session's caches are consistent
+            if self.is_closing:  # between two steps the session's caches are consistent
                 self.steps.close()
                 return self._end(_DONE)
 
@@ -86,12 +95,15 @@ class Batcher:
         self.active: list[Job] = []
         self.cond = threading.Condition()
         self.thread: threading.Thread | None = None
+        self.leader = None  # tensor parallel: the `parallel.Leader` that runs each round on every rank
+        self.in_step = False  # a round on every rank (rank 0's batcher, or a rank's copy of it)
+        self.keys = itertools.count()
         self.n_rounds = 0
         self.n_forwards = 0
         self.n_segments = 0  # segments served: n_segments / n_forwards is the mean batch
 
-    def submit(self, steps: Generator) -> Job:
-        job = Job(steps, wait_on_close=self.background)
+    def submit(self, steps: Generator, origin: tuple | None = None) -> Job:
+        job = Job(steps, self.background, next(self.keys), origin)
         with self.cond:
             self.waiting.append(job)
             self.cond.notify()
@@ -102,7 +114,10 @@ class Batcher:
 
     def ask(self, session, question_ids: list[int], sampling, cancel=None, stop_ids=None) -> Iterator:
         """Like `Session.ask`, decoded in the batch with every other answer."""
-        return self.submit(session.answer_steps(question_ids, sampling, cancel, stop_ids)).stream()
+        if session.leader is not None:  # tensor parallel: the sessions of one engine, one leader
+            self.leader, self.in_step = session.leader, True
+        origin = (session.sid, list(question_ids), sampling, stop_ids)
+        return self.submit(session.answer_steps(question_ids, sampling, cancel, stop_ids), origin).stream()
 
     def position(self, job: Job) -> int:
         """0 when decoding, else the place in the waiting line (1 = next)."""
@@ -118,32 +133,76 @@ class Batcher:
 
     def round(self) -> None:
         """Admit waiting answers, advance every active one to its next forward, serve them packed."""
+        admitted = self._admit()
+        if self.leader is None:
+            self.step()
+        elif self.active:
+            plan = [(job.key, job.origin) for job in admitted], [job.key for job in self.active if job.is_closing]
+            try:
+                self.leader.call(round_on_every_rank, *plan, batcher=self)
+            except Exception as error:  # noqa: BLE001 (parallel.RankFailed: every answer is told)
+                for job in self._take_active():
+                    job.fail(error)
+
+    def _admit(self) -> list[Job]:
         with self.cond:
+            admitted = []
             while self.waiting and len(self.active) < self.max_active:
                 job = self.waiting.popleft()
                 if job.abandoned:  # stopped before it started
                     job.steps.close()
                     job._end(_DONE)
                     continue
-                self.active.append(job)
-            jobs = list(self.active)
-        ready = [job for job in jobs if job.advance() is not None]
+                admitted.append(job)
+            self.active += admitted
+            for job in self.active:
+                job.is_closing = job.abandoned
+            return admitted
+
+    def _take_active(self) -> list[Job]:
+        with self.cond:
+            jobs, self.active = self.active, []
+            return jobs
+
+    def step(self) -> None:
+        """Advance every active answer to its next forward and serve the forwards packed by model."""
+        ready = [job for job in list(self.active) if job.advance(self.in_step) is not None]
         with self.cond:
             self.active = [job for job in self.active if job in ready]
         by_model: dict[int, list[Job]] = {}
         for job in ready:
             by_model.setdefault(id(job.request.model), []).append(job)
         for group in by_model.values():
-            try:
-                outs = group[0].request.model.forward_packed([job.request.segment for job in group])
-            except Exception as error:  # e.g. out of memory: every answer in this forward is told
-                with self.cond:
-                    self.active = [job for job in self.active if job not in group]
-                for job in group:
-                    job.fail(error)
-                continue
-            for job, logits in zip(group, outs):
-                job.result = logits
-            self.n_forwards += 1
-            self.n_segments += len(group)
+            self._serve(group)
         self.n_rounds += 1
+
+    def _serve(self, group: list[Job]) -> None:
+        try:
+            outs = group[0].request.model.forward_packed([job.request.segment for job in group])
+        except Exception as error:  # e.g. out of memory: every answer in this forward is told
+            if self.in_step:
+                raise
+            with self.cond:
+                self.active = [job for job in self.active if job not in group]
+            for job in group:
+                job.fail(error)
+            return
+        for job, logits in zip(group, outs):
+            job.result = logits
+        self.n_forwards += 1
+        self.n_segments += len(group)
+
+
+def round_on_every_rank(ranks, admitted: list[tuple[int, tuple]], closing: list[int],
+                        batcher: Batcher | None = None) -> None:
+    """One tensor-parallel round (`parallel.Leader.call`): rank 0 passes its batcher; the other
+    ranks start rank 0's new answers on their copies of the sessions (`origin`: session id,
+    question, sampling, stop ids), stop the ones rank 0 stops, and run the same round."""
+    if batcher is None:
+        batcher = ranks.batcher
+        for key, (sid, question_ids, sampling, stop_ids) in admitted:
+            steps = ranks.sessions[sid].answer_steps(question_ids, sampling, None, stop_ids)
+            batcher.active.append(Job(steps, False, key))
+        for job in batcher.active:
+            job.is_closing = job.key in closing
+    batcher.step()
