@@ -89,14 +89,14 @@ class Job:
 class Batcher:
     """Runs answers in rounds of packed forwards, on a background thread (or by `round` in tests)."""
 
-    def __init__(self, max_active: int = 8, background: bool = True):
+    def __init__(self, max_active: int = 8, background: bool = True, in_step: bool = False):
         self.max_active, self.background = max_active, background
         self.waiting: deque[Job] = deque()
         self.active: list[Job] = []
         self.cond = threading.Condition()
         self.thread: threading.Thread | None = None
         self.leader = None  # tensor parallel: the `parallel.Leader` that runs each round on every rank
-        self.in_step = False  # a round on every rank (rank 0's batcher, or a rank's copy of it)
+        self.in_step = in_step  # rounds run on every rank (rank 0's batcher, or a rank's copy of it)
         self.keys = itertools.count()
         self.n_rounds = 0
         self.n_forwards = 0

@@ -158,12 +158,7 @@ class Ranks:
 
     engine: object
     sessions: dict = field(default_factory=dict)
-    batcher: Batcher = field(default_factory=lambda: _in_step(Batcher(max_active=1 << 30, background=False)))
-
-
-def _in_step(batcher: Batcher) -> Batcher:
-    batcher.in_step = True
-    return batcher
+    batcher: Batcher = field(default_factory=lambda: Batcher(max_active=1 << 30, background=False, in_step=True))
 
 
 def everywhere(method: Callable) -> Callable:
