@@ -39,7 +39,6 @@ class Job:
         self.out: queue.Queue = queue.Queue()
         self.abandoned = False  # the consumer went away: close at the next event boundary ...
         self.is_closing = False  # ... of the next round (rank 0 decides it for every rank)
-        self.value = None  # the generator's return value
 
     def advance(self, in_step: bool = False) -> Forward | None:
         """Run until the next forward request; None when the answer is over. `in_step` (tensor
@@ -47,8 +46,7 @@ class Job:
         while True:
             try:
                 item = self.steps.send(self.result)
-            except StopIteration as stop:
-                self.value = stop.value
+            except StopIteration:
                 return self._end(_DONE)
             except Exception as error:  # a typed engine error: the consumer gets it, the batch goes on
                 if in_step and not isinstance(error, (EngineError, ValueError)):
@@ -118,11 +116,6 @@ class Batcher:
             self.leader, self.in_step = session.leader, True
         origin = (session.sid, list(question_ids), sampling, stop_ids)
         return self.submit(session.answer_steps(question_ids, sampling, cancel, stop_ids), origin).stream()
-
-    def position(self, job: Job) -> int:
-        """0 when decoding, else the place in the waiting line (1 = next)."""
-        with self.cond:
-            return self.waiting.index(job) + 1 if job in self.waiting else 0
 
     def _loop(self) -> None:
         while True:
