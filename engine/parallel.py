@@ -243,7 +243,7 @@ class Leader:
         self.engine, self.workers, self.store = engine, workers, store
         self.ranks, self.next_sids = Ranks(engine), itertools.count()
         self.lock = threading.RLock()  # one call at a time: the ranks' collectives pair up in order
-        self.batcher = Batcher(max_active=64)  # the answers of `Session.ask`; the app has its own
+        self.batcher = Batcher(max_active=64)  # the answers of `Session.ask` (the app has its own): as many as come
         self.failure: str | None = None  # why the ranks fell out of step; every later call raises it
         self.closed = threading.Event()
         threading.Thread(target=self._heartbeat, name="tp-heartbeat", daemon=True).start()

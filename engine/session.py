@@ -348,7 +348,8 @@ class Session:
     def answer_steps(self, question_ids: list[int], sampling: SamplingConfig = SamplingConfig(),
                      cancel=None, stop_ids: set[int] | None = None, coins: Coins | None = None
                      ) -> Generator[Forward | Event, torch.Tensor | None, None]:
-        """`ask` as a generator of forward requests and events: how engine/batch.py runs it."""
+        """`ask` as a generator of forward requests and events: how engine/batch.py runs it
+        (under tensor parallel only there: `Batcher.ask` runs it on every rank)."""
         if not self.lock.acquire(blocking=False):
             raise Busy()
         try:

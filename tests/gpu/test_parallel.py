@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from engine import parallel
 from engine.batch import Batcher
-from engine.config import EngineConfig, EngineError, RetrievalConfig, SamplingConfig
+from engine.config import BadTokens, EngineConfig, EngineError, RetrievalConfig, SamplingConfig
 from engine.kv.full import FullCache
 from engine.kv.offload import OffloadCache
 from engine.session import Engine, Session
@@ -103,7 +103,8 @@ def test_two_gloo_ranks_match_one_process(family, gamma):
 @pytest.mark.timeout(180)
 def test_two_gloo_ranks_answer_two_sessions_in_one_batch_as_one_process_one_at_a_time():
     """The app's path under tensor parallel: its batcher packs two readers' forwards on every rank
-    (greedy, and sampled with fixed draft lengths) and commits what one process commits alone."""
+    (greedy, and sampled with fixed draft lengths) and commits what one process commits alone; a
+    third reader's bad question fails alone, on every rank alike."""
     docs, questions = [random_ids(40, 128, 11), doc_with_repeats()], [random_ids(4, 128, 12), random_ids(3, 128, 13)]
     samplings = [SamplingConfig(max_new_tokens=12),
                  SamplingConfig(temperature=0.8, top_p=0.9, max_new_tokens=10, seed=4)]
@@ -112,11 +113,14 @@ def test_two_gloo_ranks_answer_two_sessions_in_one_batch_as_one_process_one_at_a
     leader = parallel.start(functools.partial(tiny_rank_engine, "qwen2", 3), 2, torch.device("cpu"))
     try:
         sessions = [leader.open(doc) for doc in docs]
-        batcher = Batcher(max_active=2, background=False)
+        batcher = Batcher(max_active=3, background=False)
         streams = [batcher.ask(s, q, sampling) for s, q, sampling in zip(sessions, questions, samplings)]
+        bad = batcher.ask(leader.open(docs[0]), [10**6], samplings[0])
         while batcher.active or batcher.waiting:
             batcher.round()
         got = [[t for e in stream for t in e.tokens] for stream in streams]
+        with pytest.raises(BadTokens):
+            list(bad)
         first, second = leader.call(tokens_of_every_rank, sessions[1].sid)
     finally:
         leader.close()
