@@ -254,21 +254,18 @@ class Leader:
     def call(self, fn: Callable, *args, **local):
         """fn(ranks, *args) on every rank; rank 0 also passes `local` (callbacks, flags)."""
         with self.lock:
-            return self._call(fn, args, local)
-
-    def _call(self, fn: Callable, args: tuple, local: dict):
-        if self.failure is not None:
-            raise RankFailed(self.failure)
-        try:
-            dist.broadcast_object_list([(fn, args)], src=0)
-            result = fn(self.ranks, *args, **local)
-        except (EngineError, ValueError):
-            self.agree(TYPED_ERROR)
-            raise
-        except Exception as error:  # noqa: BLE001 (a collective failed, or this rank did: out of step)
-            self.fail(error)
-        self.agree(COMPLETED)
-        return result
+            if self.failure is not None:
+                raise RankFailed(self.failure)
+            try:
+                dist.broadcast_object_list([(fn, args)], src=0)
+                result = fn(self.ranks, *args, **local)
+            except (EngineError, ValueError):
+                self.agree(TYPED_ERROR)
+                raise
+            except Exception as error:  # noqa: BLE001 (a collective failed, or this rank did: out of step)
+                self.fail(error)
+            self.agree(COMPLETED)
+            return result
 
     def agree(self, status: int) -> None:
         try:
