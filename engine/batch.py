@@ -16,7 +16,6 @@ runs the same round on its copies of the sessions (`round_on_every_rank`), in st
 
 from __future__ import annotations
 
-import itertools
 import queue
 import threading
 from collections import deque
@@ -31,10 +30,10 @@ _DONE = object()
 class Job:
     """One answer in the batch: its generator, the logits owed to it, and its consumer's queue."""
 
-    def __init__(self, steps: Generator, wait_on_close: bool, key: int = 0, origin: tuple | None = None):
+    def __init__(self, steps: Generator, wait_on_close: bool, origin: tuple | None = None):
         self.steps, self.request, self.result = steps, None, None
         self.wait_on_close = wait_on_close  # a background batcher: the consumer waits for the close
-        self.key, self.origin = key, origin  # tensor parallel: how the other ranks make the same answer
+        self.origin = origin  # tensor parallel: how the other ranks make the same answer
         self.ended = threading.Event()
         self.out: queue.Queue = queue.Queue()
         self.abandoned = False  # the consumer went away: close at the next event boundary ...
@@ -95,13 +94,12 @@ class Batcher:
         self.thread: threading.Thread | None = None
         self.leader = None  # tensor parallel: the `parallel.Leader` that runs each round on every rank
         self.in_step = in_step  # rounds run on every rank (rank 0's batcher, or a rank's copy of it)
-        self.keys = itertools.count()
         self.n_rounds = 0
         self.n_forwards = 0
         self.n_segments = 0  # segments served: n_segments / n_forwards is the mean batch
 
     def submit(self, steps: Generator, origin: tuple | None = None) -> Job:
-        job = Job(steps, self.background, next(self.keys), origin)
+        job = Job(steps, self.background, origin)
         with self.cond:
             self.waiting.append(job)
             self.cond.notify()
@@ -130,11 +128,13 @@ class Batcher:
         if self.leader is None:
             self.step()
         elif self.active:
-            plan = [(job.key, job.origin) for job in admitted], [job.key for job in self.active if job.is_closing]
+            plan = [job.origin for job in admitted], [i for i, job in enumerate(self.active) if job.is_closing]
             try:
                 self.leader.call(round_on_every_rank, *plan, batcher=self)
             except Exception as error:  # noqa: BLE001 (parallel.RankFailed: every answer is told)
-                for job in self._take_active():
+                with self.cond:
+                    jobs, self.active = self.active, []
+                for job in jobs:
                     job.fail(error)
 
     def _admit(self) -> list[Job]:
@@ -151,11 +151,6 @@ class Batcher:
             for job in self.active:
                 job.is_closing = job.abandoned
             return admitted
-
-    def _take_active(self) -> list[Job]:
-        with self.cond:
-            jobs, self.active = self.active, []
-            return jobs
 
     def step(self) -> None:
         """Advance every active answer to its next forward and serve the forwards packed by model."""
@@ -186,16 +181,15 @@ class Batcher:
         self.n_segments += len(group)
 
 
-def round_on_every_rank(ranks, admitted: list[tuple[int, tuple]], closing: list[int],
-                        batcher: Batcher | None = None) -> None:
+def round_on_every_rank(ranks, admitted: list[tuple], closing: list[int], batcher: Batcher | None = None) -> None:
     """One tensor-parallel round (`parallel.Leader.call`): rank 0 passes its batcher; the other
     ranks start rank 0's new answers on their copies of the sessions (`origin`: session id,
-    question, sampling, stop ids), stop the ones rank 0 stops, and run the same round."""
+    question, sampling, stop ids), stop the ones rank 0 stops (by place: every rank's active
+    answers are in the same order) and run the same round."""
     if batcher is None:
         batcher = ranks.batcher
-        for key, (sid, question_ids, sampling, stop_ids) in admitted:
-            steps = ranks.sessions[sid].answer_steps(question_ids, sampling, None, stop_ids)
-            batcher.active.append(Job(steps, False, key))
-        for job in batcher.active:
-            job.is_closing = job.key in closing
+        for sid, question_ids, sampling, stop_ids in admitted:
+            batcher.active.append(Job(ranks.sessions[sid].answer_steps(question_ids, sampling, None, stop_ids), False))
+        for i, job in enumerate(batcher.active):
+            job.is_closing = i in closing
     batcher.step()
