@@ -4,22 +4,26 @@
 heads (GQA-aware: the query heads of a KV head stay with it) and MLP columns split evenly;
 q/k/v/gate/up rows and o_proj/down_proj columns sliced; the partial outputs of attention and the
 MLP (o_proj's and down_proj's) summed by an all-reduce (forward hooks on the blocks); embeddings,
-norms and lm_head whole. The model code does not change. Every rank must take the same decisions:
-rank 0 draws every random outcome and broadcasts it (`SharedCoins`: accept or not, which token), as
-it does the cancel flag (`SharedFlag`) and the adaptive draft lengths (`shared`, the tuners'
-`share`: they depend on timings). Rank 0 drives (`Leader`): each call that touches a session is broadcast first, and the
-other ranks make the same call on their shard (`follow`). `start` spawns ranks 1..N-1 or joins
-torchrun.
+norms and lm_head whole. The model code does not change. Every rank runs the same session code on
+its shard, in step, and must take the same decisions: rank 0 draws every random outcome and
+broadcasts it (`SharedCoins`: accept or not, which token), as it does the cancel flag (`SharedFlag`)
+and the adaptive draft lengths (`shared`, the tuners' `share`: they depend on timings). Rank 0
+drives (`Leader.call`): a session's changes (`everywhere`) and each batch round of answers
+(engine/batch.py) are broadcast, then made on every rank (`follow`). `start` spawns ranks
+1..N-1 or joins torchrun.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
+import itertools
 import logging
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
@@ -28,9 +32,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from engine.config import EngineError, SamplingConfig
+from engine.batch import Batcher
+from engine.config import EngineError
 from engine.model import Transformer
-from engine.sampling import Coins, GeneratorCoins
+from engine.sampling import Coins
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +131,8 @@ def _agree(status: int) -> bool:
 class SharedCoins:
     """Rank 0 draws with its coins; every rank gets the outcome, so all accept and emit alike."""
 
-    def __init__(self, coins: Coins | None):  # None on ranks > 0
-        self.coins = coins
+    def __init__(self, coins: Coins):
+        self.coins = coins if dist.get_rank() == 0 else None
 
     def accept(self, p: float) -> bool:
         return bool(_share(int(self.coins.accept(p)) if self.coins else 0))
@@ -137,40 +142,61 @@ class SharedCoins:
 
 
 class SharedFlag:
-    """Rank 0's cancel flag, read at the same points on every rank; `set` forces it."""
+    """Rank 0's cancel flag, read at the same points on every rank."""
 
     def __init__(self, flag=None):
-        self.flag, self.is_forced = flag, False
-
-    def set(self) -> None:
-        self.is_forced = True
+        self.flag = flag if dist.get_rank() == 0 else None
 
     def is_set(self) -> bool:
-        return bool(_share(int(self.is_forced or (self.flag is not None and self.flag.is_set()))))
+        return bool(_share(int(self.flag is not None and self.flag.is_set())))
 
 
 @dataclass
 class Ranks:
-    """What every rank holds: its engine and its sessions, by the id rank 0 gave them."""
+    """What every rank holds: its engine, its sessions by the id rank 0 gave them, and (ranks > 0)
+    its copy of rank 0's batch (engine/batch.py `round_on_every_rank`)."""
 
     engine: object
     sessions: dict = field(default_factory=dict)
+    batcher: Batcher = field(default_factory=lambda: Batcher(max_active=1 << 30, background=False, in_step=True))
+
+
+def everywhere(method: Callable) -> Callable:
+    """For the `Session` methods that change a session: on rank 0 of a tensor-parallel engine (the
+    session's `leader` set), the same call is made on every rank's copy of the session, in step."""
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def call(session, *args, **kwargs):
+        if session.leader is None:
+            return method(session, *args, **kwargs)
+        args = signature.bind(session, *args, **kwargs).args[1:]  # broadcast by position
+        return session.leader.call(_method, session.sid, method.__name__, *args)
+    return call
 
 
 # Calls made on every rank: fn(ranks, *broadcast args, **rank 0's local arguments)
-def _open(ranks: Ranks, sid: int, doc_ids: list[int], on_progress=None, cancel=None):
-    ranks.sessions[sid] = ranks.engine.open(doc_ids, on_progress, cancel or SharedFlag())
-
-
-def _ask(ranks: Ranks, sid: int, question_ids, sampling: SamplingConfig, stop_ids, cancel=None):
-    session = ranks.sessions[sid]
-    coins = GeneratorCoins(torch.Generator().manual_seed(sampling.seed)) if dist.get_rank() == 0 else None
-    return session.ask(question_ids, sampling, cancel or SharedFlag(), stop_ids, SharedCoins(coins))
-
-
 def _method(ranks: Ranks, sid: int, name: str, *args):
     session = ranks.sessions[sid]
-    return getattr(session, name)(*args)
+    return getattr(type(session), name).__wrapped__(session, *args)
+
+
+def _open(ranks: Ranks, sid: int, doc_ids: list[int], on_progress=None, cancel=None, leader=None):
+    _register(ranks, sid, ranks.engine.open(doc_ids, on_progress, SharedFlag(cancel)), leader)
+
+
+def _restore(ranks: Ranks, sid: int, path: str, leader=None):
+    """Each rank memory-maps the snapshot and takes its own KV and query heads."""
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    c, r = ranks.engine.target.config, dist.get_rank()
+    state["cache"] = {name: t.narrow(2, r * c.n_kv_heads, c.n_kv_heads) for name, t in state["cache"].items()}
+    state["queries"] = [q if q is None else q.narrow(1, r * c.n_heads, c.n_heads) for q in state["queries"]]
+    _register(ranks, sid, ranks.engine.restore_state(state), leader)
+
+
+def _register(ranks: Ranks, sid: int, session, leader) -> None:
+    session.sid, session.leader = sid, leader  # rank 0's leader; None elsewhere: the calls are made here
+    ranks.sessions[sid] = session
 
 
 def _gathered_heads(t: torch.Tensor, dim: int) -> torch.Tensor | None:
@@ -187,30 +213,17 @@ def _gathered_heads(t: torch.Tensor, dim: int) -> torch.Tensor | None:
     return torch.stack(layers) if is_root else None
 
 
-def _save(ranks: Ranks, sid: int, path: str, meta: dict | None):
-    """One snapshot file, written by rank 0, with every rank's KV heads: the same format as one
-    process's, so the library stores and verifies one file (and any number of ranks restores it)."""
-    state = ranks.sessions[sid].state(meta)
+def whole_state(state: dict) -> dict | None:
+    """A snapshot's state (`Session.state`) with every rank's KV and query heads, on rank 0 (None
+    elsewhere): the same format as one process's, so the library stores and verifies one file
+    (and any number of ranks restores it, `_restore`)."""
     cache = {name: _gathered_heads(t, 2) for name, t in state["cache"].items()}  # [L, B, Hkv, S, D]
     has_queries = all(q is not None for q in state["queries"])
     queries = _gathered_heads(torch.stack(state["queries"]), 2) if has_queries else None  # [L, B, H, M, D]
-    if dist.get_rank() == 0:
-        state["cache"] = cache
-        state["queries"] = list(queries.unbind(0)) if has_queries else [None] * len(state["queries"])
-        torch.save(state, path)
-
-
-def _restore(ranks: Ranks, sid: int, path: str):
-    """Each rank memory-maps the snapshot and takes its own KV and query heads."""
-    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    c, r = ranks.engine.target.config, dist.get_rank()
-    state["cache"] = {name: t.narrow(2, r * c.n_kv_heads, c.n_kv_heads) for name, t in state["cache"].items()}
-    state["queries"] = [q if q is None else q.narrow(1, r * c.n_heads, c.n_heads) for q in state["queries"]]
-    ranks.sessions[sid] = ranks.engine.restore_state(state)
-
-
-def _close(ranks: Ranks, sid: int):
-    del ranks.sessions[sid]
+    if dist.get_rank() > 0:
+        return None
+    queries = list(queries.unbind(0)) if has_queries else [None] * len(state["queries"])
+    return state | {"cache": cache, "queries": queries}
 
 
 def _idle(ranks: Ranks):
@@ -221,12 +234,16 @@ FAILURE_KEY = "bookchat/failed"  # in the spawned ranks' store: why a rank left
 
 
 class Leader:
-    """Rank 0's engine: calls that run the model are broadcast, then made here; reads (tokenizer,
-    config, max_context ...) go to the local engine. One call at a time across all sessions."""
+    """Rank 0's engine: calls that run the model are made on every rank (`call`); reads (tokenizer,
+    config, max_context ...) go to the local engine. One call at a time across all sessions. The
+    sessions it opens are rank 0's own, whose changes go to every rank (`everywhere`); their
+    answers run in batch rounds on every rank (engine/batch.py)."""
 
     def __init__(self, engine, workers: list, store=None):
         self.engine, self.workers, self.store = engine, workers, store
-        self.ranks, self.lock, self.next_sid = Ranks(engine), threading.Lock(), 0
+        self.ranks, self.next_sids = Ranks(engine), itertools.count()
+        self.lock = threading.RLock()  # one call at a time: the ranks' collectives pair up in order
+        self.batcher = Batcher(max_active=64)  # the answers of `Session.ask` (the app has its own): as many as come
         self.failure: str | None = None  # why the ranks fell out of step; every later call raises it
         self.closed = threading.Event()
         threading.Thread(target=self._heartbeat, name="tp-heartbeat", daemon=True).start()
@@ -235,21 +252,20 @@ class Leader:
         return getattr(self.engine, name)
 
     def call(self, fn: Callable, *args, **local):
-        """fn(ranks, *args) on every rank; rank 0 also passes `local` (callbacks, flags). A call
-        that returns an iterator is agreed on by whoever drains it (`LeaderSession.ask`)."""
-        if self.failure is not None:
-            raise RankFailed(self.failure)
-        try:
-            dist.broadcast_object_list([(fn, args)], src=0)
-            result = fn(self.ranks, *args, **local)
-        except (EngineError, ValueError):
-            self.agree(TYPED_ERROR)
-            raise
-        except Exception as error:  # noqa: BLE001 (a collective failed, or this rank did: out of step)
-            self.fail(error)
-        if not isinstance(result, Iterator):
+        """fn(ranks, *args) on every rank; rank 0 also passes `local` (callbacks, flags)."""
+        with self.lock:
+            if self.failure is not None:
+                raise RankFailed(self.failure)
+            try:
+                dist.broadcast_object_list([(fn, args)], src=0)
+                result = fn(self.ranks, *args, **local)
+            except (EngineError, ValueError):
+                self.agree(TYPED_ERROR)
+                raise
+            except Exception as error:  # noqa: BLE001 (a collective failed, or this rank did: out of step)
+                self.fail(error)
             self.agree(COMPLETED)
-        return result
+            return result
 
     def agree(self, status: int) -> None:
         try:
@@ -284,17 +300,15 @@ class Leader:
                 finally:
                     self.lock.release()
 
-    def open(self, doc_ids: list[int], on_progress=None, cancel=None) -> LeaderSession:
-        with self.lock:
-            sid, self.next_sid = self.next_sid, self.next_sid + 1
-            self.call(_open, sid, list(doc_ids), on_progress=on_progress, cancel=SharedFlag(cancel))
-            return LeaderSession(self, sid)
+    def open(self, doc_ids: list[int], on_progress=None, cancel=None):
+        sid = next(self.next_sids)
+        self.call(_open, sid, list(doc_ids), on_progress=on_progress, cancel=cancel, leader=self)
+        return self.ranks.sessions[sid]
 
-    def restore(self, path) -> LeaderSession:
-        with self.lock:
-            sid, self.next_sid = self.next_sid, self.next_sid + 1
-            self.call(_restore, sid, str(path))
-            return LeaderSession(self, sid)
+    def restore(self, path):
+        sid = next(self.next_sids)
+        self.call(_restore, sid, str(path), leader=self)
+        return self.ranks.sessions[sid]
 
     def close(self) -> None:
         """Stop the other ranks and leave the process group."""
@@ -305,75 +319,6 @@ class Leader:
             for worker in self.workers:
                 worker.join(timeout=60 if self.failure is None else 5)
             _leave_group()
-
-
-class LeaderSession:
-    """A session on every rank, driven from rank 0; reads (tokens, length ...) are rank 0's."""
-
-    def __init__(self, leader: Leader, sid: int):
-        self.leader, self.sid = leader, sid
-
-    def __getattr__(self, name: str):
-        return getattr(self.leader.ranks.sessions[self.sid], name)
-
-    def _call(self, name: str, *args):
-        with self.leader.lock:
-            return self.leader.call(_method, self.sid, name, *args)
-
-    def truncate(self, length: int) -> None:
-        self._call("truncate", length)
-
-    def start(self, tokens: list[int]) -> None:
-        self._call("start", list(tokens))
-
-    def set_levels(self, levels: str) -> None:
-        self._call("set_levels", levels)
-
-    def probe_plain_tbt(self, n_tokens: int = 8) -> float:
-        return self._call("probe_plain_tbt", n_tokens)
-
-    def save(self, path, meta: dict | None = None) -> None:
-        """One snapshot at `path` with every rank's heads (`_save`); any engine restores it."""
-        with self.leader.lock:
-            self.leader.call(_save, self.sid, str(path), meta)
-
-    def close(self) -> None:
-        with self.leader.lock:
-            self.leader.call(_close, self.sid)
-
-    def ask(self, question_ids: list[int], sampling: SamplingConfig = SamplingConfig(), cancel=None,
-            stop_ids: set[int] | None = None) -> Iterator:
-        with self.leader.lock:
-            flag = SharedFlag(cancel)
-            events = self.leader.call(_ask, self.sid, list(question_ids), sampling, stop_ids, cancel=flag)
-            try:
-                try:
-                    for event in events:  # noqa: UP028 (`yield from` would close `events` on GeneratorExit)
-                        yield event
-                finally:  # a caller that stops listening must not leave the other ranks mid-answer
-                    flag.set()
-                    for _ in events:
-                        pass
-            except (EngineError, ValueError):
-                self.leader.agree(TYPED_ERROR)
-                raise
-            except GeneratorExit:
-                self.leader.agree(COMPLETED)  # the other ranks drained the answer to the same point
-                raise
-            except Exception as error:  # noqa: BLE001
-                self.leader.fail(error)
-            self.leader.agree(COMPLETED)
-
-    def answer_steps(self, question_ids: list[int], sampling: SamplingConfig = SamplingConfig(), cancel=None,
-                     stop_ids: set[int] | None = None) -> Iterator:
-        """`ask` in the form engine/batch.py runs (the app always does): events and no forward
-        requests, so the batcher runs the whole answer in one step. Under tensor parallel one
-        answer runs at a time; other readers wait in the batcher's line."""
-        events = self.ask(question_ids, sampling, cancel, stop_ids)
-        try:
-            yield from events
-        finally:
-            events.close()
 
 
 def follow(engine, store=None) -> None:
@@ -389,9 +334,7 @@ def follow(engine, store=None) -> None:
             if fn is None:
                 return
             try:
-                result = fn(ranks, *args)
-                for _ in result if isinstance(result, Iterator) else ():
-                    pass
+                fn(ranks, *args)
                 status = COMPLETED
             except (EngineError, ValueError):
                 status = TYPED_ERROR  # rank 0 raised the same error to its caller

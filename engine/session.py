@@ -279,6 +279,11 @@ class Engine:
 class Session:
     """One open document: its full cache, its committed tokens and its level stack."""
 
+    # tensor parallel (engine/parallel.py): the session's id on every rank, and on rank 0 the
+    # `parallel.Leader` that makes its changes (`parallel.everywhere`) and answers on every rank
+    sid: int | None = None
+    leader: parallel.Leader | None = None
+
     def __init__(self, engine: Engine, full: FullCache):
         self.engine, self.full = engine, full
         self.query_log = QueryLog(engine.target.config.n_layers, engine.config.retrieval.n_score_queries)
@@ -286,6 +291,7 @@ class Session:
         self.stack, self.level_stats, self.retrieval = engine.build_stack(full, self.query_log, self.levels)
         self.lock = threading.Lock()  # one answer at a time per session
 
+    @parallel.everywhere
     def set_levels(self, levels: str) -> None:
         """Switch the level stack; the full cache (the prefilled document) is kept."""
         if levels != self.levels:
@@ -294,6 +300,7 @@ class Session:
             self.levels = levels
             self.stack.reset(tokens)
 
+    @parallel.everywhere
     def probe_plain_tbt(self, n_tokens: int = 8) -> float:
         """Milliseconds per token of plain decoding at this context length (the speedup's
         baseline, measured on this machine); the session is left as it was."""
@@ -309,6 +316,7 @@ class Session:
         plain.truncate(length)
         return ms
 
+    @parallel.everywhere
     def start(self, tokens: list[int]) -> None:
         self.stack.reset(tokens)
 
@@ -320,6 +328,7 @@ class Session:
     def length(self) -> int:
         return len(self.stack.tokens)
 
+    @parallel.everywhere
     def truncate(self, length: int) -> None:
         """Roll back to the first `length` tokens (regenerate / edit-and-resend)."""
         if not 1 <= length <= self.length:
@@ -330,13 +339,17 @@ class Session:
             cancel=None, stop_ids: set[int] | None = None, coins: Coins | None = None) -> Iterator[Event]:
         """Append the question and stream the answer. Randomness: `sampling.seed`, unless tests
         pass their own `coins` (an exact enumerator of every random outcome)."""
+        if self.leader is not None:  # tensor parallel: every rank answers, in the leader's batch rounds
+            yield from self.leader.batcher.ask(self, question_ids, sampling, cancel, stop_ids)
+            return
         with self.lock:
             yield from drive(self._steps(question_ids, sampling, cancel, stop_ids, coins))
 
     def answer_steps(self, question_ids: list[int], sampling: SamplingConfig = SamplingConfig(),
                      cancel=None, stop_ids: set[int] | None = None, coins: Coins | None = None
                      ) -> Generator[Forward | Event, torch.Tensor | None, None]:
-        """`ask` as a generator of forward requests and events: how engine/batch.py runs it."""
+        """`ask` as a generator of forward requests and events: how engine/batch.py runs it
+        (under tensor parallel only there: `Batcher.ask` runs it on every rank)."""
         if not self.lock.acquire(blocking=False):
             raise Busy()
         try:
@@ -350,6 +363,8 @@ class Session:
         self.engine.check_tokens(question_ids, "question")
         self.engine.check_fits(self.length + len(question_ids) + 1)
         coins = coins or GeneratorCoins(torch.Generator().manual_seed(sampling.seed))
+        if self.sid is not None:  # tensor parallel: every rank takes rank 0's draws and cancel flag
+            coins, cancel = parallel.SharedCoins(coins), parallel.SharedFlag(cancel)
         yield from self._answer(question_ids, sampling, cancel, stop_ids or set(), coins)
 
     def _answer(self, question_ids, sampling, cancel, stop_ids, coins):
@@ -399,9 +414,13 @@ class Session:
             return None, seen_version
         return reading_ranges(r.chunk_starts, r.chunk_tokens), r.version
 
+    @parallel.everywhere
     def save(self, path: str | Path, meta: dict | None = None) -> None:
-        """A prefill snapshot: tokens and full cache (the app adds model and document hashes)."""
-        torch.save(self.state(meta), path)
+        """A prefill snapshot: tokens and full cache (the app adds model and document hashes);
+        under tensor parallel one file with every rank's heads, written by rank 0."""
+        state = self.state(meta) if self.sid is None else parallel.whole_state(self.state(meta))
+        if state is not None:
+            torch.save(state, path)
 
     def state(self, meta: dict | None = None) -> dict:
         """What a snapshot holds, in host memory: {"tokens", "cache": {"k", "v"} of

@@ -1,8 +1,8 @@
 """Tensor parallel on CPU: two gloo processes (this one is rank 0, `parallel.start` spawns rank 1)
 against one process: the same greedy tokens for plain decoding and the default stack, logits
-within 1e-5 in float32, for Llama (tied off) and Qwen2 (q/k/v biases, tied embeddings).
-Sharding itself is checked against the unsharded weights, and its refusal when heads do not
-divide evenly."""
+within 1e-5 in float32, for Llama (tied off) and Qwen2 (q/k/v biases, tied embeddings); two
+sessions answered in one batch too. Sharding itself is checked against the unsharded weights,
+and its refusal when heads do not divide evenly."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from engine import parallel
-from engine.config import EngineConfig, EngineError, RetrievalConfig, SamplingConfig
+from engine.batch import Batcher
+from engine.config import BadTokens, EngineConfig, EngineError, RetrievalConfig, SamplingConfig
 from engine.kv.full import FullCache
 from engine.kv.offload import OffloadCache
 from engine.session import Engine, Session
@@ -97,6 +98,35 @@ def test_two_gloo_ranks_match_one_process(family, gamma):
         assert len(two[levels][0]) == 16
     assert two.get("sampled") == one.get("sampled") and two["tokens"] == one["tokens"]
     assert (two_logits - one_logits).abs().max() <= 1e-5
+
+
+@pytest.mark.timeout(180)
+def test_two_gloo_ranks_answer_two_sessions_in_one_batch_as_one_process_one_at_a_time():
+    """The app's path under tensor parallel: its batcher packs two readers' forwards on every rank
+    (greedy, and sampled with fixed draft lengths) and commits what one process commits alone; a
+    third reader's bad question fails alone, on every rank alike."""
+    docs, questions = [random_ids(40, 128, 11), doc_with_repeats()], [random_ids(4, 128, 12), random_ids(3, 128, 13)]
+    samplings = [SamplingConfig(max_new_tokens=12),
+                 SamplingConfig(temperature=0.8, top_p=0.9, max_new_tokens=10, seed=4)]
+    engine = tiny_rank_engine("qwen2", 3)
+    want = [[t for e in engine.open(d).ask(q, s) for t in e.tokens] for d, q, s in zip(docs, questions, samplings)]
+    leader = parallel.start(functools.partial(tiny_rank_engine, "qwen2", 3), 2, torch.device("cpu"))
+    try:
+        sessions = [leader.open(doc) for doc in docs]
+        batcher = Batcher(max_active=3, background=False)
+        streams = [batcher.ask(s, q, sampling) for s, q, sampling in zip(sessions, questions, samplings)]
+        bad = batcher.ask(leader.open(docs[0]), [10**6], samplings[0])
+        while batcher.active or batcher.waiting:
+            batcher.round()
+        got = [[t for e in stream for t in e.tokens] for stream in streams]
+        with pytest.raises(BadTokens):
+            list(bad)
+        first, second = leader.call(tokens_of_every_rank, sessions[1].sid)
+    finally:
+        leader.close()
+    assert got == want and [len(tokens) for tokens in got] == [12, 10]
+    assert batcher.n_segments > batcher.n_forwards  # the two answers shared forwards
+    assert first == second == docs[1] + questions[1] + got[1]
 
 
 def test_shard_keeps_each_ranks_heads_and_columns():
