@@ -65,23 +65,33 @@ def llama_bench(bench: Path, gguf: Path, threads: int, n_prompt: int, n_gen: int
 
 
 def ours(engine: Engine, chat: ChatFormat, doc_ids: list[int], q_ids: list[int], new_tokens: int,
-         stacks: list[str]) -> dict:
+         stacks: list[str], exact_drafts: bool = False) -> dict:
     """Our prefill of the document, then one greedy answer per level stack (`plain` first), each
-    from the same prefill (the session is truncated back to the book between them)."""
+    from the same prefill (the session is truncated back to the book between them); with
+    `exact_drafts`, each speculative stack again with exact levels below the top ("STACK exact")."""
     t0 = time.perf_counter()
     session = engine.open(doc_ids)
     prefill_s = time.perf_counter() - t0
     result = {"prefill_s": prefill_s, "prefill_tokens_per_s": len(doc_ids) / prefill_s, "stacks": {}}
-    for stack in (s for s in stacks if engine.draft is not None or not Levels.parse(s).needs_draft):
-        session.set_levels(stack)
-        events, tokens, t_start = [], [], time.perf_counter()
-        for event in session.ask(q_ids, SamplingConfig(max_new_tokens=new_tokens), stop_ids=chat.stop_ids):
-            events.append((time.perf_counter(), len(event.tokens)))
-            tokens += event.tokens
+    runs = [(s, True) for s in stacks if engine.draft is not None or not Levels.parse(s).needs_draft]
+    runs += [(s, False) for s, _ in runs if exact_drafts and s != "plain"]
+    for stack, quick in runs:
+        engine.quick_drafts = quick
+        session.set_levels("plain")
+        session.set_levels(stack)  # built anew, with this setting
+        stack = stack if quick else f"{stack} exact"
+        events, tokens, t_start, last = [], [], time.perf_counter(), None
+        for last in session.ask(q_ids, SamplingConfig(max_new_tokens=new_tokens), stop_ids=chat.stop_ids):
+            events.append((time.perf_counter(), len(last.tokens)))
+            tokens += last.tokens
         session.truncate(len(doc_ids))
         decode = timing(t_start, events)
+        levels = {s.name: {"acceptance": s.acceptance, "tokens_per_check": s.tokens_per_check, "time_s": s.time_s}
+                  for s in (last.stats.levels if last else [])}
         result["stacks"][stack] = {"ms_per_token": decode["tbt_ms_mean"], "n_tokens": decode["n_tokens"],
-                                   "tokens": tokens}
+                                   "tokens": tokens, "levels": levels,
+                                   "drafter_s": last.stats.drafter_s if last else None,
+                                   "accept": None if stack == "plain" else levels.get("full", {}).get("acceptance")}
     result.update(result["stacks"]["plain"])  # the table's plain column
     return result
 
@@ -155,8 +165,8 @@ def table(report: dict) -> str:
 
 def stack_table(report: dict) -> str:
     """Every decoder on one greedy summary: ms/token and speed against llama.cpp's plain decode."""
-    rows = ["| threads | depth | decoder | ms/token | speed vs llama.cpp plain | accepted |",
-            "|---|---|---|---:|---:|---:|"]
+    rows = ["| threads | depth | decoder | ms/token | speed vs llama.cpp plain | accepted (top) | accepted (middle) |",
+            "|---|---|---|---:|---:|---:|---:|"]
     for r in report["runs"]:
         llama = r.get("llama.cpp") or {}
         base = llama.get("decode", {}).get("ms_per_token")
@@ -167,8 +177,9 @@ def stack_table(report: dict) -> str:
             if v:
                 ratio = f"{base / v['ms_per_token']:.2f}x" if base else "-"
                 accept = f"{v['accept']:.2f}" if v.get("accept") is not None else ""
+                middle = v.get("levels", {}).get("retrieval", {}).get("acceptance")
                 rows.append(f"| {r['threads']} | {r['depth']:,} | {name} | {v['ms_per_token']:.1f} | {ratio} "
-                            f"| {accept} |")
+                            f"| {accept} | {'' if middle is None else f'{middle:.2f}'} |")
     return "\n".join(rows)
 
 
@@ -184,6 +195,8 @@ def parse_args(argv):
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--stacks", default="plain",
                    help="our level stacks, each answering after one prefill (plain is always measured)")
+    p.add_argument("--exact-drafts", action="store_true",
+                   help="each speculative stack also with exact levels below the top (no int8 activations)")
     p.add_argument("--spec", action="store_true",
                    help="also llama.cpp's speculative decoding: llama-speculative-simple with the paired draft "
                         "and llama-lookup (n-grams), on the same prompt text")
@@ -231,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             report["runs"].append(run)
             for d, engine in engines.items():
                 run[f"load_avg_before_ours_{d}"] = list(psutil.getloadavg())
-                run["ours"][d] = ours(engine, chat, doc_ids, q_ids, args.new_tokens, args.stacks)
+                run["ours"][d] = ours(engine, chat, doc_ids, q_ids, args.new_tokens, args.stacks, args.exact_drafts)
                 log(f"ours {d} t={threads} d={depth}: prefill {run['ours'][d]['prefill_tokens_per_s']:.1f} tok/s, "
                     + ", ".join(f"{k} {v['ms_per_token']:.1f} ms" for k, v in run["ours"][d]["stacks"].items()))
                 args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -200,6 +200,10 @@ class EngineConfig:
     # 1.7x faster than SDPA at 32K keys; SDPA where it cannot build
     use_cpu_kernel: bool = True
     use_cuda_graphs: bool = False  # off by default, as torch.compile (STYLE.md 5); eager on CPU
+    # the levels below the top (the draft model, and the target's weights in the middle level and
+    # `selfspec`) read the GGUF's blocks with int8 activations, as llama.cpp does (engine/quant.py
+    # `quick_view`): lossy, which costs only acceptance, as the top's check stays exact. Off: exact
+    quick_drafts: bool = True
 
     def __post_init__(self):
         if self.draft in ("auto", "none", ""):
@@ -274,6 +278,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-kernel", action=argparse.BooleanOptionalAction, default=c.use_cpu_kernel,
                    help="compiled AVX2 attention on CPU (SDPA when off or it cannot build)")
     p.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs where shapes allow (eager on CPU)")
+    p.add_argument("--quick-drafts", action=argparse.BooleanOptionalAction, default=c.quick_drafts,
+                   help="levels below the top read the GGUF's blocks with int8 activations (the top stays exact)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
 
 
@@ -282,4 +288,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(target=args.model, draft=args.draft, levels=args.levels, yarn_factor=args.yarn,
                         device=args.device, dtype=args.dtype, n_gpus=args.gpus, offload_kv=args.offload,
                         resident_kv_layers=args.resident_kv_layers, use_flash_attn=args.flash_attn,
-                        use_cpu_kernel=args.cpu_kernel, use_cuda_graphs=args.cuda_graphs)
+                        use_cpu_kernel=args.cpu_kernel, use_cuda_graphs=args.cuda_graphs,
+                        quick_drafts=args.quick_drafts)

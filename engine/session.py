@@ -40,7 +40,7 @@ from engine.kv.retrieval import RetrievalCache
 from engine.kv.streaming import StreamingCache
 from engine.memory import Workload, free_memory_bytes, resident_kv_layers
 from engine.model import Forward, QueryLog, Segment, Steps, Transformer, drive, run
-from engine.quant import is_quantized
+from engine.quant import is_quantized, quick_view
 from engine.sampling import Coins, GeneratorCoins
 from engine.speculative import CheckingDrafter, GammaTuner, LevelStack, LevelStats, Scorer
 
@@ -100,6 +100,13 @@ class Engine:
                 if not is_quantized(model):  # a GGUF's blocks (engine/quant.py) stay as in the file
                     fits_bf16 = self.dtype == torch.float32 and layouts.linear_weights_fit_bf16(model)  # bf16 file
                     layouts.lay_out_linears(model, linear_layout(self.device, self.dtype, fits_bf16))
+        # the levels below the top may read the GGUF's blocks with int8 activations (lossy costs
+        # only acceptance there); the views share the weights. Stacks built later follow the switch
+        self.quick_drafts = config.quick_drafts
+        self._quick = {model: quick_view(model) for model in (target, draft)
+                       if model is not None and is_quantized(model)}
+        for view in self._quick.values():
+            view.set_attention(attend)
         self.n_prefills = 0  # documents prefilled (the app asserts a question does not add one)
         self.n_prefill_tokens = 0
 
@@ -246,8 +253,8 @@ class Engine:
             scratch = 2 + cfg.max_gamma * (cfg.n_ngram_candidates + 1)
             retrieval = RetrievalCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, r.budget_tokens, r.sink_tokens,
                                        r.window_tokens, r.chunk_tokens, scratch, self.dtype, self.device)
-            one_token = static_decode_step(self.target, retrieval, self.uses_cuda_graphs)
-            middle = Scorer(self.target, retrieval, None, one_token)
+            one_token = static_decode_step(self.drafting(self.target), retrieval, self.uses_cuda_graphs)
+            middle = Scorer(self.drafting(self.target), retrieval, None, one_token)
             drafter = CheckingDrafter(
                 middle, bottom, stats[0], tuner(cfg.gamma_bottom),
                 synced_length=lambda: retrieval.synced,
@@ -262,13 +269,17 @@ class Engine:
         stack = LevelStack(Scorer(self.target, full, query_log), drafter, stats[-1], top, direct, prefill)
         return stack, stats, retrieval
 
+    def drafting(self, model: Transformer) -> Transformer:
+        """`model` as a level below the top runs it: its int8-activation view when `quick_drafts`."""
+        return self._quick.get(model, model) if self.quick_drafts else model
+
     def _bottom_drafter(self, name: str):
         cfg = self.config
         if name == "ngram":
             return NgramDrafter(cfg.max_ngram, cfg.n_ngram_candidates)
         if name == "ngram+draft":
             return LookupFirst(self._bottom_drafter("ngram"), self._bottom_drafter("draft"))
-        model = self.draft if name == "draft" else self.target
+        model = self.drafting(self.draft if name == "draft" else self.target)
         c = model.config
         cache = StreamingCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, cfg.streaming_sink_tokens,
                                cfg.streaming_window_tokens, cfg.prefill_chunk_tokens + cfg.max_gamma,
