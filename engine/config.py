@@ -26,6 +26,10 @@ LEVEL_STACKS = (
 # issue 21: sampled answers at 16K), else the model-free default
 PAIRED_DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 AUTO_LEVELS = {True: "draft>retrieval>full", False: "ngram>retrieval>full"}  # has a draft -> stack
+# on a CPU: the 1.5B's fastest stack at 8K, 16K and 32K on abstractive answers, 2 threads, with the
+# middle level in int8 activations (benchmarks/RESULTS.md, "Int8 drafts"): the 0.5B's drafts cost
+# more than they save there; it stays loaded, so a session can switch to a stack that uses it
+CPU_AUTO_LEVELS = {True: "retrieval>full", False: "ngram>retrieval>full"}
 
 
 @dataclass(frozen=True)
@@ -174,7 +178,7 @@ class EngineConfig:
     # book where the 0.5B loops and garbles (issue 21)
     target: str = "qwen2.5-coder-1.5b"
     draft: str | None = "auto"  # small model for the `draft` level (same tokenizer); "auto": PAIRED_DRAFTS
-    levels: str = "auto"  # a LEVEL_STACKS entry; "auto": AUTO_LEVELS
+    levels: str = "auto"  # a LEVEL_STACKS entry; "auto": AUTO_LEVELS, or CPU_AUTO_LEVELS on a CPU
     # YaRN RoPE scaling for books beyond the native context (Qwen2.5's recipe: 4 -> 131,072 tokens);
     # static, so it changes answers on short books too: 1 = off
     yarn_factor: float = 1.0
@@ -209,7 +213,10 @@ class EngineConfig:
         if self.draft in ("auto", "none", ""):
             object.__setattr__(self, "draft", PAIRED_DRAFTS.get(self.target) if self.draft == "auto" else None)
         if self.levels == "auto":
-            object.__setattr__(self, "levels", AUTO_LEVELS[self.draft is not None])
+            from engine.device import pick_device
+
+            table = CPU_AUTO_LEVELS if pick_device(self.device).type == "cpu" else AUTO_LEVELS
+            object.__setattr__(self, "levels", table[self.draft is not None])
         if not 1 <= self.yarn_factor <= 8:
             raise ValueError(f"yarn_factor={self.yarn_factor}: 1 (off) to 8 (4 gives Qwen2.5 131,072 tokens)")
         Levels.parse(self.levels).check_draft(self.draft)
@@ -265,7 +272,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=c.draft, help="draft model for the `draft` level (same tokenizer); "
                    "auto: the 0.5B for the 1.5B, none for other models")
     p.add_argument("--levels", default=c.levels, choices=("auto", *LEVEL_STACKS),
-                   help="auto: draft>retrieval>full with a draft, else ngram>retrieval>full")
+                   help="auto: on a GPU draft>retrieval>full with a draft, on a CPU retrieval>full; "
+                   "ngram>retrieval>full without a draft")
     p.add_argument("--yarn", type=float, default=c.yarn_factor, metavar="FACTOR",
                    help="YaRN context extension for books beyond the native context (4: 131,072 tokens for "
                    "Qwen2.5; changes answers on short books too, and reading 128K tokens takes hours on a CPU)")

@@ -117,11 +117,15 @@ def test_config_errors_say_what_to_do():
 
 
 def test_the_default_is_the_1_5b_with_the_0_5b_drafting_and_other_targets_draft_nothing():
-    default = EngineConfig()
-    assert (default.target, default.draft, default.levels) == ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b",
-                                                               "draft>retrieval>full")
-    alone = EngineConfig(target="qwen2.5-coder-0.5b")
+    on_gpu = EngineConfig(device="cuda")  # a config only: no GPU needed
+    assert (on_gpu.target, on_gpu.draft, on_gpu.levels) == ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b",
+                                                            "draft>retrieval>full")
+    # on a CPU the int8 middle level alone measured fastest; the draft is loaded for a switch
+    assert (EngineConfig(device="cpu").draft, EngineConfig(device="cpu").levels) == ("qwen2.5-coder-0.5b",
+                                                                                       "retrieval>full")
+    alone = EngineConfig(target="qwen2.5-coder-0.5b", device="cpu")
     assert (alone.draft, alone.levels) == (None, "ngram>retrieval>full")
+    assert EngineConfig(target="qwen2.5-coder-0.5b", device="cuda").levels == "ngram>retrieval>full"
     assert EngineConfig(target="smollm2-135m", draft=None, levels="plain").levels == "plain"
 
 
