@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -93,6 +94,7 @@ def ours(engine: Engine, chat: ChatFormat, doc_ids: list[int], q_ids: list[int],
                                    "drafter_s": last.stats.drafter_s if last else None,
                                    "accept": None if stack == "plain" else levels.get("full", {}).get("acceptance")}
     result.update(result["stacks"]["plain"])  # the table's plain column
+    result["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # the process so far
     return result
 
 
