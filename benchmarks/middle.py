@@ -26,28 +26,13 @@ from pathlib import Path
 import torch
 
 from benchmarks.longctx import BOOK, book_doc_ids, log, machine
+from benchmarks.peers import answer
 from engine.chat import ChatFormat
-from engine.config import EngineConfig, SamplingConfig
+from engine.config import EngineConfig
 from engine.session import Engine
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = "Summarize the story so far in one paragraph."
-
-
-def answer(engine: Engine, session, q_ids: list[int], n_doc: int, new_tokens: int, stack: str, quick: bool) -> dict:
-    engine.quick_drafts = quick
-    session.set_levels("plain")
-    session.set_levels(stack)  # built anew with this setting
-    stamps, tokens, last = [], [], None
-    for last in session.ask(q_ids, SamplingConfig(max_new_tokens=new_tokens)):
-        stamps.append((time.perf_counter(), len(last.tokens)))
-        tokens += last.tokens
-    session.truncate(n_doc)
-    n_decode = len(tokens) - stamps[0][1]  # the first event's tokens come with the question's prefill
-    levels = {s.name: {"acceptance": s.acceptance, "n_tested": s.n_tested, "tokens_per_check": s.tokens_per_check,
-                       "time_s": s.time_s} for s in last.stats.levels}
-    return {"ms_per_token": 1000 * (stamps[-1][0] - stamps[0][0]) / max(n_decode, 1), "tokens": tokens,
-            "levels": levels, "drafter_s": last.stats.drafter_s}
 
 
 def table(report: dict) -> str:

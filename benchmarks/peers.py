@@ -65,6 +65,26 @@ def llama_bench(bench: Path, gguf: Path, threads: int, n_prompt: int, n_gen: int
             "command": " ".join(["llama-bench", *command[1:]]), "n_threads": row["n_threads"]}
 
 
+def answer(engine: Engine, session, q_ids: list[int], n_doc: int, new_tokens: int, stack: str, quick: bool = True,
+           stop_ids: set[int] | None = None) -> dict:
+    """One greedy answer with level stack `stack`, built anew with the engine's settings as they
+    are now (`quick`: int8 levels below the top), then the session truncated back to the book:
+    decode ms/token (first event excluded), its tokens, and each checking level's counters."""
+    engine.quick_drafts = quick
+    session.set_levels("plain")
+    session.set_levels(stack)  # built anew: set_levels keeps a stack of the same name
+    events, tokens, t_start, last = [], [], time.perf_counter(), None
+    for last in session.ask(q_ids, SamplingConfig(max_new_tokens=new_tokens), stop_ids=stop_ids):
+        events.append((time.perf_counter(), len(last.tokens)))
+        tokens += last.tokens
+    session.truncate(n_doc)
+    decode = timing(t_start, events)
+    levels = {s.name: {"acceptance": s.acceptance, "n_tested": s.n_tested, "tokens_per_check": s.tokens_per_check,
+                       "time_s": s.time_s} for s in (last.stats.levels if last else [])}
+    return {"ms_per_token": decode["tbt_ms_mean"], "n_tokens": decode["n_tokens"], "tokens": tokens,
+            "levels": levels, "drafter_s": last.stats.drafter_s if last else None}
+
+
 def ours(engine: Engine, chat: ChatFormat, doc_ids: list[int], q_ids: list[int], new_tokens: int,
          stacks: list[str], exact_drafts: bool = False) -> dict:
     """Our prefill of the document, then one greedy answer per level stack (`plain` first), each
@@ -77,22 +97,9 @@ def ours(engine: Engine, chat: ChatFormat, doc_ids: list[int], q_ids: list[int],
     runs = [(s, True) for s in stacks if engine.draft is not None or not Levels.parse(s).needs_draft]
     runs += [(s, False) for s, _ in runs if exact_drafts and s != "plain"]
     for stack, quick in runs:
-        engine.quick_drafts = quick
-        session.set_levels("plain")
-        session.set_levels(stack)  # built anew, with this setting
-        stack = stack if quick else f"{stack} exact"
-        events, tokens, t_start, last = [], [], time.perf_counter(), None
-        for last in session.ask(q_ids, SamplingConfig(max_new_tokens=new_tokens), stop_ids=chat.stop_ids):
-            events.append((time.perf_counter(), len(last.tokens)))
-            tokens += last.tokens
-        session.truncate(len(doc_ids))
-        decode = timing(t_start, events)
-        levels = {s.name: {"acceptance": s.acceptance, "tokens_per_check": s.tokens_per_check, "time_s": s.time_s}
-                  for s in (last.stats.levels if last else [])}
-        result["stacks"][stack] = {"ms_per_token": decode["tbt_ms_mean"], "n_tokens": decode["n_tokens"],
-                                   "tokens": tokens, "levels": levels,
-                                   "drafter_s": last.stats.drafter_s if last else None,
-                                   "accept": None if stack == "plain" else levels.get("full", {}).get("acceptance")}
+        run = answer(engine, session, q_ids, len(doc_ids), new_tokens, stack, quick, chat.stop_ids)
+        run["accept"] = None if stack == "plain" else run["levels"].get("full", {}).get("acceptance")
+        result["stacks"][stack if quick else f"{stack} exact"] = run
     result.update(result["stacks"]["plain"])  # the table's plain column
     result["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # the process so far
     return result

@@ -253,8 +253,8 @@ class Engine:
             scratch = 2 + cfg.max_gamma * (cfg.n_ngram_candidates + 1)
             retrieval = RetrievalCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, r.budget_tokens, r.sink_tokens,
                                        r.window_tokens, r.chunk_tokens, scratch, self.dtype, self.device)
-            one_token = static_decode_step(self.drafting(self.target), retrieval, self.uses_cuda_graphs)
-            middle = Scorer(self.drafting(self.target), retrieval, None, one_token)
+            model = self.drafting(self.target)
+            middle = Scorer(model, retrieval, None, static_decode_step(model, retrieval, self.uses_cuda_graphs))
             drafter = CheckingDrafter(
                 middle, bottom, stats[0], tuner(cfg.gamma_bottom),
                 synced_length=lambda: retrieval.synced,
