@@ -271,22 +271,8 @@ def load_quantized_model(gguf_path: Path, sha256: str | None = None, dtype: torc
     cfg = ModelConfig.from_hf(hf_config)
     with torch.device("meta"):
         model = Transformer(cfg, hf_config)
-    tensors = read_gguf_tensors(gguf_path, header, hf_config)
-    if "lm_head.weight" not in tensors:  # tied: the LM head reads the embedding's blocks
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    plain = {}
-    for name, (tensor, qtype) in tensors.items():
-        module_name = name.rsplit(".", 1)[0]
-        if qtype is None or not name.endswith(".weight"):
-            plain[name] = tensor
-        elif module_name == "model.embed_tokens":
-            model.model.embed_tokens = QuantEmbedding(tensor, qtype, cfg.dim, kernel)
-        else:
-            bias = tensors.get(f"{module_name}.bias", (None, None))[0]
-            out_dtype = torch.float32 if module_name == "lm_head" else None
-            model.set_submodule(module_name, QuantLinear(tensor, qtype, model.get_submodule(module_name).in_features,
-                                                        bias, kernel, out_dtype))
-    plain = {name: t.to(dtype) for name, t in plain.items() if not _is_quant_bias(model, name)}
+    plain = _place_quantized(model, read_gguf_tensors(gguf_path, header, hf_config), cfg.dim, kernel)
+    plain = {name: t.to(dtype) for name, t in plain.items()}
     model.load_state_dict(plain, strict=False, assign=True)
     if "model.embed_tokens.weight" in plain and not isinstance(model.lm_head, QuantLinear) and cfg.has_tied_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -295,6 +281,26 @@ def load_quantized_model(gguf_path: Path, sha256: str | None = None, dtype: torc
     if missing:
         raise EngineError(f"{gguf_path} lacks weights for {', '.join(missing[:5])}")
     return model.eval(), load_tokenizer(header)
+
+
+def _place_quantized(model: nn.Module, tensors: dict, dim: int, kernel) -> dict[str, torch.Tensor]:
+    """Set each weight that keeps its blocks into the meta `model` as a `QuantEmbedding` or
+    `QuantLinear` (with its bias); return the other tensors, for `load_state_dict`."""
+    if "lm_head.weight" not in tensors:  # tied: the LM head reads the embedding's blocks
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    plain = {}
+    for name, (tensor, qtype) in tensors.items():
+        module_name = name.rsplit(".", 1)[0]
+        if qtype is None or not name.endswith(".weight"):
+            plain[name] = tensor
+        elif module_name == "model.embed_tokens":
+            model.model.embed_tokens = QuantEmbedding(tensor, qtype, dim, kernel)
+        else:
+            bias = tensors.get(f"{module_name}.bias", (None, None))[0]
+            out_dtype = torch.float32 if module_name == "lm_head" else None
+            model.set_submodule(module_name, QuantLinear(tensor, qtype, model.get_submodule(module_name).in_features,
+                                                        bias, kernel, out_dtype))
+    return {name: t for name, t in plain.items() if not _is_quant_bias(model, name)}
 
 
 def _is_quant_bias(model: nn.Module, name: str) -> bool:
