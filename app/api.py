@@ -1,4 +1,4 @@
-"""The app's side of the OpenAI-compatible API (engine/serve.py): prompt caching through the library.
+"""The app's side of the OpenAI-compatible API (api/server.py): prompt caching through the library.
 
 A request that begins with a document is answered from the library's prefill snapshot of that
 exact text: the same book id (sha256 of the text), the same token ids (`PlainChatFormat`) and the
@@ -14,17 +14,17 @@ from __future__ import annotations
 import secrets
 import threading
 
+from api.server import ChatAPI
 from app.documents import Document
 from app.library import Library, default_root
 from app.tokens import PlainChatFormat
-from engine.serve import ChatAPI
 from engine.session import Engine, Session
 
 TITLE_CHARS = 60
 
 
 class LibraryDocuments:
-    """engine.serve.Documents backed by the library: its snapshot, else a prefill it saves."""
+    """api.server.Documents backed by the library: its snapshot, else a prefill it saves."""
 
     def __init__(self, library: Library):
         self.library = library
@@ -42,7 +42,7 @@ def title(text: str) -> str:
 
 
 def library_documents(engine: Engine, root: str | None) -> tuple[PlainChatFormat, LibraryDocuments]:
-    """For `python -m engine serve`: the app's chat format and the library at `root` (default: the app's)."""
+    """For `python -m api`: the app's chat format and the library at `root` (default: the app's)."""
     return PlainChatFormat(engine.tokenizer, end_ids=engine.end_ids), LibraryDocuments(Library(root or default_root()))
 
 

@@ -1,6 +1,6 @@
 """The remote backend: the app answers through any OpenAI-compatible server (`--backend openai`).
 
-vLLM, llama.cpp's server, or another copy of this app (`--api`, `python -m engine serve`) answer;
+vLLM, llama.cpp's server, or another copy of this app (`--api`, `python -m api`) answer;
 ingestion, the library, chats and the UI stay here. `RemoteEngine` stands in for
 `engine.Engine` where the app needs one: a tokenizer (the local `--model`'s, to count a
 book's tokens and label pages: an estimate when the server runs another model), the context

@@ -1,5 +1,5 @@
 """Command line: `python -m engine generate --file book.txt --question "..." [--levels ...]`,
-`python -m engine serve` (an OpenAI-compatible API, engine/serve.py).
+`python -m engine selftest`. The OpenAI-compatible API is a caller of the engine: `python -m api`.
 
 Reads a text file as the document, prefills it once, answers each --question in turn (a chat),
 streams the answer to the terminal and prints per-level statistics after each answer.
@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import torch
 
-from engine import parallel, serve
+from engine import parallel
 from engine.chat import ChatFormat
 from engine.config import EngineError, SamplingConfig, add_engine_args, engine_config
 from engine.session import Engine, Stats
@@ -24,6 +24,8 @@ SAMPLING_FLAGS = {"temperature": float, "top_p": float, "top_k": int, "min_p": f
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["serve"]:  # the API is a caller, not the engine
+        sys.exit("`python -m engine serve` moved: run `python -m api` (same flags).")
     p = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="answer questions about a text file")
@@ -35,7 +37,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--seed", type=int, default=SamplingConfig.seed)
     for name, kind in SAMPLING_FLAGS.items():  # unset: the model's own (its generation_config)
         g.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
-    serve.add_serve_parser(sub)
     t = sub.add_parser("selftest", help="compare each GPU path with its reference here (a few minutes)")
     t.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     t.add_argument("--out", default="bookchat-selftest.json", help="the report to attach to a bug report")
@@ -74,8 +75,6 @@ def selftest(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.command == "serve":
-        return serve.serve_main(args)
     if args.command == "selftest":
         return selftest(args)
     if args.threads:

@@ -265,7 +265,7 @@ class SamplingConfig:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The engine's flags, shared by `app.py`, `python -m engine generate` and `... serve`; each maps
+    """The engine's flags, shared by `app.py`, `python -m engine generate` and `python -m api`; each maps
     onto one EngineConfig field (`engine_config`) and takes its default from there."""
     p, c = parser, EngineConfig
     p.add_argument("--model", default=c.target, help="packaged name, folder, .gguf or hub id")

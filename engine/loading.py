@@ -267,33 +267,44 @@ def load_model(source: str, dtype: torch.dtype, device: torch.device, yarn_facto
     device and takes the loaded tensors as they are (no random initialisation, no second copy);
     RoPE buffers are then made for real.
     """
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    from engine.config import ModelConfig
-    from engine.model import Transformer
-
     gguf = _gguf_to_keep_quantized(source, dtype, device) if keep_gguf_blocks else None
     if gguf is not None:
         from engine.quant import load_quantized_model
 
         return load_quantized_model(*gguf, dtype=dtype, yarn_factor=yarn_factor)
     model_dir = resolve_model(source)
-    hf_config = load_hf_config(model_dir)
-    extend_context(hf_config, yarn_factor)
-    with torch.device("meta"):
-        model = Transformer(ModelConfig.from_hf(hf_config), hf_config)
+    model, hf_config = meta_model(model_dir, yarn_factor)
     state = {k: v.to(device) for k, v in load_state_dict(model_dir, dtype).items()}
     if model.config.has_tied_embeddings:
         state.pop("lm_head.weight", None)
     model.load_state_dict(state, strict=False, assign=True)
     if model.config.has_tied_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    return finish_model(model, hf_config, device, model_dir), load_tokenizer(model_dir)
+
+
+def meta_model(folder: Path, yarn_factor: float = 1.0):
+    """(our Transformer for the config in `folder`, on the meta device: no memory, no random
+    initialisation; the caller assigns its weights, then calls `finish_model`), the HF config."""
+    from engine.config import ModelConfig
+    from engine.model import Transformer
+
+    hf_config = load_hf_config(folder)
+    extend_context(hf_config, yarn_factor)
+    with torch.device("meta"):
+        return Transformer(ModelConfig.from_hf(hf_config), hf_config), hf_config
+
+
+def finish_model(model, hf_config, device: torch.device, origin: Path):
+    """The RoPE buffers made for real on `device`; a weight still on meta is one `origin` lacks."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
     with torch.device(device):
         model.model.rotary_emb = LlamaRotaryEmbedding(config=hf_config)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
-        raise EngineError(f"{model_dir} lacks weights for {', '.join(missing[:5])}")
-    return model.eval(), load_tokenizer(model_dir)
+        raise EngineError(f"{origin} lacks weights for {', '.join(missing[:5])}")
+    return model.eval()
 
 
 def _gguf_to_keep_quantized(source: str, dtype: torch.dtype, device: torch.device) -> tuple[Path, str | None] | None:

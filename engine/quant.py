@@ -258,20 +258,22 @@ def load_quantized_model(gguf_path: Path, sha256: str | None = None, dtype: torc
     (float32 or bfloat16) is the model's: of its activations, norms, attention and KV cache; the
     linears multiply in float32 whatever it is. The LM head returns float32 logits, as wide as
     its kernel computes them (a bf16 model's would be rounded to 8 bits of mantissa: ties)."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    from engine.config import ModelConfig
-    from engine.loading import extend_context, file_sha256, load_hf_config, load_tokenizer
-    from engine.model import Transformer
+    from engine.loading import file_sha256, finish_model, load_tokenizer, meta_model
 
     kernel = cpu_quant_kernel()
     header = gguf_header_dir(gguf_path, sha256 or file_sha256(gguf_path))
-    hf_config = load_hf_config(header)
-    extend_context(hf_config, yarn_factor)
-    cfg = ModelConfig.from_hf(hf_config)
-    with torch.device("meta"):
-        model = Transformer(cfg, hf_config)
-    tensors = read_gguf_tensors(gguf_path, header, hf_config)
+    model, hf_config = meta_model(header, yarn_factor)
+    cfg = model.config
+    plain = _place_quantized(model, read_gguf_tensors(gguf_path, header, hf_config), cfg.dim, kernel)
+    model.load_state_dict({name: t.to(dtype) for name, t in plain.items()}, strict=False, assign=True)
+    if "model.embed_tokens.weight" in plain and not isinstance(model.lm_head, QuantLinear) and cfg.has_tied_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return finish_model(model, hf_config, torch.device("cpu"), gguf_path), load_tokenizer(header)
+
+
+def _place_quantized(model: nn.Module, tensors: dict, dim: int, kernel) -> dict[str, torch.Tensor]:
+    """Set each weight that keeps its blocks into the meta `model` as a `QuantEmbedding` or
+    `QuantLinear` (with its bias); return the other tensors, for `load_state_dict`."""
     if "lm_head.weight" not in tensors:  # tied: the LM head reads the embedding's blocks
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
     plain = {}
@@ -280,21 +282,13 @@ def load_quantized_model(gguf_path: Path, sha256: str | None = None, dtype: torc
         if qtype is None or not name.endswith(".weight"):
             plain[name] = tensor
         elif module_name == "model.embed_tokens":
-            model.model.embed_tokens = QuantEmbedding(tensor, qtype, cfg.dim, kernel)
+            model.model.embed_tokens = QuantEmbedding(tensor, qtype, dim, kernel)
         else:
             bias = tensors.get(f"{module_name}.bias", (None, None))[0]
             out_dtype = torch.float32 if module_name == "lm_head" else None
             model.set_submodule(module_name, QuantLinear(tensor, qtype, model.get_submodule(module_name).in_features,
                                                         bias, kernel, out_dtype))
-    plain = {name: t.to(dtype) for name, t in plain.items() if not _is_quant_bias(model, name)}
-    model.load_state_dict(plain, strict=False, assign=True)
-    if "model.embed_tokens.weight" in plain and not isinstance(model.lm_head, QuantLinear) and cfg.has_tied_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary_emb = LlamaRotaryEmbedding(config=hf_config)
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
-    if missing:
-        raise EngineError(f"{gguf_path} lacks weights for {', '.join(missing[:5])}")
-    return model.eval(), load_tokenizer(header)
+    return {name: t for name, t in plain.items() if not _is_quant_bias(model, name)}
 
 
 def _is_quant_bias(model: nn.Module, name: str) -> bool:

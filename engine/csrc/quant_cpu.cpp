@@ -53,10 +53,19 @@ inline float half(const uint8_t* p) {
   return _cvtsh_ss(bits);
 }
 
+// Q4_K sub-block s's 6-bit scale and min, packed in the block's 12 bytes `sc` (ggml get_scale_min_k4).
+inline void q4k_scale_min(const uint8_t* sc, int s, int& scale, int& min) {
+  if (s < 4) {
+    scale = sc[s] & 63;
+    min = sc[s + 4] & 63;
+  } else {
+    scale = (sc[s + 4] & 0xF) | ((sc[s - 4] >> 6) << 4);
+    min = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
+  }
+}
+
 namespace avx2 {
 
-// Each type: kValues per block, kBytes per block, and `block(b, f)` calling f(v, w) for the
-// block's 8-weight vectors v = 0 .. kValues / 8 - 1 in order, w the weights as float32.
 inline __m256i bytes8(const uint8_t* p) {  // 8 bytes -> 8 int32 lanes, zero-extended
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
@@ -130,14 +139,8 @@ struct Q4_K {  // 8 sub-blocks of 32: value 32 s + l = (d * sc_s) * nibble - dmi
     const uint8_t* sc = b + 4;
     const uint8_t* qs = b + 16;
     for (int s = 0; s < 8; ++s) {
-      int scale, min;  // 6 bits each, packed (ggml get_scale_min_k4)
-      if (s < 4) {
-        scale = sc[s] & 63;
-        min = sc[s + 4] & 63;
-      } else {
-        scale = (sc[s + 4] & 0xF) | ((sc[s - 4] >> 6) << 4);
-        min = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
-      }
+      int scale, min;
+      q4k_scale_min(sc, s, scale, min);
       const __m256 ds = _mm256_set1_ps(d * static_cast<float>(scale));
       const __m256 dm = _mm256_set1_ps(dmin * static_cast<float>(min));
       const uint8_t* q = qs + 32 * (s / 2);
@@ -269,13 +272,7 @@ struct Q4_K {
     const uint8_t* qs = b + 16;
     for (int s = 0; s < 8; ++s) {
       int scale, min;
-      if (s < 4) {
-        scale = sc[s] & 63;
-        min = sc[s + 4] & 63;
-      } else {
-        scale = (sc[s + 4] & 0xF) | ((sc[s - 4] >> 6) << 4);
-        min = (sc[s + 4] >> 4) | ((sc[s] >> 6) << 4);
-      }
+      q4k_scale_min(sc, s, scale, min);
       const __m512 ds = _mm512_set1_ps(d * static_cast<float>(scale));
       const __m512 dm = _mm512_set1_ps(dmin * static_cast<float>(min));
       const uint8_t* q = qs + 32 * (s / 2);

@@ -220,8 +220,8 @@ def api_routes(engine, chat, **kw):
     from starlette.applications import Starlette
     from starlette.testclient import TestClient
 
+    from api.server import ChatAPI, Fixed
     from engine.batch import Batcher
-    from engine.serve import ChatAPI, Fixed
 
     return TestClient(Starlette(routes=ChatAPI(Fixed(engine, chat), Batcher(max_active=1), **kw).routes()))
 

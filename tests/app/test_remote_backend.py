@@ -1,4 +1,4 @@
-"""`python -m engine serve` with an API key, and `app.py --backend openai` answering through it.
+"""`python -m api` with an API key, and `app.py --backend openai` answering through it.
 
 One server (SmolLM2-135M) and one app (tokenizer only, no model) serve the module. Checked: the
 server refuses clients without the key (through the official `openai` client); the app reads a
@@ -33,21 +33,21 @@ def server(tmp_path_factory):
         pytest.skip(f"{MODEL} is not assembled: run `python -m engine.models --only {MODEL}`")
     port, library = free_port(), tmp_path_factory.mktemp("server-library")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    log_path = ART / "engine-serve.log"
+    log_path = ART / "api-serve.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--model", MODEL, "--threads", "1",
+        proc = subprocess.Popen([sys.executable, "-m", "api", "--model", MODEL, "--threads", "1",
                                  "--port", str(port), "--api-key", KEY, "--library", str(library)], cwd=ROOT, env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url, deadline = f"http://127.0.0.1:{port}/v1", time.time() + 180
     while True:
-        assert proc.poll() is None, f"engine serve exited, see {log_path}"
+        assert proc.poll() is None, f"python -m api exited, see {log_path}"
         try:
             if httpx.get(url + "/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=2).status_code == 200:
                 break
         except httpx.HTTPError:
             pass
-        assert time.time() < deadline, f"engine serve did not start in 180 s, see {log_path}"
+        assert time.time() < deadline, f"python -m api did not start in 180 s, see {log_path}"
         time.sleep(0.5)
     yield url
     os.killpg(proc.pid, signal.SIGTERM)

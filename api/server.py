@@ -1,9 +1,9 @@
 """An OpenAI-compatible server for the engine: `/v1/models` and `/v1/chat/completions`.
 
 `ChatAPI.routes()` are plain Starlette routes: the app mounts them on Gradio's own FastAPI app
-(`python app.py --api`), `python -m engine serve` runs them alone under uvicorn. Each request:
+(`python app.py --api`), `python -m api` runs them alone under uvicorn (api/__main__.py). Each request:
 1. is authorised: with an API key, `Authorization: Bearer <key>`; without one, 127.0.0.1 only;
-2. is parsed (engine/openai_chat.py) into prompt ids, sampling settings and stop rules;
+2. is parsed (api/openai_chat.py) into prompt ids, sampling settings and stop rules;
 3. gets a session holding the longest cached prefix of its prompt: an idle session in memory
    (llama.cpp's slots: the last answers' sessions, rolled back to the shared prefix), else the
    document's prefill from `documents` (the app's library: a snapshot on disk, else a prefill it
@@ -16,11 +16,9 @@ The last chunk of a stream (and a non-streamed answer) carries our metrics as `b
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import secrets
-import sys
 import threading
 import time
 import uuid
@@ -34,10 +32,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from api.openai_chat import MIN_DOCUMENT_CHARS, ApiError, ChatRequest, StopText, parse_request
 from engine.batch import Batcher
 from engine.chat import ChatFormat
 from engine.config import EngineError
-from engine.openai_chat import MIN_DOCUMENT_CHARS, ApiError, ChatRequest, StopText, parse_request
 from engine.session import Engine, Session, Stats
 
 LOCAL_HOSTS = ("127.0.0.1", "::1", "localhost")
@@ -327,48 +325,3 @@ def _shared_prefix(a: list[int], b: list[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
-
-
-# ---- `python -m engine serve` ---------------------------------------------------------------------
-def add_serve_parser(sub) -> None:
-    from engine.config import add_engine_args
-
-    s = sub.add_parser("serve", help="serve the engine as an OpenAI-compatible API (no UI)")
-    add_engine_args(s)
-    s.add_argument("--host", default="127.0.0.1", help="without --api-key only 127.0.0.1 is answered")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
-    s.add_argument("--library", default=None, help="folder of prefill snapshots (default: the app's library)")
-    s.add_argument("--no-library", action="store_true", help="keep prefills in memory only")
-    s.add_argument("--max-active", type=int, default=4, help="answers decoded together")
-    s.add_argument("--max-tokens", type=int, default=512, help="answer length when a request gives none")
-
-
-def serve_main(args: argparse.Namespace) -> int:
-    import torch
-    import uvicorn
-    from starlette.applications import Starlette
-
-    from engine.config import engine_config
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
-        engine = Engine.load(engine_config(args))
-    except (EngineError, ValueError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    chat, documents = ChatFormat(engine.tokenizer, end_ids=engine.end_ids), None
-    if not args.no_library:
-        try:  # the app's library, when it is installed: snapshots shared with the app, by the same rule
-            from app.api import library_documents
-        except ImportError:
-            pass
-        else:
-            chat, documents = library_documents(engine, args.library)
-    api = ChatAPI(Fixed(engine, chat), Batcher(max_active=args.max_active), documents, args.api_key,
-                  args.max_tokens, keep_sessions=args.max_active)
-    print(f"Serving {api.model_id} at http://{args.host}:{args.port}/v1 "
-          f"({'API key required' if args.api_key else 'no API key: 127.0.0.1 only'})", flush=True)
-    uvicorn.run(Starlette(routes=api.routes()), host=args.host, port=args.port, log_level="warning")
-    return 0

@@ -1,10 +1,10 @@
-"""OpenAI chat requests -> prompt ids, sampling and stop rules (engine/openai_chat.py), on SmolLM2's tokenizer."""
+"""OpenAI chat requests -> prompt ids, sampling and stop rules (api/openai_chat.py), on SmolLM2's tokenizer."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.openai_chat import ApiError, StopText, parse_request
+from api.openai_chat import ApiError, StopText, parse_request
 
 MODEL = "smollm2-135m"
 BOOK = "It is a truth universally acknowledged. " * 60  # 2,400 characters: a document

@@ -1,0 +1,65 @@
+"""`python -m api [--port 8000] [--api-key KEY]`: the OpenAI-compatible API alone, no UI (api/server.py).
+
+Takes the engine's flags (`add_engine_args`, as `app.py` and `python -m engine generate`) and
+serves `/v1` under uvicorn, with the app's library of prefill snapshots when the app is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from engine.config import add_engine_args
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m api", description="serve the engine as an OpenAI-compatible API "
+                                "(no UI)")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="without --api-key only 127.0.0.1 is answered")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
+    p.add_argument("--library", default=None, help="folder of prefill snapshots (default: the app's library)")
+    p.add_argument("--no-library", action="store_true", help="keep prefills in memory only")
+    p.add_argument("--max-active", type=int, default=4, help="answers decoded together")
+    p.add_argument("--max-tokens", type=int, default=512, help="answer length when a request gives none")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+    import uvicorn
+    from starlette.applications import Starlette
+
+    from api.server import ChatAPI, Fixed
+    from engine.batch import Batcher
+    from engine.chat import ChatFormat
+    from engine.config import EngineError, engine_config
+    from engine.session import Engine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        engine = Engine.load(engine_config(args))
+    except (EngineError, ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    chat, documents = ChatFormat(engine.tokenizer, end_ids=engine.end_ids), None
+    if not args.no_library:
+        try:  # the app's library, when it is installed: snapshots shared with the app, by the same rule
+            from app.api import library_documents
+        except ImportError:
+            pass
+        else:
+            chat, documents = library_documents(engine, args.library)
+    api = ChatAPI(Fixed(engine, chat), Batcher(max_active=args.max_active), documents, args.api_key,
+                  args.max_tokens, keep_sessions=args.max_active)
+    print(f"Serving {api.model_id} at http://{args.host}:{args.port}/v1 "
+          f"({'API key required' if args.api_key else 'no API key: 127.0.0.1 only'})", flush=True)
+    uvicorn.run(Starlette(routes=api.routes()), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
