@@ -11,37 +11,47 @@ Scoring is automatic: an answer is right when it holds every key word (case-inse
 not loop; it loops when a 4-word phrase occurs more than 3 times. Settings: `greedy` (temperature
 0, no penalties) and `default` (the model's own generation settings, Engine.default_sampling).
 Answers do not depend on the level stack (lossless), so the default stack runs and its speed is
-reported beside the scores.
+reported beside the scores. Facts come in two sets scored apart: FACTS, whose misses were read while
+choosing the prompt, and HELD_OUT, written afterwards. `--prompts` compares prompt variants (PROMPTS:
+a system message, prefilled once with the book, and a fixed instruction after each question) with
+the same seeds; `--snapshots DIR` keeps each prefill so another seed or variant skips it.
 
     python -m benchmarks.quality --models qwen2.5-coder-1.5b,qwen2.5-coder-0.5b --contexts 8192,31744
     python -m benchmarks.quality --models qwen2.5-coder-1.5b --contexts 65536 --yarn 4
+    python -m benchmarks.quality --models qwen2.5-coder-1.5b --contexts 8192 --settings default \
+        --prompts current,from-book,quote,reader --snapshots /tmp/prefills --seed 1
     python -m benchmarks.quality --quick                      # CI smoke test: SmolLM2, ~1K tokens
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import re
 import sys
 import time
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
 import psutil
 import torch
 
-from engine.chat import ChatFormat
+from engine.chat import BOOK_SYSTEM, ChatFormat
 from engine.config import EngineConfig, SamplingConfig
 from engine.session import Engine
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOK = ROOT / "assets" / "persuasion.txt"
 ONE_SENTENCE = " Answer in one short sentence."
-# (question, key words that must all appear); a question counts only when its key words are in the context
+# (question, key words that must all appear); a question counts only when its key words are in the
+# context. A key may list spellings that all count, "fifty-four|54", the book's own first (the one
+# looked for in the context). FACTS is the first set, whose misses were read while choosing the
+# prompt; HELD_OUT was written afterwards from the first ~8K tokens of the book and is scored apart,
+# so a prompt that only fits FACTS shows.
 FACTS = (
     ("What is the name of Sir Walter Elliot's estate?", ("Kellynch",)),
     ("Which book does Sir Walter Elliot like to read?", ("Baronetage",)),
@@ -50,7 +60,7 @@ FACTS = (
     ("What is the family name of the man Mary Elliot married?", ("Musgrove",)),
     ("Which friend of the late Lady Elliot is especially fond of Anne?", ("Russell",)),
     ("What is the name of the lawyer who advises Sir Walter about letting his house?", ("Shepherd",)),
-    ("What is the name of Mr Shepherd's widowed daughter?", ("Clay",)),
+    ("What is the name of Mr Shepherd's widowed daughter?", ("Clay|Penelope",)),  # Mrs Penelope Clay
     ("To which city does Sir Walter move to spend less?", ("Bath",)),
     ("What is the first name of the cousin who will inherit Sir Walter's title?", ("William",)),
     ("Who rents Kellynch Hall from Sir Walter?", ("Croft",)),
@@ -58,10 +68,51 @@ FACTS = (
     ("What are the names of the two Musgrove sisters?", ("Louisa", "Henrietta")),
     ("What is the name of Captain Wentworth's naval friend who lives at Lyme?", ("Harville",)),
 )
+HELD_OUT = (
+    ("In which year was Sir Walter Elliot born?", ("1760",)),
+    ("In which year was Anne Elliot born?", ("1787",)),
+    ("What is the name of Sir Walter Elliot's youngest daughter?", ("Mary",)),
+    ("How old is Sir Walter Elliot?", ("fifty-four|54",)),
+    ("How old is Elizabeth Elliot?", ("twenty-nine|29|nine-and-twenty",)),
+    ("Where does the Musgrove family live?", ("Uppercross",)),
+    ("In which county was the Elliot family first settled?", ("Cheshire",)),
+    ("What was the surname of Lady Elliot's father?", ("Stevenson",)),
+    ("How many years ago did Lady Elliot die?", ("thirteen|13",)),
+    ("In how many years would Lady Russell's plan clear Sir Walter of debt?", ("seven|7",)),
+    ("Which city did Sir Walter first think of moving to, before Bath was chosen?", ("London",)),
+    ("How many miles is Bath from Kellynch?", ("fifty|50",)),
+    ("Where will Anne spend the warm months with Lady Russell?", ("Lodge",)),
+    ("What is Mr Shepherd's first name?", ("John",)),
+    ("Which admiral did Sir Walter meet in town and find wretched-looking?", ("Baldwin",)),
+    ("Which friend told Sir Walter the admiral's real age?", ("Morley",)),
+    ("Which lord, whose father was a country curate, did Sir Walter have to give place to?", ("Ives",)),
+    ("In which year did Mary Elliot marry?", ("1810",)),
+    ("What yearly custom towards Anne did Elizabeth propose to give up to save money?", ("present",)),
+)
 NEEDLES = (("red", 0.1), ("green", 0.5), ("blue", 0.9))  # (door, depth as a fraction of the book)
 SUMMARY = "Summarize the first chapter in one paragraph."
 SETTINGS = ("greedy", "default")
-NEW_TOKENS = {"fact": 48, "passkey": 16, "summary": 160}
+NEW_TOKENS = {"fact": 48, "held-out": 48, "passkey": 16, "summary": 160}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt variant: the system message (prefilled with the book) and a fixed instruction the
+    app would append to every question (after the question, so the book is still prefilled once)."""
+    system: str
+    question_suffix: str = ""
+    fact_tokens: int = 48  # answer budget of a factual question (a quote first needs more)
+
+
+# The variants compared for issue 21 (RESULTS.md); `current` is what the app sends.
+PROMPTS = {
+    "current": Prompt(BOOK_SYSTEM),
+    "from-book": Prompt(BOOK_SYSTEM, " Use the names and facts the book gives."),
+    "quote": Prompt(BOOK_SYSTEM, " First quote the sentence of the book that answers it, then answer.", 128),
+    "reader": Prompt("You are a helpful assistant. The user gives you a book, then asks about it. Find the "
+                     "passage of the book that answers the question and answer with the names and facts it "
+                     "gives, in the book's own words. If the book does not say, say that it does not."),
+}
 
 
 def loops(text: str, n_words: int = 4, max_repeats: int = 3) -> bool:
@@ -71,8 +122,13 @@ def loops(text: str, n_words: int = 4, max_repeats: int = 3) -> bool:
     return any(n > max_repeats for n in grams.values())
 
 
+def has_key(text: str, key: str) -> bool:
+    """True when `text` holds the key word or one of its spellings ("fifty-four|54"), any case."""
+    return any(spelling.lower() in text.lower() for spelling in key.split("|"))
+
+
 def is_right(answer: str, keys: tuple[str, ...]) -> bool:
-    return all(k.lower() in answer.lower() for k in keys) and not loops(answer)
+    return all(has_key(answer, k) for k in keys) and not loops(answer)
 
 
 def with_needles(text: str, keys: dict[str, str]) -> str:
@@ -95,16 +151,35 @@ def context(chat: ChatFormat, book_ids: list[int], n_tokens: int, keys: dict[str
 
 
 def questions(text: str, keys: dict[str, str]) -> list[tuple[str, str, tuple[str, ...]]]:
-    """(kind, question, key words): the answerable facts, the pass keys, the summary."""
-    facts = [("fact", q + ONE_SENTENCE, k) for q, k in FACTS if all(w in text for w in k)]
+    """(kind, question, key words): the answerable facts of both sets, the pass keys, the summary."""
+    facts = [(kind, q + ONE_SENTENCE, k) for kind, qs in (("fact", FACTS), ("held-out", HELD_OUT))
+             for q, k in qs if all(w.split("|")[0] in text for w in k)]
     doors = [("passkey", f"What is the pass key of the {d} door? Answer with the number only.", (keys[d],))
              for d, _ in NEEDLES]
     return facts + doors + [("summary", SUMMARY, ())]
 
 
-def sampling_for(setting: str, engine: Engine, kind: str, seed: int) -> SamplingConfig:
+def sampling_for(setting: str, engine: Engine, kind: str, seed: int, prompt: Prompt) -> SamplingConfig:
     base = SamplingConfig() if setting == "greedy" else engine.default_sampling
-    return replace(base, max_new_tokens=NEW_TOKENS[kind], seed=seed)
+    n_new = prompt.fact_tokens if kind in ("fact", "held-out") else NEW_TOKENS[kind]
+    return replace(base, max_new_tokens=n_new, seed=seed)
+
+
+def open_book(engine: Engine, name: str, doc_ids: list[int], snapshots: Path | None):
+    """The prefilled session of `doc_ids`, from a snapshot in `snapshots` (keyed by the model and a
+    hash of the ids, so a new system message never reuses one) or prefilled and saved there."""
+    if snapshots is None:
+        return engine.open(doc_ids)
+    digest = hashlib.sha256(json.dumps(doc_ids).encode()).hexdigest()[:16]
+    path = snapshots / f"{name}-{len(doc_ids)}-{digest}.pt"
+    if path.exists():
+        session = engine.restore(path)
+        if session.tokens == doc_ids:
+            return session
+    session = engine.open(doc_ids)
+    snapshots.mkdir(parents=True, exist_ok=True)
+    session.save(path)
+    return session
 
 
 def answer(session, chat: ChatFormat, question: str, sampling: SamplingConfig) -> tuple[str, dict]:
@@ -122,53 +197,72 @@ def answer(session, chat: ChatFormat, question: str, sampling: SamplingConfig) -
 def run_model(args, name: str, report: dict, save) -> None:
     config = EngineConfig(target=name, draft=args.draft, levels=args.levels, dtype=args.dtype, yarn_factor=args.yarn)
     engine = Engine.load(config)
-    chat = ChatFormat(engine.tokenizer, end_ids=engine.end_ids)
     book_ids = engine.tokenizer(BOOK.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
-    rng = random.Random(args.seed)
+    rng = random.Random(0)  # the same pass keys for every --seed, so a prefill snapshot serves them all
     for n_ctx in args.contexts:
         keys = {door: str(rng.randint(10000, 99999)) for door, _ in NEEDLES}
-        doc_ids, text = context(chat, book_ids, n_ctx, keys)
-        log(f"{name} {n_ctx:,}: prefill {len(doc_ids):,} tokens (levels {config.levels})")
-        t0 = time.perf_counter()
-        session = engine.open(doc_ids)
-        prefill_s = time.perf_counter() - t0
-        for setting in args.settings:
-            rows = []
-            for i, (kind, question, keywords) in enumerate(questions(text, keys)):
-                text_out, timing = answer(session, chat, question, sampling_for(setting, engine, kind, args.seed + i))
-                row = {"kind": kind, "question": question, "keys": keywords, "answer": text_out,
-                       "right": is_right(text_out, keywords) if keywords else None, "loops": loops(text_out),
-                       **timing}
-                rows.append(row)
-                log(f"  {setting:7} {kind:7} {'ok ' if row['right'] else '-- ' if keywords else '   '}"
-                    f"{'LOOP ' if row['loops'] else ''}{text_out[:100]!r}")
-            report["runs"].append({"model": name, "draft": config.draft, "levels": config.levels,
-                                   "yarn": args.yarn, "context": len(doc_ids), "setting": setting,
-                                   "prefill_s": round(prefill_s, 1), "rows": rows,
-                                   "peak_rss_mib": round(psutil.Process().memory_info().rss / 2**20)})
-            save()
-        del session
+        systems = list(dict.fromkeys(PROMPTS[p].system for p in args.prompts))  # one prefill per system message
+        for system in systems:
+            chat = ChatFormat(engine.tokenizer, system=system, end_ids=engine.end_ids)
+            doc_ids, text = context(chat, book_ids, n_ctx, keys)
+            log(f"{name} {n_ctx:,}: prefill {len(doc_ids):,} tokens (levels {config.levels})")
+            t0 = time.perf_counter()
+            session = open_book(engine, name, doc_ids, args.snapshots)
+            prefill_s = time.perf_counter() - t0
+            for prompt_name in [p for p in args.prompts if PROMPTS[p].system == system]:
+                for setting in args.settings:
+                    rows = ask_all(args, engine, session, chat, questions(text, keys), setting, prompt_name)
+                    report["runs"].append({"model": name, "draft": config.draft, "levels": config.levels,
+                                           "yarn": args.yarn, "context": len(doc_ids), "setting": setting,
+                                           "prompt": prompt_name, "seed": args.seed,
+                                           "prefill_s": round(prefill_s, 1), "rows": rows,
+                                           "peak_rss_mib": round(psutil.Process().memory_info().rss / 2**20)})
+                    save()
+            del session
+
+
+def ask_all(args, engine, session, chat, asked, setting: str, prompt_name: str) -> list[dict]:
+    """Every question of `asked` on the prefilled session, with the prompt variant's suffix."""
+    prompt, rows = PROMPTS[prompt_name], []
+    for i, (kind, question, keywords) in enumerate(asked):
+        sampling = sampling_for(setting, engine, kind, args.seed + i, prompt)
+        text_out, timing = answer(session, chat, question + prompt.question_suffix, sampling)
+        row = {"kind": kind, "question": question, "keys": keywords, "answer": text_out,
+               "right": is_right(text_out, keywords) if keywords else None, "loops": loops(text_out), **timing}
+        rows.append(row)
+        log(f"  {prompt_name:9} {setting:7} {kind:8} {'ok ' if row['right'] else '-- ' if keywords else '   '}"
+            f"{'LOOP ' if row['loops'] else ''}{text_out[:100]!r}")
+    return rows
+
+
+def score(rows: list[dict], kind: str) -> str:
+    """"right/asked (percent)" of the questions of one kind."""
+    asked = [r for r in rows if r["kind"] == kind]
+    n_right = sum(r["right"] for r in asked)
+    return f"{n_right}/{len(asked)} ({100 * n_right / max(len(asked), 1):.0f}%)"
 
 
 def summary(run: dict) -> dict:
-    facts = [r for r in run["rows"] if r["kind"] == "fact"]
     keys = [r for r in run["rows"] if r["kind"] == "passkey"]
     tbts = [r["tbt_ms"] for r in run["rows"] if r["tbt_ms"]]
-    return {"facts": f"{sum(r['right'] for r in facts)}/{len(facts)}",
-            "facts_pct": 100 * sum(r["right"] for r in facts) / max(len(facts), 1),
+    facts = [r for r in run["rows"] if r["kind"] in ("fact", "held-out")]
+    return {"facts": score(run["rows"], "fact"), "held_out": score(run["rows"], "held-out"),
             "passkeys": " ".join("✓" if r["right"] else "✗" for r in keys),
             "loops": sum(r["loops"] for r in run["rows"]), "answers": len(run["rows"]),
+            "fact_tokens": sum(r["tokens"] for r in facts) / max(len(facts), 1),
             "tbt_ms": sum(tbts) / len(tbts) if tbts else None}
 
 
 def markdown(report: dict) -> str:
-    lines = ["| model | levels | YaRN | context | setting | facts right | pass keys 10/50/90% | looping answers "
-             "| mean TBT ms | prefill s |", "|---|---|---:|---:|---|---:|---|---:|---:|---:|"]
+    lines = ["| model | levels | YaRN | context | setting | prompt | seed | facts right | held-out facts right "
+             "| pass keys 10/50/90% | looping answers | mean fact answer tokens | mean TBT ms | prefill s |",
+             "|---|---|---:|---:|---|---|---:|---:|---:|---|---:|---:|---:|---:|"]
     for run in report["runs"]:
         s = summary(run)
         lines.append(f"| {run['model']} | `{run['levels']}` | {run['yarn']:g} | {run['context']:,} | {run['setting']} "
-                     f"| {s['facts']} ({s['facts_pct']:.0f}%) | {s['passkeys']} | {s['loops']}/{s['answers']} | "
-                     f"{s['tbt_ms'] or 0:.0f} | {run['prefill_s']:.0f} |")
+                     f"| {run['prompt']} | {run['seed']} | {s['facts']} | {s['held_out']} | {s['passkeys']} "
+                     f"| {s['loops']}/{s['answers']} | {s['fact_tokens']:.1f} | {s['tbt_ms'] or 0:.0f} "
+                     f"| {run['prefill_s']:.0f} |")
     return "\n".join(lines)
 
 
@@ -188,13 +282,18 @@ def parse_args(argv):
     p.add_argument("--yarn", type=float, default=1.0, help="YaRN factor (4: 131,072 tokens for Qwen2.5)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="question i samples with seed + i")
+    p.add_argument("--prompts", default="current", help=f"comma-separated prompt variants: {', '.join(PROMPTS)}")
+    p.add_argument("--snapshots", type=Path, default=None,
+                   help="folder of prefill snapshots, reused when the model and the prompt ids are the same")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "quality.json")
     p.add_argument("--quick", action="store_true", help="CI smoke test: SmolLM2, ~1K tokens, greedy")
     args = p.parse_args(argv)
     if args.quick:
         args.models, args.contexts, args.settings, args.dtype = "smollm2-135m", "1024", "greedy", "float32"
-    args.models, args.settings = args.models.split(","), args.settings.split(",")
+    args.models, args.settings, args.prompts = args.models.split(","), args.settings.split(","), args.prompts.split(",")
+    if set(args.prompts) - set(PROMPTS):
+        p.error(f"--prompts: choose from {', '.join(PROMPTS)}")
     args.contexts = [int(n) for n in args.contexts.split(",")]
     if set(args.settings) - set(SETTINGS):
         p.error(f"--settings: choose from {', '.join(SETTINGS)}")
