@@ -1,5 +1,5 @@
 """Real weights (SmolLM2-135M, Qwen2.5-Coder-0.5B), a ~2K-token prompt from a real book, greedy
-64 tokens: every level stack gives plain decoding's tokens; a divergence is allowed only at a
+32 tokens: every level stack gives plain decoding's tokens; a divergence is allowed only at a
 float near-tie (shown by the top-2 logit margin), and acceptance rates are printed."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 
 from engine.chat import ChatFormat
 from engine.config import LEVEL_STACKS, EngineConfig, SamplingConfig
+from engine.device import pick_dtype
 from engine.models import packaged_model_dir
 from engine.quant import is_quantized
 from engine.session import Engine
@@ -52,6 +53,10 @@ def top2_margin(engine: Engine, prefix: list[int]) -> float:
 @pytest.mark.parametrize(("name", "dtype"), [("smollm2-135m", "float32"), ("qwen2.5-coder-0.5b", "float32"),
                                              ("qwen2.5-coder-0.5b", "bfloat16")])
 def test_every_stack_equals_plain_decoding_on_real_weights(name, dtype):
+    if dtype == "bfloat16" and pick_dtype("auto", torch.device("cpu")) != torch.bfloat16:
+        # AVX2 only: no bf16 instructions, a 2,000-token prefill takes 148 s (float32 ~15); bf16 is
+        # an explicit choice here, its kernels tested in test_quant.py
+        pytest.skip("bf16 is not this CPU's auto dtype")
     engine = load(name, dtype)
     assert is_quantized(engine.target) and engine.dtype == getattr(torch, dtype)  # the file's blocks
     chat = ChatFormat(engine.tokenizer, system=None)  # no "answer briefly from the book": a longer answer to compare
@@ -61,7 +66,7 @@ def test_every_stack_equals_plain_decoding_on_real_weights(name, dtype):
     answers, report = {}, []
     for levels in LEVEL_STACKS:
         session.set_levels(levels)
-        events = list(session.ask(q, SamplingConfig(max_new_tokens=64), stop_ids=chat.stop_ids))
+        events = list(session.ask(q, SamplingConfig(max_new_tokens=32), stop_ids=chat.stop_ids))
         answers[levels] = [t for e in events for t in e.tokens]
         session.truncate(len(doc))
         stats = events[-1].stats

@@ -77,11 +77,12 @@ PENALIZED = SamplingConfig(temperature=1.0, repetition_penalty=1.8, presence_pen
 
 def exact_answers(levels: str, sampling: SamplingConfig, vocab: int = 6, gamma_middle: int = 1):
     """Every answer's exact probability. Sampled drafts are 1 token long (each one multiplies
-    the paths by the vocabulary), n-gram drafts 2; the document is longer than the retrieval
-    budget, so the middle level's q differs from the top's."""
-    gamma_bottom = 2 if levels.startswith("ngram") else 1
+    the paths by the vocabulary), n-gram drafts alone 2, trees of 2 candidates (3 doubles the
+    time); the document is longer than the retrieval budget, so the middle level's q differs from
+    the top's."""
+    gamma_bottom = 2 if levels.startswith("ngram>") else 1  # "ngram+draft": the model may draft
     engine = tiny_engine(levels, vocab=vocab, gamma_bottom=gamma_bottom, gamma_middle=gamma_middle,
-                         prefill_chunk_tokens=64)
+                         prefill_chunk_tokens=64, n_ngram_candidates=2)
     doc, q = random_ids(100, vocab, 5), random_ids(3, vocab, 6)
 
     def run(coins):
@@ -94,10 +95,13 @@ def exact_answers(levels: str, sampling: SamplingConfig, vocab: int = 6, gamma_m
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["T1", "T0.7-p0.9"])
 @pytest.mark.parametrize("levels", SPECULATIVE)
 def test_every_stack_preserves_the_distribution_exactly(levels, sampling):
-    if levels == "draft>retrieval>full":  # three sampled levels: one token has ~10^3 paths, two ~10^6
+    if levels.endswith("draft>retrieval>full"):  # three sampled levels: one token has ~10^3 paths, two ~10^6
         sampling = replace(sampling, max_new_tokens=1)
+    # "ngram+draft" under the middle level at T = 1: two bottom drafts per middle draft, so the
+    # second follows a longer sequence and both the n-gram lookup and the model draft run
+    gamma_middle = 2 if levels == "ngram+draft>retrieval>full" and sampling.top_p == 1.0 else 1
     want, want_pruned = exact_answers("plain", sampling)
-    got, pruned = exact_answers(levels, sampling)
+    got, pruned = exact_answers(levels, sampling, gamma_middle=gamma_middle)
     assert pruned < 1e-7 and want_pruned < 1e-7
     for seq in set(want) | set(got):
         assert abs(got.get(seq, 0.0) - want.get(seq, 0.0)) < 1e-6, seq
@@ -343,7 +347,7 @@ def test_every_stack_preserves_the_penalized_distribution_exactly(levels):
     its draft path, so the output is exactly plain decoding's penalized distribution. The
     penalties start before the question, so even the first answer token is penalized."""
     sampling = replace(PENALIZED, penalty_start=97)
-    if levels == "draft>retrieval>full":
+    if levels.endswith("draft>retrieval>full"):  # three sampled levels
         sampling = replace(sampling, max_new_tokens=1)
     want, want_pruned = exact_answers("plain", sampling)
     got, pruned = exact_answers(levels, sampling)
