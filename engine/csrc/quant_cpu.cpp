@@ -12,8 +12,8 @@
 // adds them in a fixed order: the same operations whatever the number of x rows in the call, so a
 // row's output does not depend on the rows beside it. Each weight vector is unpacked in registers
 // once per chunk of at most kRegisterRows x rows (AVX2 3, AVX-512 8) and serves all of them (AVX2
-// above 3 rows: once per weight row, into a buffer), so on AVX-512 a check of 5 rows costs 1.5 to
-// 2.3 single rows, not 5. Each thread owns whole output rows.
+// above 3 rows: 3 weight rows at a time unpacked once into a buffer), so on AVX-512 a check of 5
+// rows costs 1.5 to 2.3 single rows, not 5. Each thread owns whole output rows.
 //
 // The unpacking of each block type is written per instruction set (namespaces avx2, avx512); the
 // loops over blocks and rows are written once, below `#else`, and compiled once per instruction
@@ -188,6 +188,7 @@ struct Isa {
   // more rows unpack each weight row once into a buffer: AVX2 unpacking costs more than 3 rows'
   // FMAs (Q5_0 4864 x 896, 9 rows: 1.5 vs 2.1 ms unpacking per 3 rows)
   static constexpr int64_t kUnpackOnceAbove = 3;
+  static constexpr int kUnpackedWeightRows = 3;  // ... 3 at a time: 9 accumulators, 3 x vectors, 1 weight
   static inline V zero() { return _mm256_setzero_ps(); }
   static inline V load(const float* p) { return _mm256_loadu_ps(p); }
   static inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
@@ -310,6 +311,7 @@ struct Isa {
   static constexpr int kWidth = 16, kAcc = 2;
   static constexpr int kRegisterRows = 8;  // 32 registers: 16 accumulators, the rest unpack
   static constexpr int64_t kUnpackOnceAbove = INT64_MAX;  // unpacking per 8 rows is the faster
+  static constexpr int kUnpackedWeightRows = 1;
   static inline V zero() { return _mm512_setzero_ps(); }
   static inline V load(const float* p) { return _mm512_loadu_ps(p); }
   static inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
@@ -872,28 +874,56 @@ inline void dequantize_row(const uint8_t* w, int64_t K, float* out) {
   }
 }
 
-// NM rows of x against one weight row already unpacked to float32 (w, in L1): `dot_rows`'s
-// accumulators in its order (a block holds a multiple of 32 values, so vector j of the row goes to
-// accumulator j % kAcc either way), hence the same bits.
-template <int NM>
-inline void dot_rows_unpacked(const float* x, int64_t K, const float* w, float* y, int64_t N) {
-  V acc[NM][kAcc];
-  for (int m = 0; m < NM; ++m)
-    for (int a = 0; a < kAcc; ++a) acc[m][a] = Isa::zero();
-  for (int64_t k = 0; k < K; k += 32)
+// NM rows of x against NN weight rows already unpacked to float32 (w, row stride K): `dot_rows`'s
+// accumulators in its order, hence the same bits. Accumulator a of output (m, n) takes vector
+// j = 32 c / kWidth + a of the row in order of c whatever loops around it, so the loops go one
+// accumulator index at a time over a segment of K that stays in L1, and each loaded weight vector
+// serves NM rows and each x vector NN weight rows: 2 loads per 3 FMAs at 3 x 3, where a weight
+// row at a time (NN = 1) loaded 4 per 3.
+template <int NN, int NM>
+inline void tile_unpacked(const float* x, int64_t K, const float* w, float* y, int64_t N) {
+  constexpr int64_t kSegment = 512;  // floats of each row per pass: (NN + NM) x 2 KB
+  V acc[kAcc][NN][NM];
+  for (int a = 0; a < kAcc; ++a)
+    for (int n = 0; n < NN; ++n)
+      for (int m = 0; m < NM; ++m) acc[a][n][m] = Isa::zero();
+  for (int64_t k0 = 0; k0 < K; k0 += kSegment) {
+    const int64_t k1 = std::min(K, k0 + kSegment);  // K and kSegment are multiples of 32
     for (int a = 0; a < kAcc; ++a) {
-      const V wv = Isa::load(w + k + kWidth * a);
-      for (int m = 0; m < NM; ++m) acc[m][a] = Isa::fma(wv, Isa::load(x + m * K + k + kWidth * a), acc[m][a]);
+      V s[NN][NM];
+      for (int n = 0; n < NN; ++n)
+        for (int m = 0; m < NM; ++m) s[n][m] = acc[a][n][m];
+      for (int64_t k = k0 + kWidth * a; k < k1; k += 32) {
+        V xv[NM];
+        for (int m = 0; m < NM; ++m) xv[m] = Isa::load(x + m * K + k);
+        for (int n = 0; n < NN; ++n) {
+          const V wv = Isa::load(w + n * K + k);
+          for (int m = 0; m < NM; ++m) s[n][m] = Isa::fma(wv, xv[m], s[n][m]);
+        }
+      }
+      for (int n = 0; n < NN; ++n)
+        for (int m = 0; m < NM; ++m) acc[a][n][m] = s[n][m];
     }
-  for (int m = 0; m < NM; ++m) y[m * N] = Isa::reduce(acc[m]);
+  }
+  for (int n = 0; n < NN; ++n)
+    for (int m = 0; m < NM; ++m) {
+      V sums[kAcc];
+      for (int a = 0; a < kAcc; ++a) sums[a] = acc[a][n][m];
+      y[m * N + n] = Isa::reduce(sums);
+    }
 }
 
-template <int R>
-inline void unpacked_rows(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N) {
-  if constexpr (R > 1) {
-    if (M < R) return unpacked_rows<R - 1>(x, M, K, w, y, N);
+// M <= NM rows of x against n_rows <= NN unpacked weight rows.
+template <int NN, int NM>
+inline void unpacked_tile(const float* x, int64_t M, int64_t n_rows, int64_t K, const float* w, float* y,
+                          int64_t N) {
+  if constexpr (NN > 1) {
+    if (n_rows < NN) return unpacked_tile<NN - 1, NM>(x, M, n_rows, K, w, y, N);
   }
-  dot_rows_unpacked<R>(x, K, w, y, N);
+  if constexpr (NM > 1) {
+    if (M < NM) return unpacked_tile<NN, NM - 1>(x, M, n_rows, K, w, y, N);
+  }
+  tile_unpacked<NN, NM>(x, K, w, y, N);
 }
 
 // All M rows of x against weight rows [n0, n1), in chunks of at most kRegisterRows x rows (as
@@ -902,7 +932,9 @@ inline void unpacked_rows(const float* x, int64_t M, int64_t K, const float* w, 
 // after chunk, so their blocks stay in L1. AVX-512, 1 thread, Zen 4, Q6_K 896 x 4864 (one row
 // 0.52 ms): 5 rows 0.80 vs 1.43 ms, 25 rows 4.1 vs 7.1, 128 rows 22 vs 54, against unpacking
 // each weight row once to a buffer and passing 6 rows at a time over it. Above kUnpackOnceAbove
-// rows (AVX2: 3), that: each weight row unpacked once into a buffer, then chunk after chunk.
+// rows (AVX2: 3), that: 3 weight rows unpacked once into a buffer, then chunk after chunk
+// (`tile_unpacked`; every linear of the 1.5B, 1 thread, AVX2 EPYC: 8 rows 702 vs 823 ms and 9
+// rows 738 vs 884 against one weight row at a time, 4 and 5 rows within noise).
 //
 // At most 7 rows a chunk where 8 were slower than two chunks of 4 (AVX-512, 1 thread, Zen 4, one
 // layer of 8960 rows): Q4_K, whose 8-row loop spills (K = 768: 8 rows 2.45 ms, 7 rows 1.32, 4 rows
@@ -917,12 +949,14 @@ void rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_by
   const int64_t most = std::min<int64_t>(R, std::is_same_v<Q, Q4_K> || K > 1024 ? 7 : 8);
   const int64_t chunks = (M + most - 1) / most;
   if (M > Isa::kUnpackOnceAbove) {
-    std::vector<float> row(K);
-    for (int64_t n = n0; n < n1; ++n) {
-      dequantize_row<Q>(w + n * row_bytes, K, row.data());
+    constexpr int64_t NN = Isa::kUnpackedWeightRows;
+    std::vector<float> unpacked(NN * K);
+    for (int64_t n = n0; n < n1; n += NN) {
+      const int64_t n_rows = std::min(NN, n1 - n);
+      for (int64_t j = 0; j < n_rows; ++j) dequantize_row<Q>(w + (n + j) * row_bytes, K, unpacked.data() + j * K);
       for (int64_t c = 0, m = 0; c < chunks; ++c) {
         const int64_t size = (M - m) / (chunks - c);
-        unpacked_rows<R>(x + m * K, size, K, row.data(), y + m * N + n, N);
+        unpacked_tile<NN, R>(x + m * K, size, n_rows, K, unpacked.data(), y + m * N + n, N);
         m += size;
       }
     }
