@@ -12,7 +12,7 @@
 // adds them in a fixed order: the same operations whatever the number of x rows in the call, so a
 // row's output does not depend on the rows beside it. Each weight vector is unpacked in registers
 // once per chunk of at most kRegisterRows x rows (AVX2 3, AVX-512 8) and serves all of them (AVX2
-// above 3 rows: 3 weight rows at a time unpacked once into a buffer), so on AVX-512 a check of 5
+// above 3 rows: unpacked once into a buffer, from 6 rows 3 weight rows at a time), so on AVX-512 a check of 5
 // rows costs 1.5 to 2.3 single rows, not 5. Each thread owns whole output rows.
 //
 // The unpacking of each block type is written per instruction set (namespaces avx2, avx512); the
@@ -188,7 +188,8 @@ struct Isa {
   // more rows unpack each weight row once into a buffer: AVX2 unpacking costs more than 3 rows'
   // FMAs (Q5_0 4864 x 896, 9 rows: 1.5 vs 2.1 ms unpacking per 3 rows)
   static constexpr int64_t kUnpackOnceAbove = 3;
-  static constexpr int kUnpackedWeightRows = 3;  // ... 3 at a time: 9 accumulators, 3 x vectors, 1 weight
+  static constexpr int kUnpackedWeightRows = 3;  // ... from 6 rows 3 at a time: 9 accumulators, 3 x vectors,
+  static constexpr int64_t kUnpackedTilesFrom = 6;  // 1 weight (below 6 one at a time was 5-7% faster)
   static inline V zero() { return _mm256_setzero_ps(); }
   static inline V load(const float* p) { return _mm256_loadu_ps(p); }
   static inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
@@ -312,6 +313,7 @@ struct Isa {
   static constexpr int kRegisterRows = 8;  // 32 registers: 16 accumulators, the rest unpack
   static constexpr int64_t kUnpackOnceAbove = INT64_MAX;  // unpacking per 8 rows is the faster
   static constexpr int kUnpackedWeightRows = 1;
+  static constexpr int64_t kUnpackedTilesFrom = INT64_MAX;
   static inline V zero() { return _mm512_setzero_ps(); }
   static inline V load(const float* p) { return _mm512_loadu_ps(p); }
   static inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
@@ -874,6 +876,30 @@ inline void dequantize_row(const uint8_t* w, int64_t K, float* out) {
   }
 }
 
+// NM rows of x against one weight row already unpacked to float32 (w, in L1): `dot_rows`'s
+// accumulators in its order (a block holds a multiple of 32 values, so vector j of the row goes to
+// accumulator j % kAcc either way), hence the same bits.
+template <int NM>
+inline void dot_rows_unpacked(const float* x, int64_t K, const float* w, float* y, int64_t N) {
+  V acc[NM][kAcc];
+  for (int m = 0; m < NM; ++m)
+    for (int a = 0; a < kAcc; ++a) acc[m][a] = Isa::zero();
+  for (int64_t k = 0; k < K; k += 32)
+    for (int a = 0; a < kAcc; ++a) {
+      const V wv = Isa::load(w + k + kWidth * a);
+      for (int m = 0; m < NM; ++m) acc[m][a] = Isa::fma(wv, Isa::load(x + m * K + k + kWidth * a), acc[m][a]);
+    }
+  for (int m = 0; m < NM; ++m) y[m * N] = Isa::reduce(acc[m]);
+}
+
+template <int R>
+inline void unpacked_rows(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N) {
+  if constexpr (R > 1) {
+    if (M < R) return unpacked_rows<R - 1>(x, M, K, w, y, N);
+  }
+  dot_rows_unpacked<R>(x, K, w, y, N);
+}
+
 // NM rows of x against NN weight rows already unpacked to float32 (w, row stride K): `dot_rows`'s
 // accumulators in its order, hence the same bits. Accumulator a of output (m, n) takes vector
 // j = 32 c / kWidth + a of the row in order of c whatever loops around it, so the loops go one
@@ -932,9 +958,9 @@ inline void unpacked_tile(const float* x, int64_t M, int64_t n_rows, int64_t K, 
 // after chunk, so their blocks stay in L1. AVX-512, 1 thread, Zen 4, Q6_K 896 x 4864 (one row
 // 0.52 ms): 5 rows 0.80 vs 1.43 ms, 25 rows 4.1 vs 7.1, 128 rows 22 vs 54, against unpacking
 // each weight row once to a buffer and passing 6 rows at a time over it. Above kUnpackOnceAbove
-// rows (AVX2: 3), that: 3 weight rows unpacked once into a buffer, then chunk after chunk
-// (`tile_unpacked`; every linear of the 1.5B, 1 thread, AVX2 EPYC: 8 rows 702 vs 823 ms and 9
-// rows 738 vs 884 against one weight row at a time, 4 and 5 rows within noise).
+// rows (AVX2: 3), that: each weight row unpacked once into a buffer, then chunk after chunk, and
+// from 6 rows 3 weight rows at a time (`tile_unpacked`; every linear of the 1.5B, 1 thread, AVX2
+// EPYC: 8 rows 722-729 vs 792-806 ms, 9 rows 732-749 vs 875-882; 4 and 5 rows 5-7% slower).
 //
 // At most 7 rows a chunk where 8 were slower than two chunks of 4 (AVX-512, 1 thread, Zen 4, one
 // layer of 8960 rows): Q4_K, whose 8-row loop spills (K = 768: 8 rows 2.45 ms, 7 rows 1.32, 4 rows
@@ -951,12 +977,17 @@ void rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_by
   if (M > Isa::kUnpackOnceAbove) {
     constexpr int64_t NN = Isa::kUnpackedWeightRows;
     std::vector<float> unpacked(NN * K);
-    for (int64_t n = n0; n < n1; n += NN) {
-      const int64_t n_rows = std::min(NN, n1 - n);
+    const bool tiles = M >= Isa::kUnpackedTilesFrom;
+    for (int64_t n = n0; n < n1; n += tiles ? NN : 1) {
+      const int64_t n_rows = tiles ? std::min(NN, n1 - n) : 1;
       for (int64_t j = 0; j < n_rows; ++j) dequantize_row<Q>(w + (n + j) * row_bytes, K, unpacked.data() + j * K);
       for (int64_t c = 0, m = 0; c < chunks; ++c) {
         const int64_t size = (M - m) / (chunks - c);
-        unpacked_tile<NN, R>(x + m * K, size, n_rows, K, unpacked.data(), y + m * N + n, N);
+        if (tiles) {
+          unpacked_tile<NN, R>(x + m * K, size, n_rows, K, unpacked.data(), y + m * N + n, N);
+        } else {
+          unpacked_rows<R>(x + m * K, size, K, unpacked.data(), y + m * N + n, N);
+        }
         m += size;
       }
     }
