@@ -27,6 +27,11 @@ random keys and values at the context length (costs do not depend on the values)
   per linear on the model's own activations (9 tokens of the book, captured from a forward).
 
     python -m benchmarks.kernels --model qwen2.5-coder-1.5b --only quick --threads 1
+- exact-rows: every exact linear of a GGUF model at T = 1 to 9 rows, what a check of T tokens
+  costs in the linears. To compare two versions of the kernel, run it in each checkout in turn
+  on the same core (the build cache is keyed by the source's hash).
+
+    taskset -c 0 python -m benchmarks.kernels --model qwen2.5-coder-1.5b --only exact-rows --threads 1 --repeats 3
 - compiled: the same matmuls (T = 1, 2, 5, 9, 16), input-major under MKL (the engine's fallback)
   vs `torch.compile` with freezing and Inductor's C++ GEMM template (weights prepacked at compile
   time; needs a C++ compiler). Not used by the engine yet: this measures what it would give.
@@ -342,6 +347,25 @@ def bench_quick(source: str, repeats: int) -> dict:
     return out
 
 
+def bench_exact_rows(source: str, repeats: int) -> dict:
+    """Every exact linear of the GGUF model (`quant_linear`) at T rows: {T: {"median_ms", "min_ms"}}."""
+    from engine.quant import QuantLinear
+
+    model, _ = load_model(source, torch.float32, torch.device("cpu"))
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if not linears:
+        return {"skipped": f"{source} did not load as GGUF blocks"}
+    out = {}
+    with torch.inference_mode():
+        for T in (1, 2, 3, 4, 5, 6, 8, 9):
+            x = {n: torch.randn(T, n) for n in {m.in_features for m in linears}}
+            out[T] = side_by_side({"exact": lambda x=x: [m(x[m.in_features]) for m in linears]}, repeats)["exact"]
+    print("| rows | min ms | vs 1 row |\n|---:|---:|---:|")
+    for T, r in out.items():
+        print(f"| {T} | {r['min_ms']:.1f} | {r['min_ms'] / out[1]['min_ms']:.2f}x |")
+    return out
+
+
 INDUCTOR_CPU_GEMM = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
@@ -410,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--only", default="attention,cpu-attention,prefill,decode,sampling,weights",
-                   help="comma-separated; also: compiled, quant, quick")
+                   help="comma-separated; also: compiled, quant, quick, exact-rows")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="model dtype; auto = the engine's choice (bf16 with AMX or AVX512-BF16, else float32)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kernels.json")
@@ -437,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
         report["results"]["quant"] = bench_quant(args.model, args.repeats)
     if "quick" in only:
         report["results"]["quick"] = bench_quick(args.model, args.repeats)
+    if "exact-rows" in only:
+        report["results"]["exact-rows"] = bench_exact_rows(args.model, args.repeats)
     if "compiled" in only:  # not in the default set: it compiles for a minute or two
         report["results"]["compiled"] = bench_compiled(args.model, dtype, args.repeats)
     if "sampling" in only:

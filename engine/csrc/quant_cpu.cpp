@@ -12,8 +12,8 @@
 // adds them in a fixed order: the same operations whatever the number of x rows in the call, so a
 // row's output does not depend on the rows beside it. Each weight vector is unpacked in registers
 // once per chunk of at most kRegisterRows x rows (AVX2 3, AVX-512 8) and serves all of them (AVX2
-// above 3 rows: unpacked once into a buffer, from 6 rows 3 weight rows at a time), so on AVX-512 a check of 5
-// rows costs 1.5 to 2.3 single rows, not 5. Each thread owns whole output rows.
+// above 3 rows: unpacked once into a buffer, from 6 rows 3 weight rows at a time), so on AVX-512
+// a check of 5 rows costs 1.5 to 2.3 single rows, not 5. Each thread owns whole output rows.
 //
 // The unpacking of each block type is written per instruction set (namespaces avx2, avx512); the
 // loops over blocks and rows are written once, below `#else`, and compiled once per instruction
@@ -188,8 +188,10 @@ struct Isa {
   // more rows unpack each weight row once into a buffer: AVX2 unpacking costs more than 3 rows'
   // FMAs (Q5_0 4864 x 896, 9 rows: 1.5 vs 2.1 ms unpacking per 3 rows)
   static constexpr int64_t kUnpackOnceAbove = 3;
-  static constexpr int kUnpackedWeightRows = 3;  // ... from 6 rows 3 at a time: 9 accumulators, 3 x vectors,
-  static constexpr int64_t kUnpackedTilesFrom = 6;  // 1 weight (below 6 one at a time was 5-7% faster)
+  // ... and from 6 rows, 3 weight rows at a time: 9 accumulators, 3 x vectors, 1 weight vector
+  // (at 4 and 5 rows one weight row at a time was 5-7% faster)
+  static constexpr int kUnpackedWeightRows = 3;
+  static constexpr int64_t kUnpackedTilesFrom = 6;
   static inline V zero() { return _mm256_setzero_ps(); }
   static inline V load(const float* p) { return _mm256_loadu_ps(p); }
   static inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
@@ -976,14 +978,14 @@ void rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_by
   const int64_t chunks = (M + most - 1) / most;
   if (M > Isa::kUnpackOnceAbove) {
     constexpr int64_t NN = Isa::kUnpackedWeightRows;
-    std::vector<float> unpacked(NN * K);
-    const bool tiles = M >= Isa::kUnpackedTilesFrom;
-    for (int64_t n = n0; n < n1; n += tiles ? NN : 1) {
-      const int64_t n_rows = tiles ? std::min(NN, n1 - n) : 1;
+    const int64_t step = M >= Isa::kUnpackedTilesFrom ? NN : 1;  // weight rows unpacked at a time
+    std::vector<float> unpacked(step * K);
+    for (int64_t n = n0; n < n1; n += step) {
+      const int64_t n_rows = std::min(step, n1 - n);
       for (int64_t j = 0; j < n_rows; ++j) dequantize_row<Q>(w + (n + j) * row_bytes, K, unpacked.data() + j * K);
       for (int64_t c = 0, m = 0; c < chunks; ++c) {
         const int64_t size = (M - m) / (chunks - c);
-        if (tiles) {
+        if (step > 1) {
           unpacked_tile<NN, R>(x + m * K, size, n_rows, K, unpacked.data(), y + m * N + n, N);
         } else {
           unpacked_rows<R>(x + m * K, size, K, unpacked.data(), y + m * N + n, N);
