@@ -57,6 +57,7 @@ from engine import layouts
 from engine.attention import cpu_attention, cpu_kernel, sdpa_attention, tail_mask
 from engine.device import can_pack_linear_weights, cpu_linear_kernel, linear_layout, pick_dtype
 from engine.kv.full import FullCache
+from engine.quant import is_quantized
 from engine.layouts import Bf16Linear, PackedLinear
 from engine.loading import load_model, resolve_model
 from engine.sampling import Draft, sampling_probs
@@ -138,8 +139,8 @@ class Models:
 
         self.ours, _ = load_model(name, dtype, torch.device("cpu"))
         fits_bf16 = dtype == torch.float32 and layouts.linear_weights_fit_bf16(self.ours)
-        layout = linear_layout(torch.device("cpu"), dtype, fits_bf16)
-        layouts.lay_out_linears(self.ours, layout)  # as Engine does
+        layout = "as loaded" if is_quantized(self.ours) else linear_layout(torch.device("cpu"), dtype, fits_bf16)
+        layouts.lay_out_linears(self.ours, layout)  # as Engine does: a GGUF's blocks stay as in the file
         self.ours_input_major = None
         if layout in ("packed", "bf16-stored"):
             self.ours_input_major, _ = load_model(name, dtype, torch.device("cpu"))

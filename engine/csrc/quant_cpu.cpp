@@ -12,8 +12,8 @@
 // adds them in a fixed order: the same operations whatever the number of x rows in the call, so a
 // row's output does not depend on the rows beside it. Each weight vector is unpacked in registers
 // once per chunk of at most kRegisterRows x rows (AVX2 3, AVX-512 8) and serves all of them (AVX2
-// above 3 rows: unpacked once into a buffer, from 6 rows 3 weight rows at a time), so on AVX-512
-// a check of 5 rows costs 1.5 to 2.3 single rows, not 5. Each thread owns whole output rows.
+// above 6 rows: unpacked once into a buffer, 3 weight rows at a time), so on AVX-512 a check of
+// 5 rows costs 1.5 to 2.3 single rows, not 5 (AVX2: 2.6). Each thread owns whole output rows.
 //
 // The unpacking of each block type is written per instruction set (namespaces avx2, avx512); the
 // loops over blocks and rows are written once, below `#else`, and compiled once per instruction
@@ -76,6 +76,16 @@ inline __m256 low_nibbles(const uint8_t* p) {
 
 inline __m256 high_nibbles(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes8(p), 4)); }
 
+// 32 signed bytes -> 4 x 8 float32, in order (where byte-wide unpacking of 32 values pays: Q6_K's
+// 6-bit codes, 2.9 vs 3.9 cycles per 8 weights when each 8 were unpacked as int32; Q5_0 did not)
+inline void bytes_to_floats(__m256i q, __m256 w[4]) {
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+  w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+  w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+}
+
 // Each type: kValues per block, kBytes per block, and `block(b, f)` calling f(v, w) for the
 // block's 8-weight vectors v = 0 .. kValues / 8 - 1 in order, w the weights as float32.
 struct Q8_0 {
@@ -113,40 +123,53 @@ struct Q4_1 {  // value i: d * nibble + m
   }
 };
 
-struct Q5_0 {  // value i: (nibble | bit i of qh << 4) - 16, times d
+// Q5_0 value i: (nibble | bit i of qh << 4) - 16, times d; the fifth bit as a float subtraction
+// (every Q5_0 linear of the 0.5B, 1 thread: 35-42 vs 41-49 ms as int32 shifts and ors)
+struct Q5_0 {
   static constexpr int kValues = 32, kBytes = 22;
   template <class F> static ALWAYS_INLINE void block(const uint8_t* b, F&& f) {
-    const __m256 d = _mm256_set1_ps(half(b));
+    const __m256 d = _mm256_set1_ps(half(b)), sixteen = _mm256_set1_ps(16.0f);
     uint32_t qh_bits;
     std::memcpy(&qh_bits, b + 2, 4);
-    const __m256i qh = _mm256_set1_epi32(static_cast<int>(qh_bits)), one = _mm256_set1_epi32(1);
-    const __m256i sixteen = _mm256_set1_epi32(16), lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i qh = _mm256_set1_epi32(static_cast<int>(qh_bits)), zero = _mm256_setzero_si256();
+    const __m256i lanes = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     const uint8_t* qs = b + 6;
-    for (int v = 0; v < 4; ++v) {
-      const __m256i bytes = bytes8(qs + 8 * (v & 1));
-      const __m256i nibble = v < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0xF)) : _mm256_srli_epi32(bytes, 4);
-      const __m256i high = _mm256_and_si256(_mm256_srlv_epi32(qh, _mm256_add_epi32(lanes, _mm256_set1_epi32(8 * v))), one);
-      const __m256i q = _mm256_sub_epi32(_mm256_or_si256(nibble, _mm256_slli_epi32(high, 4)), sixteen);
-      f(v, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
+    for (int v = 0; v < 2; ++v) {  // vectors v (low nibbles) and v + 2 (high) share their bytes
+      const __m256i bytes = bytes8(qs + 8 * v);
+      const __m256i nibbles[2] = {_mm256_and_si256(bytes, _mm256_set1_epi32(0xF)), _mm256_srli_epi32(bytes, 4)};
+      for (int high = 0; high < 2; ++high) {
+        const int u = v + 2 * high;
+        // q - 16: nibble - 16 where bit 8 u + lane of qh is clear, the nibble where it is set (exact)
+        const __m256i clear = _mm256_cmpeq_epi32(_mm256_and_si256(qh, _mm256_slli_epi32(lanes, 8 * u)), zero);
+        const __m256 minus = _mm256_and_ps(_mm256_castsi256_ps(clear), sixteen);
+        const __m256 q = _mm256_sub_ps(_mm256_cvtepi32_ps(nibbles[high]), minus);
+        f(u, _mm256_mul_ps(q, d));
+      }
     }
   }
 };
 
-struct Q4_K {  // 8 sub-blocks of 32: value 32 s + l = (d * sc_s) * nibble - dmin * m_s
+// Q4_K: 8 sub-blocks of 32, value 32 s + l = (d * sc_s) * nibble - dmin * m_s; each 8 bytes
+// loaded once for two sub-blocks (every Q4_K linear of the 1.5B, 1 thread: 113-118 vs 131-137 ms)
+struct Q4_K {
   static constexpr int kValues = 256, kBytes = 144;
   template <class F> static ALWAYS_INLINE void block(const uint8_t* b, F&& f) {
     const float d = half(b), dmin = half(b + 2);
     const uint8_t* sc = b + 4;
     const uint8_t* qs = b + 16;
-    for (int s = 0; s < 8; ++s) {
-      int scale, min;
-      q4k_scale_min(sc, s, scale, min);
-      const __m256 ds = _mm256_set1_ps(d * static_cast<float>(scale));
-      const __m256 dm = _mm256_set1_ps(dmin * static_cast<float>(min));
-      const uint8_t* q = qs + 32 * (s / 2);
+    for (int s = 0; s < 8; s += 2) {  // sub-blocks s (low nibbles) and s + 1 (high) share their bytes
+      int scale0, min0, scale1, min1;
+      q4k_scale_min(sc, s, scale0, min0);
+      q4k_scale_min(sc, s + 1, scale1, min1);
+      const __m256 ds0 = _mm256_set1_ps(d * static_cast<float>(scale0));
+      const __m256 dm0 = _mm256_set1_ps(dmin * static_cast<float>(min0));
+      const __m256 ds1 = _mm256_set1_ps(d * static_cast<float>(scale1));
+      const __m256 dm1 = _mm256_set1_ps(dmin * static_cast<float>(min1));
+      const uint8_t* q = qs + 16 * s;
       for (int v = 0; v < 4; ++v) {
-        const __m256 nibble = s % 2 == 0 ? low_nibbles(q + 8 * v) : high_nibbles(q + 8 * v);
-        f(4 * s + v, _mm256_fmsub_ps(ds, nibble, dm));
+        const __m256i bytes = bytes8(q + 8 * v);
+        f(4 * s + v, _mm256_fmsub_ps(ds0, _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0xF))), dm0));
+        f(4 * s + 4 + v, _mm256_fmsub_ps(ds1, _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), dm1));
       }
     }
   }
@@ -157,18 +180,21 @@ struct Q6_K {  // value 128 h + 32 t + l: (d * scales[8 h + 2 t + l / 16]) * (6-
   template <class F> static ALWAYS_INLINE void block(const uint8_t* b, F&& f) {
     const float d = half(b + 208);
     const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
-    const __m256i three = _mm256_set1_epi32(3), thirty_two = _mm256_set1_epi32(32);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), thirty_two = _mm256_set1_epi8(32);
     for (int h = 0; h < 2; ++h) {
-      const uint8_t* ql = b + 64 * h;
-      const uint8_t* qh = b + 128 + 32 * h;
-      for (int t = 0; t < 4; ++t) {
+      const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+      const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+      for (int t = 0; t < 4; ++t) {  // 32 bytes of q - 32 (-32 .. 31), value 128 h + 32 t + l in byte l
+        const __m256i lq = t & 1 ? ql1 : ql0;
+        const __m256i low = _mm256_and_si256(t < 2 ? lq : _mm256_srli_epi16(lq, 4), m4);
+        const __m256i high = _mm256_and_si256(t == 0 ? _mm256_slli_epi16(qh, 4) : t == 1 ? _mm256_slli_epi16(qh, 2)
+                                              : t == 2 ? qh : _mm256_srli_epi16(qh, 2), m30);
+        __m256 w[4];
+        bytes_to_floats(_mm256_sub_epi8(_mm256_or_si256(low, high), thirty_two), w);
         for (int v = 0; v < 4; ++v) {
-          const __m256i low_bytes = bytes8(ql + 32 * (t & 1) + 8 * v);
-          const __m256i low = t < 2 ? _mm256_and_si256(low_bytes, _mm256_set1_epi32(0xF)) : _mm256_srli_epi32(low_bytes, 4);
-          const __m256i high = _mm256_and_si256(_mm256_srli_epi32(bytes8(qh + 8 * v), 2 * t), three);
-          const __m256i q = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), thirty_two);
           const __m256 ds = _mm256_set1_ps(d * static_cast<float>(scales[8 * h + 2 * t + v / 2]));
-          f(16 * h + 4 * t + v, _mm256_mul_ps(ds, _mm256_cvtepi32_ps(q)));
+          f(16 * h + 4 * t + v, _mm256_mul_ps(ds, w[v]));
         }
       }
     }
@@ -185,13 +211,13 @@ struct Isa {
   using V = __m256;
   static constexpr int kWidth = 8, kAcc = 4;
   static constexpr int kRegisterRows = 3;  // 16 registers: 12 accumulators
-  // more rows unpack each weight row once into a buffer: AVX2 unpacking costs more than 3 rows'
-  // FMAs (Q5_0 4864 x 896, 9 rows: 1.5 vs 2.1 ms unpacking per 3 rows)
-  static constexpr int64_t kUnpackOnceAbove = 3;
-  // ... and from 6 rows, 3 weight rows at a time: 9 accumulators, 3 x vectors, 1 weight vector
-  // (at 4 and 5 rows one weight row at a time was 5-7% faster)
+  // above 6 rows each weight row is unpacked once into a buffer (every exact linear of the 1.5B,
+  // 1 thread, AVX2 EPYC: 5 rows 460-477 ms vs 519-541 in the buffer, 6 rows 498-504 vs 514-528,
+  // 8 rows 715-726 vs 667-689) ...
+  static constexpr int64_t kUnpackOnceAbove = 6;
+  // ... 3 weight rows at a time: 9 accumulators, 3 x vectors, 1 weight vector
   static constexpr int kUnpackedWeightRows = 3;
-  static constexpr int64_t kUnpackedTilesFrom = 6;
+  static constexpr int64_t kUnpackedTilesFrom = 7;
   static inline V zero() { return _mm256_setzero_ps(); }
   static inline V load(const float* p) { return _mm256_loadu_ps(p); }
   static inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
@@ -960,9 +986,9 @@ inline void unpacked_tile(const float* x, int64_t M, int64_t n_rows, int64_t K, 
 // after chunk, so their blocks stay in L1. AVX-512, 1 thread, Zen 4, Q6_K 896 x 4864 (one row
 // 0.52 ms): 5 rows 0.80 vs 1.43 ms, 25 rows 4.1 vs 7.1, 128 rows 22 vs 54, against unpacking
 // each weight row once to a buffer and passing 6 rows at a time over it. Above kUnpackOnceAbove
-// rows (AVX2: 3), that: each weight row unpacked once into a buffer, then chunk after chunk, and
-// from 6 rows 3 weight rows at a time (`tile_unpacked`; every linear of the 1.5B, 1 thread, AVX2
-// EPYC: 8 rows 722-729 vs 792-806 ms, 9 rows 732-749 vs 875-882; 4 and 5 rows 5-7% slower).
+// rows (AVX2: 6), that: each weight row unpacked once into a buffer, then chunk after chunk, 3
+// weight rows at a time (`tile_unpacked`; every linear of the 1.5B, 1 thread, AVX2 EPYC: 8 rows
+// 722-729 vs 792-806 ms, 9 rows 732-749 vs 875-882 one weight row at a time).
 //
 // At most 7 rows a chunk where 8 were slower than two chunks of 4 (AVX-512, 1 thread, Zen 4, one
 // layer of 8960 rows): Q4_K, whose 8-row loop spills (K = 768: 8 rows 2.45 ms, 7 rows 1.32, 4 rows
