@@ -57,9 +57,9 @@ from engine import layouts
 from engine.attention import cpu_attention, cpu_kernel, sdpa_attention, tail_mask
 from engine.device import can_pack_linear_weights, cpu_linear_kernel, linear_layout, pick_dtype
 from engine.kv.full import FullCache
-from engine.quant import is_quantized
 from engine.layouts import Bf16Linear, PackedLinear
 from engine.loading import load_model, resolve_model
+from engine.quant import is_quantized
 from engine.sampling import Draft, sampling_probs
 
 ROOT = Path(__file__).resolve().parent.parent
