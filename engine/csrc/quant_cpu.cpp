@@ -70,11 +70,13 @@ inline __m256i bytes8(const uint8_t* p) {  // 8 bytes -> 8 int32 lanes, zero-ext
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
 
-inline __m256 low_nibbles(const uint8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_and_si256(bytes8(p), _mm256_set1_epi32(0xF)));
+// 8 bytes, one load: their low nibbles and their high nibbles as float32 (two blocks' vectors in
+// Q4_0, Q4_1, Q5_0; two sub-blocks' in Q4_K), exact
+inline void nibbles8(const uint8_t* p, __m256& low, __m256& high) {
+  const __m256i b = bytes8(p);
+  low = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0xF)));
+  high = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
 }
-
-inline __m256 high_nibbles(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes8(p), 4)); }
 
 // 32 signed bytes -> 4 x 8 float32, in order (where byte-wide unpacking of 32 values pays: Q6_K's
 // 6-bit codes, 2.9 vs 3.9 cycles per 8 weights when each 8 were unpacked as int32; Q5_0 did not)
@@ -103,11 +105,12 @@ struct Q4_0 {  // value i: nibble (low for i < 16, high for i >= 16) of qs[i % 1
   static constexpr int kValues = 32, kBytes = 18;
   template <class F> static ALWAYS_INLINE void block(const uint8_t* b, F&& f) {
     const __m256 d = _mm256_set1_ps(half(b)), eight = _mm256_set1_ps(8.0f);
-    const uint8_t* qs = b + 2;
-    f(0, _mm256_mul_ps(_mm256_sub_ps(low_nibbles(qs), eight), d));
-    f(1, _mm256_mul_ps(_mm256_sub_ps(low_nibbles(qs + 8), eight), d));
-    f(2, _mm256_mul_ps(_mm256_sub_ps(high_nibbles(qs), eight), d));
-    f(3, _mm256_mul_ps(_mm256_sub_ps(high_nibbles(qs + 8), eight), d));
+    for (int v = 0; v < 2; ++v) {  // vectors v (low nibbles) and v + 2 (high) share their bytes
+      __m256 low, high;
+      nibbles8(b + 2 + 8 * v, low, high);
+      f(v, _mm256_mul_ps(_mm256_sub_ps(low, eight), d));
+      f(v + 2, _mm256_mul_ps(_mm256_sub_ps(high, eight), d));
+    }
   }
 };
 
@@ -115,11 +118,12 @@ struct Q4_1 {  // value i: d * nibble + m
   static constexpr int kValues = 32, kBytes = 20;
   template <class F> static ALWAYS_INLINE void block(const uint8_t* b, F&& f) {
     const __m256 d = _mm256_set1_ps(half(b)), m = _mm256_set1_ps(half(b + 2));
-    const uint8_t* qs = b + 4;
-    f(0, _mm256_fmadd_ps(low_nibbles(qs), d, m));
-    f(1, _mm256_fmadd_ps(low_nibbles(qs + 8), d, m));
-    f(2, _mm256_fmadd_ps(high_nibbles(qs), d, m));
-    f(3, _mm256_fmadd_ps(high_nibbles(qs + 8), d, m));
+    for (int v = 0; v < 2; ++v) {  // vectors v (low nibbles) and v + 2 (high) share their bytes
+      __m256 low, high;
+      nibbles8(b + 4 + 8 * v, low, high);
+      f(v, _mm256_fmadd_ps(low, d, m));
+      f(v + 2, _mm256_fmadd_ps(high, d, m));
+    }
   }
 };
 
@@ -135,15 +139,14 @@ struct Q5_0 {
     const __m256i lanes = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     const uint8_t* qs = b + 6;
     for (int v = 0; v < 2; ++v) {  // vectors v (low nibbles) and v + 2 (high) share their bytes
-      const __m256i bytes = bytes8(qs + 8 * v);
-      const __m256i nibbles[2] = {_mm256_and_si256(bytes, _mm256_set1_epi32(0xF)), _mm256_srli_epi32(bytes, 4)};
+      __m256 nibbles[2];
+      nibbles8(qs + 8 * v, nibbles[0], nibbles[1]);
       for (int high = 0; high < 2; ++high) {
         const int u = v + 2 * high;
         // q - 16: nibble - 16 where bit 8 u + lane of qh is clear, the nibble where it is set (exact)
         const __m256i clear = _mm256_cmpeq_epi32(_mm256_and_si256(qh, _mm256_slli_epi32(lanes, 8 * u)), zero);
         const __m256 minus = _mm256_and_ps(_mm256_castsi256_ps(clear), sixteen);
-        const __m256 q = _mm256_sub_ps(_mm256_cvtepi32_ps(nibbles[high]), minus);
-        f(u, _mm256_mul_ps(q, d));
+        f(u, _mm256_mul_ps(_mm256_sub_ps(nibbles[high], minus), d));
       }
     }
   }
@@ -167,9 +170,10 @@ struct Q4_K {
       const __m256 dm1 = _mm256_set1_ps(dmin * static_cast<float>(min1));
       const uint8_t* q = qs + 16 * s;
       for (int v = 0; v < 4; ++v) {
-        const __m256i bytes = bytes8(q + 8 * v);
-        f(4 * s + v, _mm256_fmsub_ps(ds0, _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0xF))), dm0));
-        f(4 * s + 4 + v, _mm256_fmsub_ps(ds1, _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), dm1));
+        __m256 low, high;
+        nibbles8(q + 8 * v, low, high);
+        f(4 * s + v, _mm256_fmsub_ps(ds0, low, dm0));
+        f(4 * s + 4 + v, _mm256_fmsub_ps(ds1, high, dm1));
       }
     }
   }
@@ -217,7 +221,6 @@ struct Isa {
   static constexpr int64_t kUnpackOnceAbove = 6;
   // ... 3 weight rows at a time: 9 accumulators, 3 x vectors, 1 weight vector
   static constexpr int kUnpackedWeightRows = 3;
-  static constexpr int64_t kUnpackedTilesFrom = 7;
   static inline V zero() { return _mm256_setzero_ps(); }
   static inline V load(const float* p) { return _mm256_loadu_ps(p); }
   static inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
@@ -340,8 +343,7 @@ struct Isa {
   static constexpr int kWidth = 16, kAcc = 2;
   static constexpr int kRegisterRows = 8;  // 32 registers: 16 accumulators, the rest unpack
   static constexpr int64_t kUnpackOnceAbove = INT64_MAX;  // unpacking per 8 rows is the faster
-  static constexpr int kUnpackedWeightRows = 1;
-  static constexpr int64_t kUnpackedTilesFrom = INT64_MAX;
+  static constexpr int kUnpackedWeightRows = 1;  // (never unpacked into a buffer)
   static inline V zero() { return _mm512_setzero_ps(); }
   static inline V load(const float* p) { return _mm512_loadu_ps(p); }
   static inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
@@ -904,30 +906,6 @@ inline void dequantize_row(const uint8_t* w, int64_t K, float* out) {
   }
 }
 
-// NM rows of x against one weight row already unpacked to float32 (w, in L1): `dot_rows`'s
-// accumulators in its order (a block holds a multiple of 32 values, so vector j of the row goes to
-// accumulator j % kAcc either way), hence the same bits.
-template <int NM>
-inline void dot_rows_unpacked(const float* x, int64_t K, const float* w, float* y, int64_t N) {
-  V acc[NM][kAcc];
-  for (int m = 0; m < NM; ++m)
-    for (int a = 0; a < kAcc; ++a) acc[m][a] = Isa::zero();
-  for (int64_t k = 0; k < K; k += 32)
-    for (int a = 0; a < kAcc; ++a) {
-      const V wv = Isa::load(w + k + kWidth * a);
-      for (int m = 0; m < NM; ++m) acc[m][a] = Isa::fma(wv, Isa::load(x + m * K + k + kWidth * a), acc[m][a]);
-    }
-  for (int m = 0; m < NM; ++m) y[m * N] = Isa::reduce(acc[m]);
-}
-
-template <int R>
-inline void unpacked_rows(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N) {
-  if constexpr (R > 1) {
-    if (M < R) return unpacked_rows<R - 1>(x, M, K, w, y, N);
-  }
-  dot_rows_unpacked<R>(x, K, w, y, N);
-}
-
 // NM rows of x against NN weight rows already unpacked to float32 (w, row stride K): `dot_rows`'s
 // accumulators in its order, hence the same bits. Accumulator a of output (m, n) takes vector
 // j = 32 c / kWidth + a of the row in order of c whatever loops around it, so the loops go one
@@ -1003,19 +981,14 @@ void rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_by
   const int64_t most = std::min<int64_t>(R, std::is_same_v<Q, Q4_K> || K > 1024 ? 7 : 8);
   const int64_t chunks = (M + most - 1) / most;
   if (M > Isa::kUnpackOnceAbove) {
-    constexpr int64_t NN = Isa::kUnpackedWeightRows;
-    const int64_t step = M >= Isa::kUnpackedTilesFrom ? NN : 1;  // weight rows unpacked at a time
-    std::vector<float> unpacked(step * K);
-    for (int64_t n = n0; n < n1; n += step) {
-      const int64_t n_rows = std::min(step, n1 - n);
+    constexpr int64_t NN = Isa::kUnpackedWeightRows;  // weight rows unpacked at a time
+    std::vector<float> unpacked(NN * K);
+    for (int64_t n = n0; n < n1; n += NN) {
+      const int64_t n_rows = std::min(NN, n1 - n);
       for (int64_t j = 0; j < n_rows; ++j) dequantize_row<Q>(w + (n + j) * row_bytes, K, unpacked.data() + j * K);
       for (int64_t c = 0, m = 0; c < chunks; ++c) {
         const int64_t size = (M - m) / (chunks - c);
-        if (step > 1) {
-          unpacked_tile<NN, R>(x + m * K, size, n_rows, K, unpacked.data(), y + m * N + n, N);
-        } else {
-          unpacked_rows<R>(x + m * K, size, K, unpacked.data(), y + m * N + n, N);
-        }
+        unpacked_tile<NN, R>(x + m * K, size, n_rows, K, unpacked.data(), y + m * N + n, N);
         m += size;
       }
     }
