@@ -5,10 +5,15 @@ minimum (on a shared machine the minimum is the better estimate of the work itse
 random keys and values at the context length (costs do not depend on the values).
 - attention: one layer, T new tokens over S keys (Qwen-0.5B shapes): the single SDPA call with
   a [G*T, S] boolean mask (the previous kernel, still the non-CPU fallback) vs `sdpa_attention`.
-- cpu-attention: decoding's attention over all 24 layers' caches (so K and V come from memory
-  as in decoding, not from L3), float32 and the model's dtype (bf16 where the CPU has bf16
-  instructions), T = 1, 2, 5, 9 tokens of 7 query heads per KV head: `sdpa_attention` (torch's
-  flash kernel) vs `cpu_attention` (our AVX2 kernel, engine/csrc).
+- cpu-attention: decoding's attention over every layer's cache of `--model`'s shapes (so K and V
+  come from memory as in decoding, not from L3), float32 and the model's dtype (bf16 where the
+  CPU has bf16 instructions), T = 1, 2, 5, 9 tokens: `sdpa_attention` (torch's flash kernel) vs
+  `cpu_attention` (our AVX2 kernel, engine/csrc); `--attention-source OLD.cpp` adds another
+  version of the kernel, called directly beside this one, to compare two versions in one run:
+
+    git show da268f2:engine/csrc/attention_cpu.cpp > /tmp/old.cpp
+    python -m benchmarks.kernels --model qwen2.5-coder-1.5b --only cpu-attention --contexts 8192 \
+        --threads 1 --attention-source /tmp/old.cpp
 - prefill: one 512-token chunk after S cached tokens, our model vs Hugging Face's.
 - decode: one token after S cached tokens, ours vs Hugging Face's; and our check of 1 + 4,
   1 + 8 (chains) and 1 + 3x8 (tree) tokens, as the full level verifies n-gram drafts.
@@ -54,8 +59,8 @@ import torch
 import torch.nn.functional as F
 
 from engine import layouts
-from engine.attention import cpu_attention, cpu_kernel, sdpa_attention, tail_mask
-from engine.device import can_pack_linear_weights, cpu_linear_kernel, linear_layout, pick_dtype
+from engine.attention import FEW_ROWS, cpu_attention, cpu_kernel, sdpa_attention, tail_mask
+from engine.device import build_cpu_extension, can_pack_linear_weights, cpu_linear_kernel, linear_layout, pick_dtype
 from engine.kv.full import FullCache
 from engine.layouts import Bf16Linear, PackedLinear
 from engine.loading import load_model, resolve_model
@@ -109,23 +114,48 @@ def bench_attention(S: int, repeats: int) -> dict:
     return out
 
 
-def bench_cpu_attention(S: int, repeats: int, dtype: torch.dtype, layers: int = 24) -> dict:
+def attention_shapes(name: str) -> tuple[int, int, int, int]:
+    """(layers, query heads, KV heads, head dim) of a packaged model or folder, from its config."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(resolve_model(name), local_files_only=True)
+    return (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
+            getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+
+
+def bench_cpu_attention(S: int, repeats: int, dtype: torch.dtype, shapes: tuple[int, int, int, int],
+                        other_source: Path | None = None) -> dict:
+    """`sdpa_attention` vs `cpu_attention` over every layer's cache; with `other_source` (another
+    version of engine/csrc/attention_cpu.cpp, e.g. from `git show OLD:...`) also that kernel and
+    this one called directly on the same caches, side by side in one process."""
     if cpu_kernel() is None:
         return {"skipped": "the CPU attention kernel did not build here (no AVX2 or no C++ compiler)"}
+    layers, H, Hkv, D = shapes
+    kernels = {}
+    if other_source is not None:
+        other = build_cpu_extension("bookchat_attention_cpu_other", other_source, "no comparison")
+        kernels = {"this kernel": cpu_kernel(), f"{other_source.name}": other} if other is not None else {}
     out = {}
     for kv_dtype in dict.fromkeys((torch.float32, dtype)):  # float32, and the model's dtype
-        caches = [(torch.randn(1, 2, S + 9, 64).to(kv_dtype), torch.randn(1, 2, S + 9, 64).to(kv_dtype))
+        caches = [(torch.randn(1, Hkv, S + 9, D).to(kv_dtype), torch.randn(1, Hkv, S + 9, D).to(kv_dtype))
                   for _ in range(layers)]
         for T in (1, 2, 5, 9):
-            q = torch.randn(1, 14, T, 64).to(kv_dtype)
+            q = torch.randn(1, H, T, D).to(kv_dtype)
             tail = torch.ones(T, T, dtype=torch.bool).tril() if T > 1 else None
 
             def every_layer(attend, q=q, T=T, tail=tail, caches=caches):
                 for k, v in caches:
                     attend(q, k[:, :, :S + T], v[:, :, :S + T], tail)
+
+            def every_layer_direct(kernel, q=q.reshape(1, Hkv, H // Hkv * T, D).float().contiguous(), caches=caches):
+                for k, v in caches:  # the unmasked keys, as cpu_attention calls the kernel for them
+                    kernel.few_row_attention(q, k[:, :, :S], v[:, :, :S])
             name = f"T={T}" if kv_dtype == torch.float32 else f"{str(kv_dtype).removeprefix('torch.')} T={T}"
-            out[name] = side_by_side({"sdpa_attention": lambda f=every_layer: f(sdpa_attention),
-                                      "cpu_attention": lambda f=every_layer: f(cpu_attention)}, repeats)
+            fns = {"sdpa_attention": lambda f=every_layer: f(sdpa_attention),
+                   "cpu_attention": lambda f=every_layer: f(cpu_attention)}
+            if H // Hkv * T <= FEW_ROWS:
+                fns |= {kname: lambda f=every_layer_direct, k=k: f(k) for kname, k in kernels.items()}
+            out[name] = side_by_side(fns, repeats)
     return out
 
 
@@ -438,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated; also: compiled, quant, quick, exact-rows")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="model dtype; auto = the engine's choice (bf16 with AMX or AVX512-BF16, else float32)")
+    p.add_argument("--attention-source", type=Path, default=None,
+                   help="cpu-attention: another version of engine/csrc/attention_cpu.cpp to time beside this one")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kernels.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -449,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     models = Models(args.model, dtype) if only & {"prefill", "decode"} else None
     for S in (int(s) for s in args.contexts.split(",")):
         for name, bench in (("attention", lambda S: bench_attention(S, args.repeats)),
-                            ("cpu-attention", lambda S: bench_cpu_attention(S, args.repeats, dtype)),
+                            ("cpu-attention", lambda S: bench_cpu_attention(
+                                S, args.repeats, dtype, attention_shapes(args.model), args.attention_source)),
                             ("prefill", lambda S: bench_prefill(models, S, args.repeats)),
                             ("decode", lambda S: bench_decode(models, S, args.repeats))):
             if name in only:

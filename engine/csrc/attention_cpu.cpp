@@ -2,10 +2,11 @@
 //
 // Decoding and short checks attend R = G * T query rows (a KV head's query heads folded with the
 // call's T tokens) over S keys that none of them masks. torch's flash kernel spends ~3x the time
-// of reading K and V there; this reads each K and V row once, uses it for all R rows while it is
-// in L1, and splits the keys into chunks across threads (flash-decoding), merging the chunks by
-// their log-sum-exp. Queries and outputs float32; K and V float32 or bfloat16 (widened to float32
-// as they are loaded: a bf16 cache is half the bytes to read); the same sums as SDPA in another order.
+// of reading K and V there; this reads each K and V row once per 6 of the R rows (a KV head's
+// query heads in decoding: 6 or 7), prefetched ahead of use, and splits the keys into chunks
+// across threads (flash-decoding), merging the chunks by their log-sum-exp. Queries and outputs
+// float32; K and V float32 or bfloat16 (widened to float32 as they are loaded: a bf16 cache is
+// half the bytes to read); the same sums as SDPA in another order.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from benchmarks import kernels
+from benchmarks.kernels import ROOT
 from engine.attention import cpu_kernel
 
 
@@ -20,3 +21,21 @@ def test_cpu_attention_bench_times_both_kernels(tmp_path):
     for row in result.values():
         assert set(row) == {"sdpa_attention", "cpu_attention"}
         assert all(t["min_ms"] > 0 for t in row.values())
+
+
+def test_cpu_attention_bench_times_another_version_of_the_kernel_beside_this_one(tmp_path, monkeypatch):
+    if cpu_kernel() is None:
+        pytest.skip("the CPU attention kernel does not build here")
+    other = tmp_path / "attention_cpu_old.cpp"  # stands for `git show OLD:engine/csrc/attention_cpu.cpp`
+    other.write_text((ROOT / "engine" / "csrc" / "attention_cpu.cpp").read_text())
+    built = []  # the same source: this kernel's build stands in for a second one (~40 s saved)
+    monkeypatch.setattr(kernels, "build_cpu_extension",
+                        lambda name, source, fallback: built.append(source) or cpu_kernel())
+    out = tmp_path / "kernels.json"
+    assert kernels.main(["--model", "smollm2-135m", "--only", "cpu-attention", "--contexts", "64", "--repeats", "1",
+                         "--dtype", "float32", "--attention-source", str(other), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())["results"]["cpu-attention S=64"]
+    # SmolLM2: 9 query heads per 3 KV heads, so T = 1, 2, 5, 9 fold 3 to 27 rows, all within FEW_ROWS
+    for row in result.values():
+        assert set(row) == {"sdpa_attention", "cpu_attention", "this kernel", "attention_cpu_old.cpp"}
+    assert built == [other]
