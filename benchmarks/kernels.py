@@ -60,10 +60,11 @@ import torch.nn.functional as F
 
 from engine import layouts
 from engine.attention import FEW_ROWS, cpu_attention, cpu_kernel, sdpa_attention, tail_mask
+from engine.config import ModelConfig
 from engine.device import build_cpu_extension, can_pack_linear_weights, cpu_linear_kernel, linear_layout, pick_dtype
 from engine.kv.full import FullCache
 from engine.layouts import Bf16Linear, PackedLinear
-from engine.loading import load_model, resolve_model
+from engine.loading import load_hf_config, load_model, resolve_model
 from engine.quant import is_quantized
 from engine.sampling import Draft, sampling_probs
 
@@ -114,27 +115,15 @@ def bench_attention(S: int, repeats: int) -> dict:
     return out
 
 
-def attention_shapes(name: str) -> tuple[int, int, int, int]:
-    """(layers, query heads, KV heads, head dim) of a packaged model or folder, from its config."""
-    from transformers import AutoConfig
-
-    c = AutoConfig.from_pretrained(resolve_model(name), local_files_only=True)
-    return (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
-            getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-
-
-def bench_cpu_attention(S: int, repeats: int, dtype: torch.dtype, shapes: tuple[int, int, int, int],
-                        other_source: Path | None = None) -> dict:
-    """`sdpa_attention` vs `cpu_attention` over every layer's cache; with `other_source` (another
-    version of engine/csrc/attention_cpu.cpp, e.g. from `git show OLD:...`) also that kernel and
-    this one called directly on the same caches, side by side in one process."""
+def bench_cpu_attention(S: int, repeats: int, dtype: torch.dtype, cfg: ModelConfig,
+                        other: tuple[str, object] | None = None) -> dict:
+    """`sdpa_attention` vs `cpu_attention` over every layer's cache of `cfg`'s shapes; with `other`
+    (a build of another version of engine/csrc/attention_cpu.cpp, `other_attention_kernel`) also
+    that kernel and this one called directly on the same caches, side by side in one process."""
     if cpu_kernel() is None:
         return {"skipped": "the CPU attention kernel did not build here (no AVX2 or no C++ compiler)"}
-    layers, H, Hkv, D = shapes
-    kernels = {}
-    if other_source is not None:
-        other = build_cpu_extension("bookchat_attention_cpu_other", other_source, "no comparison")
-        kernels = {"this kernel": cpu_kernel(), f"{other_source.name}": other} if other is not None else {}
+    layers, H, Hkv, D = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    kernels = {"this kernel": cpu_kernel(), other[0]: other[1]} if other is not None else {}
     out = {}
     for kv_dtype in dict.fromkeys((torch.float32, dtype)):  # float32, and the model's dtype
         caches = [(torch.randn(1, Hkv, S + 9, D).to(kv_dtype), torch.randn(1, Hkv, S + 9, D).to(kv_dtype))
@@ -157,6 +146,12 @@ def bench_cpu_attention(S: int, repeats: int, dtype: torch.dtype, shapes: tuple[
                 fns |= {kname: lambda f=every_layer_direct, k=k: f(k) for kname, k in kernels.items()}
             out[name] = side_by_side(fns, repeats)
     return out
+
+
+def other_attention_kernel(source: Path) -> tuple[str, object] | None:
+    """(the file's name, its build) for `--attention-source`, or None where it does not build."""
+    kernel = build_cpu_extension("bookchat_attention_cpu_other", source, "no comparison")
+    return (source.name, kernel) if kernel is not None else None
 
 
 class Models:
@@ -479,10 +474,12 @@ def main(argv: list[str] | None = None) -> int:
     dtype = pick_dtype(args.dtype, torch.device("cpu"))
     report["dtype"] = str(dtype).removeprefix("torch.")
     models = Models(args.model, dtype) if only & {"prefill", "decode"} else None
+    if "cpu-attention" in only:
+        cfg = ModelConfig.from_hf(load_hf_config(resolve_model(args.model)))
+        other = other_attention_kernel(args.attention_source) if args.attention_source else None
     for S in (int(s) for s in args.contexts.split(",")):
         for name, bench in (("attention", lambda S: bench_attention(S, args.repeats)),
-                            ("cpu-attention", lambda S: bench_cpu_attention(
-                                S, args.repeats, dtype, attention_shapes(args.model), args.attention_source)),
+                            ("cpu-attention", lambda S: bench_cpu_attention(S, args.repeats, dtype, cfg, other)),
                             ("prefill", lambda S: bench_prefill(models, S, args.repeats)),
                             ("decode", lambda S: bench_decode(models, S, args.repeats))):
             if name in only:
