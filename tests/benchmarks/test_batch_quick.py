@@ -15,7 +15,7 @@ def test_quick_run_batches_and_matches_lone_answers(tmp_path):
     if packaged_model_dir("smollm2-135m", assemble=False) is None:
         pytest.skip("smollm2-135m is not assembled: run `python -m engine.models --only smollm2-135m`")
     out = tmp_path / "batch.json"
-    assert batch.main(["--quick", "--out", str(out)]) == 0
+    assert batch.main(["--quick", "--threads", "1", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     (ctx,) = report["contexts"]
     assert [row["levels"] for row in ctx["stacks"]] == ["plain", "ngram>retrieval>full"]

@@ -14,7 +14,7 @@ def test_cpu_attention_bench_times_both_kernels(tmp_path):
         pytest.skip("the CPU attention kernel does not build here")
     out = tmp_path / "kernels.json"
     assert kernels.main(["--only", "cpu-attention", "--contexts", "256", "--repeats", "1", "--dtype", "bfloat16",
-                         "--out", str(out)]) == 0
+                         "--threads", "1", "--out", str(out)]) == 0
     result = json.loads(out.read_text())["results"]["cpu-attention S=256"]
     steps = ["T=1", "T=2", "T=5", "T=9"]
     assert sorted(result) == steps + [f"bfloat16 {t}" for t in steps]  # float32 and the model's dtype
@@ -33,7 +33,8 @@ def test_cpu_attention_bench_times_another_version_of_the_kernel_beside_this_one
                         lambda name, source, fallback: built.append(source) or cpu_kernel())
     out = tmp_path / "kernels.json"
     assert kernels.main(["--model", "smollm2-135m", "--only", "cpu-attention", "--contexts", "64", "--repeats", "1",
-                         "--dtype", "float32", "--attention-source", str(other), "--out", str(out)]) == 0
+                         "--dtype", "float32", "--attention-source", str(other), "--threads", "1",
+                         "--out", str(out)]) == 0
     result = json.loads(out.read_text())["results"]["cpu-attention S=64"]
     # SmolLM2: 9 query heads per 3 KV heads, so T = 1, 2, 5, 9 fold 3 to 27 rows, all within FEW_ROWS
     for row in result.values():

@@ -16,7 +16,7 @@ def quick_report(tmp_path_factory):
     if packaged_model_dir("smollm2-135m", assemble=False) is None:
         pytest.skip("smollm2-135m is not assembled: run `python -m engine.models --only smollm2-135m`")
     out = tmp_path_factory.mktemp("longctx") / "longctx.json"
-    assert longctx.main(["--quick", "--out", str(out)]) == 0
+    assert longctx.main(["--quick", "--threads", "1", "--out", str(out)]) == 0
     return json.loads(out.read_text()), out
 
 

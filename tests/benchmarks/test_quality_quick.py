@@ -51,7 +51,7 @@ def test_quick_run_reports_every_question(tmp_path):
     if packaged_model_dir("smollm2-135m", assemble=False) is None:
         pytest.skip("smollm2-135m is not assembled: run `python -m engine.models --only smollm2-135m`")
     out = tmp_path / "quality.json"
-    assert quality.main(["--quick", "--out", str(out)]) == 0
+    assert quality.main(["--quick", "--threads", "1", "--out", str(out)]) == 0
     (run,) = json.loads(out.read_text())["runs"]
     assert 900 <= run["context"] <= 1100 and run["setting"] == "greedy"
     kinds = [r["kind"] for r in run["rows"]]

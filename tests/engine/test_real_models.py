@@ -46,6 +46,11 @@ def top2_margin(engine: Engine, prefix: list[int]) -> float:
     return float(top[0] - top[1])
 
 
+# Every stack runs on SmolLM2; on Qwen (biases, 7 query heads per KV head) plain and the CPU and
+# GPU defaults of both packaged Qwen models, for the suite's time (all nine took 213 s here)
+QWEN_STACKS = ("plain", "retrieval>full", "ngram>retrieval>full", "draft>retrieval>full")
+
+
 # float32 and bfloat16 (the `auto` dtype of CPUs with AVX512-BF16 or AMX): the packaged GGUFs
 # load as the file's blocks (engine/quant.py) in both. SmolLM2 in bf16 is left out for the
 # suite's time: it diverges at a near-tie (margin 0.11 at token 19, benchmarks/RESULTS.md,
@@ -64,7 +69,7 @@ def test_every_stack_equals_plain_decoding_on_real_weights(name, dtype):
     q = chat.question_ids("Who is Sir Walter Elliot, and what does he like to read?", True, False)
     session = engine.open(doc)
     answers, report = {}, []
-    for levels in LEVEL_STACKS:
+    for levels in LEVEL_STACKS if name == "smollm2-135m" else QWEN_STACKS:
         session.set_levels(levels)
         events = list(session.ask(q, SamplingConfig(max_new_tokens=32), stop_ids=chat.stop_ids))
         answers[levels] = [t for e in events for t in e.tokens]
