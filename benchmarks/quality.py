@@ -40,6 +40,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from benchmarks.passages import find_passages, with_passages
 from engine.chat import BOOK_SYSTEM, ChatFormat
 from engine.config import EngineConfig, SamplingConfig
 from engine.session import Engine
@@ -102,6 +103,7 @@ class Prompt:
     system: str
     question_suffix: str = ""
     fact_tokens: int = 48  # answer budget of a factual question (a quote first needs more)
+    passages: str | None = None  # "after" / "before" the question: the book's best passages for it quoted
 
 
 # The variants compared for issue 21 (RESULTS.md); `current` is what the app sends.
@@ -112,6 +114,8 @@ PROMPTS = {
     "reader": Prompt("You are a helpful assistant. The user gives you a book, then asks about it. Find the "
                      "passage of the book that answers the question and answer with the names and facts it "
                      "gives, in the book's own words. If the book does not say, say that it does not."),
+    "passages": Prompt(BOOK_SYSTEM, passages="after"),
+    "passages-first": Prompt(BOOK_SYSTEM, passages="before"),
 }
 
 
@@ -190,7 +194,7 @@ def answer(session, chat: ChatFormat, question: str, sampling: SamplingConfig) -
         stats = event.stats
     session.truncate(n_doc)
     text = chat.tokenizer.decode(tokens, skip_special_tokens=True).strip()
-    return text, {"tokens": len(tokens), "seconds": round(time.perf_counter() - t0, 2),
+    return text, {"tokens": len(tokens), "question_tokens": len(q_ids), "seconds": round(time.perf_counter() - t0, 2),
                   "tbt_ms": round(stats.tbt_ms_mean, 1) if stats else None}
 
 
@@ -211,7 +215,7 @@ def run_model(args, name: str, report: dict, save) -> None:
             prefill_s = time.perf_counter() - t0
             for prompt_name in [p for p in args.prompts if PROMPTS[p].system == system]:
                 for setting in args.settings:
-                    rows = ask_all(args, engine, session, chat, questions(text, keys), setting, prompt_name)
+                    rows = ask_all(args, engine, session, chat, questions(text, keys), setting, prompt_name, text)
                     report["runs"].append({"model": name, "draft": config.draft, "levels": config.levels,
                                            "yarn": args.yarn, "context": len(doc_ids), "setting": setting,
                                            "prompt": prompt_name, "seed": args.seed,
@@ -221,12 +225,16 @@ def run_model(args, name: str, report: dict, save) -> None:
             del session
 
 
-def ask_all(args, engine, session, chat, asked, setting: str, prompt_name: str) -> list[dict]:
+def ask_all(args, engine, session, chat, asked, setting: str, prompt_name: str, book: str) -> list[dict]:
     """Every question of `asked` on the prefilled session, with the prompt variant's suffix."""
     prompt, rows = PROMPTS[prompt_name], []
     for i, (kind, question, keywords) in enumerate(asked):
         sampling = sampling_for(setting, engine, kind, args.seed + i, prompt)
-        text_out, timing = answer(session, chat, question + prompt.question_suffix, sampling)
+        asked_text = question + prompt.question_suffix
+        if prompt.passages:
+            found = find_passages(book, question.removesuffix(ONE_SENTENCE))
+            asked_text = with_passages(asked_text, found, first=prompt.passages == "before")
+        text_out, timing = answer(session, chat, asked_text, sampling)
         row = {"kind": kind, "question": question, "keys": keywords, "answer": text_out,
                "right": is_right(text_out, keywords) if keywords else None, "loops": loops(text_out), **timing}
         rows.append(row)
