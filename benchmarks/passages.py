@@ -55,8 +55,9 @@ class PassageIndex:
         self.said, self.window = sentences(book), window
         per_sentence = [Counter(terms(s)) for s in self.said]
         self.runs = [sum(per_sentence[i:i + window], Counter()) for i in range(max(0, len(self.said) - window + 1))]
-        self.lengths = [sum(r.values()) for r in self.runs]
-        self.mean_length = sum(self.lengths) / max(1, len(self.runs))
+        lengths = [sum(r.values()) for r in self.runs]
+        mean_length = sum(lengths) / max(1, len(lengths))
+        self.norms = [BM25_K1 * (1 - BM25_B + BM25_B * n / mean_length) for n in lengths]  # BM25's length term
 
     def find(self, question: str, n: int = 3, max_chars: int = 800) -> list[str]:
         """Up to `n` non-overlapping runs that score best for `question` (BM25), in book order, each
@@ -64,9 +65,8 @@ class PassageIndex:
         asked = set(terms(question))
         df = Counter(t for r in self.runs for t in asked & r.keys())
         idf = {t: math.log(1 + (len(self.runs) - df[t] + 0.5) / (df[t] + 0.5)) for t in df}
-        scores = [sum(idf[t] * run[t] * (BM25_K1 + 1) / (run[t] + BM25_K1 * (1 - BM25_B + BM25_B * n_terms
-                                                                              / self.mean_length)) for t in idf)
-                  for run, n_terms in zip(self.runs, self.lengths)]
+        scores = [sum(idf[t] * run[t] * (BM25_K1 + 1) / (run[t] + norm) for t in idf)
+                  for run, norm in zip(self.runs, self.norms)]
         picked: list[int] = []
         for i in sorted(range(len(self.runs)), key=lambda i: -scores[i]):
             if len(picked) == n or scores[i] <= 0:
@@ -74,11 +74,6 @@ class PassageIndex:
             if all(abs(i - j) >= self.window for j in picked):
                 picked.append(i)
         return [_clip(" ".join(self.said[i:i + self.window]), max_chars) for i in sorted(picked)]
-
-
-def find_passages(book: str, question: str, n: int = 3, window: int = 4, max_chars: int = 800) -> list[str]:
-    """`PassageIndex(book, window).find(question, n, max_chars)`, for one question."""
-    return PassageIndex(book, window).find(question, n, max_chars)
 
 
 def _clip(text: str, chars: int) -> str:

@@ -40,7 +40,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from benchmarks.passages import find_passages, with_passages
+from benchmarks.passages import PassageIndex, with_passages
 from engine.chat import BOOK_SYSTEM, ChatFormat
 from engine.config import EngineConfig, SamplingConfig
 from engine.session import Engine
@@ -228,11 +228,12 @@ def run_model(args, name: str, report: dict, save) -> None:
 def ask_all(args, engine, session, chat, asked, setting: str, prompt_name: str, book: str) -> list[dict]:
     """Every question of `asked` on the prefilled session, with the prompt variant's suffix."""
     prompt, rows = PROMPTS[prompt_name], []
+    index = PassageIndex(book) if prompt.passages else None  # once per book, not per question
     for i, (kind, question, keywords) in enumerate(asked):
         sampling = sampling_for(setting, engine, kind, args.seed + i, prompt)
         asked_text = question + prompt.question_suffix
-        if prompt.passages:
-            found = find_passages(book, question.removesuffix(ONE_SENTENCE))
+        if index is not None:
+            found = index.find(question.removesuffix(ONE_SENTENCE))
             asked_text = with_passages(asked_text, found, first=prompt.passages == "before")
         text_out, timing = answer(session, chat, asked_text, sampling)
         row = {"kind": kind, "question": question, "keys": keywords, "answer": text_out,
