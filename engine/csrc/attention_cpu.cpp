@@ -21,7 +21,7 @@ namespace {
 
 // Keys per task (flash-decoding's split). 512, not 128: each chunk's first keys come unprefetched
 // and its partial output is merged; the 1.5B at 32K on an AVX2 EPYC, checks of 5 and 9 tokens
-// 7-13% faster, one token level to 15% faster, 8K level (RESULTS, "Longer attention chunks").
+// 3-13% faster, one token level to 15% faster, 8K level (RESULTS, "Longer attention chunks").
 constexpr int64_t kChunk = 512;
 constexpr int64_t kBlock = 16;   // keys of V multiplied for all dims while they are in L1 (8 KiB at D = 128)
 constexpr int64_t kAhead = 16;   // keys prefetched ahead of use: one memory latency of the loop's work

@@ -41,6 +41,7 @@ def chain(T):
 
 @needs_kernel
 @pytest.mark.parametrize(("H", "Hkv", "D"), [(14, 2, 64), (12, 2, 128), (9, 3, 64), (4, 4, 32), (4, 2, 16)])
+# S straddles the kernel's 512-key chunks (attention_cpu.cpp kChunk): 511/513, and 1500 merges three
 @pytest.mark.parametrize(("T", "S"), [(1, 1), (1, 511), (1, 513), (1, 1500), (2, 2), (4, 300), (9, 1025)])
 def test_the_kernel_equals_float64_sdpa(H, Hkv, D, T, S):
     if (H // Hkv) * T > FEW_ROWS:
