@@ -8,16 +8,19 @@ random keys and values at the context length (costs do not depend on the values)
 - cpu-attention: decoding's attention over every layer's cache of `--model`'s shapes (so K and V
   come from memory as in decoding, not from L3), float32 and the model's dtype (bf16 where the
   CPU has bf16 instructions), T = 1, 2, 5, 9 tokens: `sdpa_attention` (torch's flash kernel) vs
-  `cpu_attention` (our AVX2 kernel, engine/csrc); `--attention-source OLD.cpp` adds another
+  `cpu_attention` (our kernel, engine/csrc; in bf16 on an AVX512-BF16 CPU also with its scores'
+  float32 path, `set_bf16_dots(False)`); `--attention-source OLD.cpp` adds another
   version of the kernel, called directly beside this one, to compare two versions in one run:
 
     git show da268f2:engine/csrc/attention_cpu.cpp > /tmp/old.cpp
     python -m benchmarks.kernels --model qwen2.5-coder-1.5b --only cpu-attention --contexts 8192 \
         --threads 1 --attention-source /tmp/old.cpp
 - prefill: one 512-token chunk after S cached tokens, our model vs Hugging Face's.
-- decode: one token after S cached tokens, ours vs Hugging Face's; and our check of 1 + 4,
-  1 + 8 (chains) and 1 + 3x8 (tree) tokens, as the full level verifies n-gram drafts.
-  Prefill and decode also run ours with MKL input-major weights where the engine packs them.
+- decode: one token after S cached tokens, ours (with the engine's attention: our few-row
+  kernel) vs Hugging Face's; and our check of 1 + 4, 1 + 8 (chains) and 1 + 3x8 (tree) tokens,
+  as the full level verifies n-gram drafts. Prefill and decode also run ours with MKL
+  input-major weights where the engine packs them; a bf16 GGUF model on a CPU with AVX512-BF16
+  also with its blocks' float32 path (`set_isa(1)`) beside the BF16 dot products.
 - weights: the matmuls of one forward of T = 1, 2, 5, 9, 16, 512 tokens over every linear weight
   of the model, stored as loaded, input-major and oneDNN-packed (engine/device.py `linear_layout`).
 - quant: the same matmuls (T = 1, 2, 3, 5, 9, 16, 25, 128, 512), the GGUF's blocks as in the
@@ -59,13 +62,13 @@ import torch
 import torch.nn.functional as F
 
 from engine import layouts
-from engine.attention import FEW_ROWS, cpu_attention, cpu_kernel, sdpa_attention, tail_mask
+from engine.attention import FEW_ROWS, cpu_attention, cpu_kernel, pick_attention, sdpa_attention, tail_mask
 from engine.config import ModelConfig
 from engine.device import build_cpu_extension, can_pack_linear_weights, cpu_linear_kernel, linear_layout, pick_dtype
 from engine.kv.full import FullCache
 from engine.layouts import Bf16Linear, PackedLinear
 from engine.loading import load_hf_config, load_model, resolve_model
-from engine.quant import is_quantized
+from engine.quant import cpu_quant_kernel, is_quantized
 from engine.sampling import Draft, sampling_probs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,6 +145,14 @@ def bench_cpu_attention(S: int, repeats: int, dtype: torch.dtype, cfg: ModelConf
             name = f"T={T}" if kv_dtype == torch.float32 else f"{str(kv_dtype).removeprefix('torch.')} T={T}"
             fns = {"sdpa_attention": lambda f=every_layer: f(sdpa_attention),
                    "cpu_attention": lambda f=every_layer: f(cpu_attention)}
+            if kv_dtype == torch.bfloat16 and cpu_kernel().uses_bf16_dots():
+                def widened(f=every_layer):  # bf16 queries widened to float32 (no BF16 dots)
+                    cpu_kernel().set_bf16_dots(False)
+                    try:
+                        f(cpu_attention)
+                    finally:
+                        cpu_kernel().set_bf16_dots(True)
+                fns["cpu_attention, float32 scores"] = widened
             if H // Hkv * T <= FEW_ROWS:
                 fns |= {kname: lambda f=every_layer_direct, k=k: f(k) for kname, k in kernels.items()}
             out[name] = side_by_side(fns, repeats)
@@ -166,10 +177,13 @@ class Models:
         fits_bf16 = dtype == torch.float32 and layouts.linear_weights_fit_bf16(self.ours)
         layout = "as loaded" if is_quantized(self.ours) else linear_layout(torch.device("cpu"), dtype, fits_bf16)
         layouts.lay_out_linears(self.ours, layout)  # as Engine does: a GGUF's blocks stay as in the file
+        attend = pick_attention(torch.device("cpu"), use_cpu_kernel=True)  # as Engine does: our few-row kernel
+        self.ours.set_attention(attend)
         self.ours_input_major = None
         if layout in ("packed", "bf16-stored"):
             self.ours_input_major, _ = load_model(name, dtype, torch.device("cpu"))
             layouts.lay_out_linears(self.ours_input_major, "input-major")
+            self.ours_input_major.set_attention(attend)
         self.hf = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype, attn_implementation="sdpa",
                                                        local_files_only=True).eval()
         self.dtype = dtype
@@ -257,6 +271,18 @@ def bench_decode(models: Models, S: int, repeats: int) -> dict:
                     f"{name} check 1+4 chain": models.ours_step(full, S, tree(1, 4), model=model),
                     f"{name} check 1+8 chain": models.ours_step(full, S, tree(1, 8), model=model),
                     f"{name} check 1+3x8 tree": models.ours_step(full, S, tree(3, 8), model=model)}
+    quant = cpu_quant_kernel() if is_quantized(models.ours) else None
+    if models.dtype == torch.bfloat16 and quant is not None and quant.uses_bf16_dots():
+        def float32_dots(step):  # the blocks' float32 path on the widened activations (set_isa 1)
+            def run():
+                quant.set_isa(1)
+                try:
+                    step()
+                finally:
+                    quant.set_isa(-1)
+            return run
+        fns |= {"ours, float32 dots T=1": float32_dots(models.ours_step(full, S, None, 1)),
+                "ours, float32 dots check 1+4 chain": float32_dots(models.ours_step(full, S, tree(1, 4)))}
     return side_by_side(fns, repeats)
 
 
@@ -295,7 +321,7 @@ def bench_weights(source: str, dtype: torch.dtype, repeats: int) -> dict:
 
 def bench_quant(source: str, repeats: int) -> dict:
     """Every linear of the model at T rows: GGUF blocks (QuantLinear) vs bf16-stored (Bf16Linear)."""
-    from engine.quant import QuantLinear, cpu_quant_kernel
+    from engine.quant import QuantLinear
 
     kernel = cpu_linear_kernel()
     if cpu_quant_kernel() is None or kernel is None:
@@ -327,7 +353,7 @@ def bench_quant(source: str, repeats: int) -> dict:
 
 def bench_quick(source: str, repeats: int) -> dict:
     """Every linear of the GGUF model at T rows: exact blocks kernel vs quick (int8 activations)."""
-    from engine.quant import KERNEL_TYPES, QuantLinear, cpu_quant_kernel
+    from engine.quant import KERNEL_TYPES, QuantLinear
 
     if cpu_quant_kernel() is None:
         return {"skipped": "the quantized linear kernel did not build here"}

@@ -97,17 +97,25 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # of the cache; the kernel sums
 def cpu_attention(q, k, v, tail, is_tree=None):
     """`sdpa_attention` with the compiled kernel for the unmasked keys of calls of few rows
     (decoding, drafts, checks): its answer is SDPA's up to float32 rounding (bf16 caches are
-    read as bf16 and summed in float32, as torch's flash kernel does). Shapes as SDPA's."""
+    read as bf16 and summed in float32, as torch's flash kernel does; a bf16 model's scores
+    in exact bf16 products where the CPU has AVX512-BF16). Shapes as SDPA's."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     kernel = cpu_kernel()
     if (kernel is None or q.dtype not in KERNEL_DTYPES or k.dtype != q.dtype or D not in HEAD_DIMS
             or (H // Hkv) * T > FEW_ROWS or k.stride(3) != 1 or v.stride(3) != 1):
         return sdpa_attention(q, k, v, tail, is_tree)
+    def rows(q_folded):  # bf16 queries stay bf16: the kernel's BF16 dots where it has them
+        return (q_folded if q_folded.dtype == torch.bfloat16 else q_folded.float()).contiguous()
+    row_keys = None
     if tail is not None and T > 1:
-        return _split_attention(q, k, v, tail, lambda q_folded, k_head, v_head: kernel.few_row_attention(
-            q_folded.float().contiguous(), k_head, v_head), is_tree)
-    out, _ = kernel.few_row_attention(q.reshape(B, Hkv, (H // Hkv) * T, D).float().contiguous(), k, v)
+        if is_tree if is_tree is not None else is_tree_mask(tail):
+            return _split_attention(q, k, v, tail, lambda q_folded, k_head, v_head: kernel.few_row_attention(
+                rows(q_folded), k_head, v_head), is_tree)
+        # a chain: folded row g * T + t attends to the keys up to its own token, each row what
+        # decoding that token alone computes, bit for bit (a check commits decoding's tokens)
+        row_keys = (k.shape[2] - T + 1 + torch.arange(T)).repeat(H // Hkv)
+    out, _ = kernel.few_row_attention(rows(q.reshape(B, Hkv, (H // Hkv) * T, D)), k, v, row_keys)
     return out.reshape(B, H, T, D).to(q.dtype)
 
 

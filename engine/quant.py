@@ -2,7 +2,10 @@
 activations (a bf16 model's, widened) with the file's blocks (engine/csrc/quant_cpu.cpp), each
 weight unpacked in registers to exactly the float32 value gguf's dequantize gives. The linears
 are "the model in the file", dequantized in float32, with no dequantized copy on disk and about
-a quarter of bf16's bytes read per token.
+a quarter of bf16's bytes read per token. On CPUs with AVX512-BF16 a bf16 model's Q4_K and Q6_K
+linears multiply the bf16 activations with the integer codes in exact bf16 products and apply
+each group's float32 scale to the group's sum: the same exact products, summed in float32 in
+another grouping, in 0.6x the time.
 
 `load_quantized_model` builds our Transformer straight from a .gguf (CPU, float32 or bf16, kernel
 built); tokenizer and Hugging Face config come from transformers' GGUF reader, cached as a small
@@ -45,10 +48,16 @@ def cpu_quant_kernel():
                                extra_cflags=("-mf16c", "-ffp-contract=off"))
 
 
+def unusable(scratch: torch.Tensor) -> bool:
+    """A buffer made under inference mode cannot be written outside it (a call outside the engine)."""
+    return scratch.is_inference() and not torch.is_inference_mode_enabled()
+
+
 class QuantLinear(nn.Module):
     """A frozen linear whose weight is the file's blocks, `weight` [out, row bytes] uint8 of ggml
     type `qtype`. Calls of at most `KERNEL_MAX_ROWS` rows run the kernel in float32 (a bf16
-    model's activations are widened, exactly), whose output rows do not depend on the rows beside
+    model's activations are widened, exactly, or taken as bf16 by the kernel's BF16 dot products
+    where it has them: exact products too), whose output rows do not depend on the rows beside
     them; the bias (float32, as in the file) is added in float32, and the sum is returned in
     `out_dtype`, else in the activations' dtype. Larger calls (prefill chunks) dequantize
     `BLOCK_ROWS` weight rows at a time to the activations' dtype (bf16 or float32) for a GEMM,
@@ -91,8 +100,11 @@ class QuantLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)  # [M, in]
         out_dtype = self.out_dtype or x.dtype
         if rows.shape[0] <= self.KERNEL_MAX_ROWS:
-            multiply = self.kernel.quick_linear if self.lossy else self.kernel.quant_linear
-            out = multiply(rows.float().contiguous(), self.weight, self.qtype)  # float32
+            if self.lossy:
+                out = self.kernel.quick_linear(rows.float().contiguous(), self.weight, self.qtype)
+            else:  # bf16 rows as they are: the kernel's BF16 dot products, or widened in it
+                rows = rows if rows.dtype == torch.bfloat16 else rows.float()
+                out = self.kernel.quant_linear(rows.contiguous(), self.weight, self.qtype)  # float32
             if self.bias is not None:
                 out.add_(self.bias)
             out = out.to(out_dtype)
@@ -113,13 +125,13 @@ class QuantLinear(nn.Module):
         n = block.shape[0] * self.in_features
         shape = (block.shape[0], self.in_features)
         buffer = getattr(_scratch, "buffer", None)
-        if buffer is None or buffer.numel() < n:
+        if buffer is None or buffer.numel() < n or unusable(buffer):
             buffer = _scratch.buffer = torch.empty(n)
         tile = self.kernel.dequantize(block, self.qtype, buffer[:n].view(shape))
         if dtype == torch.float32:
             return tile
         narrow = getattr(_scratch, "narrow", None)
-        if narrow is None or narrow.numel() < n or narrow.dtype != dtype:
+        if narrow is None or narrow.numel() < n or narrow.dtype != dtype or unusable(narrow):
             narrow = _scratch.narrow = torch.empty(n, dtype=dtype)
         return narrow[:n].view(shape).copy_(tile)
 

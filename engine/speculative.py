@@ -306,7 +306,8 @@ class LevelStack:
     """The committed tokens of one conversation and the levels that extend them, top level last.
 
     The rule every method keeps: the top cache holds every committed token but the last (after a
-    prefill, all of them); the tokens it lacks are fed with the next forward of the top level.
+    prefill or a rollback, all of them); the tokens it lacks are fed with the next forward of the
+    top level.
     `extend` commits a prompt (prefilled by the `prefill` callback), `step` one check's tokens,
     cut at a stop token or the length limit before they are committed; `truncate` rolls back.
 
@@ -340,8 +341,11 @@ class LevelStack:
         self.top.cache.truncate(min(self.top.cache.length, len(self.tokens) - 1))
 
     def truncate(self, length: int) -> None:
+        """Roll back to `length` tokens, keeping their KV in the top cache, all of them as after
+        a prefill: a question asked again is prefilled as it was the first time (re-feeding the
+        last token with it would round its KV differently, and a greedy answer could change)."""
         del self.tokens[length:]
-        self._hold_all_but_last()
+        self.top.cache.truncate(min(self.top.cache.length, length))
         if self.drafter:
             self.drafter.truncate(length)
 
@@ -373,6 +377,7 @@ class LevelStack:
              ) -> Steps[tuple[list[int], str | None]]:
         """One check of the top level: the tokens it commits (1 to `limit`, cut after the first
         stop token) and why the answer ends ("stop", "length") or None."""
+        self._hold_all_but_last()  # (after a rollback the cache may hold the last token too)
         pending = self._unseen()
         drafter, tuner = self.drafter, self.tuner
         gamma = tuner.gamma() if drafter else 0

@@ -4,9 +4,10 @@
 // call's T tokens) over S keys that none of them masks. torch's flash kernel spends ~3x the time
 // of reading K and V there; this reads each K and V row once per 6 of the R rows (a KV head's
 // query heads in decoding: 6 or 7), prefetched ahead of use, and splits the keys into chunks
-// across threads (flash-decoding), merging the chunks by their log-sum-exp. Queries and outputs
-// float32; K and V float32 or bfloat16 (widened to float32 as they are loaded: a bf16 cache is
-// half the bytes to read); the same sums as SDPA in another order.
+// across threads (flash-decoding), merging the chunks by their log-sum-exp. Queries float32 or
+// bfloat16, outputs float32; K and V float32 or bfloat16 (widened to float32 as they are loaded:
+// a bf16 cache is half the bytes to read); the same sums as SDPA in another order. A bf16 model
+// on a CPU with AVX512-BF16 takes its scores in bf16 dot products (`bf16dots`, exact products).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -87,6 +88,13 @@ inline void by_six_rows(int64_t R, F f) {
   }
 }
 
+// lanes 0 and 1: the sums of a's and b's 8 lanes, each in an order that does not depend on the other
+inline __m128 pair_sums(__m256 a, __m256 b) {
+  const __m256 h = _mm256_hadd_ps(a, b);
+  const __m128 t = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  return _mm_hadd_ps(t, t);
+}
+
 // s[r, j] = scale * q[r] . k[j] for NR <= 6 rows and the n <= kChunk keys of one chunk, two keys
 // at a time: each loaded K vector serves NR rows (6 x 2 accumulators, 2 of K, q from memory), so
 // K is read once per 6 rows
@@ -105,19 +113,17 @@ void scores_rows(const float* q, const KV* k, int64_t k_row, int64_t n, float sc
         acc[r][1] = _mm256_fmadd_ps(qd, k1, acc[r][1]);
       }
     }
-    for (int r = 0; r < NR; ++r) {  // lanes 0 and 1 of t: the two keys' dot products
-      const __m256 h = _mm256_hadd_ps(acc[r][0], acc[r][1]);
-      __m128 t = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-      t = _mm_hadd_ps(t, t);
+    for (int r = 0; r < NR; ++r) {
+      const __m128 t = pair_sums(acc[r][0], acc[r][1]);
       s[r * kChunk + j] = _mm_cvtss_f32(t) * scale;
       s[r * kChunk + j + 1] = _mm_cvtss_f32(_mm_shuffle_ps(t, t, 1)) * scale;
     }
   }
-  for (; j < n; ++j) {
+  for (; j < n; ++j) {  // the same sums as in a pair, beside a zero
     for (int r = 0; r < NR; ++r) {
       __m256 acc = _mm256_setzero_ps();
       for (int d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * D + d), load8(k + j * k_row + d), acc);
-      s[r * kChunk + j] = hsum(acc) * scale;
+      s[r * kChunk + j] = _mm_cvtss_f32(pair_sums(acc, _mm256_setzero_ps())) * scale;
     }
   }
 }
@@ -127,10 +133,83 @@ void chunk_scores(const float* q, int64_t R, const KV* k, int64_t k_row, int64_t
   by_six_rows(R, [&](auto nr, int64_t r) { scores_rows<D, decltype(nr)::value, KV>(q + r * D, k, k_row, n, scale, s + r * kChunk); });
 }
 
-// Per row of one chunk: m = max score, p = exp(s - m) in place, l = sum p
-void chunk_softmax(int64_t R, int64_t n, float* s, float* m, float* l) {
+// bf16 queries and keys (a bf16 model's): AVX512-BF16 `vdpbf16ps` multiplies 32 pairs exactly and
+// sums them in pairs into 16 float32 lanes, twice an FMA's products per instruction and no
+// widening of K. NR <= 6 rows x 4 keys (24 accumulators), each key's 16 lanes added across at the
+// end in a fixed order (`sum4`); keys past the last 4 one at a time, in the same order. Subnormal bf16 inputs
+// (below 1.2e-38) count as zero. Every Qwen or SmolLM2 head dim (64, 128) is a multiple of 32.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+namespace bf16dots {
+
+inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {  // lane i: the sum of the 16 lanes of a, b, c, d
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));  // 4 lanes each
+  t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(2, 3, 0, 1)));
+  t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), t));
+}
+
+inline __m512bh load32(const at::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+template <int D, int NR>
+void scores_rows(const at::BFloat16* q, const at::BFloat16* k, int64_t k_row, int64_t n, float scale, float* s) {
+  static_assert(D % 32 == 0, "32 dims per dot product");
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    prefetch_rows<D, 4>(k + (j + kAhead) * k_row, k_row);
+    __m512 acc[NR][4];
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 32) {
+      __m512bh kv[4];
+      for (int i = 0; i < 4; ++i) kv[i] = load32(k + (j + i) * k_row + d);
+      for (int r = 0; r < NR; ++r) {
+        const __m512bh qd = load32(q + r * D + d);
+        for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], qd, kv[i]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      _mm_storeu_ps(s + r * kChunk + j, _mm_mul_ps(sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), _mm_set1_ps(scale)));
+  }
+  for (; j < n; ++j)  // the same sums as in a group of 4, beside zeros
+    for (int r = 0; r < NR; ++r) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int d = 0; d < D; d += 32) acc = _mm512_dpbf16_ps(acc, load32(q + r * D + d), load32(k + j * k_row + d));
+      const __m512 zero = _mm512_setzero_ps();
+      s[r * kChunk + j] = _mm_cvtss_f32(sum4(acc, zero, zero, zero)) * scale;
+    }
+}
+
+template <int D>
+void chunk_scores(const at::BFloat16* q, int64_t R, const at::BFloat16* k, int64_t k_row, int64_t n, float scale, float* s) {
+  by_six_rows(R, [&](auto nr, int64_t r) { scores_rows<D, decltype(nr)::value>(q + r * D, k, k_row, n, scale, s + r * kChunk); });
+}
+
+}  // namespace bf16dots
+#pragma GCC pop_options
+
+bool g_no_dots = false;  // tests and benchmarks: widen bf16 queries even where the dots run
+
+bool has_bf16_dots() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bf16");
+}
+
+// Per row of one chunk: m = max score, p = exp(s - m) in place, l = sum p, over the row's n[r]
+// first keys of the chunk; p = 0 from there to the chunk's `n_all` (no key: m = -inf, l = 0)
+void chunk_softmax(int64_t R, const int64_t* rows_n, int64_t n_all, float* s, float* m, float* l) {
   for (int64_t r = 0; r < R; ++r) {
     float* p = s + r * kChunk;
+    const int64_t n = rows_n[r];
+    std::fill(p + n, p + n_all, 0.f);
+    if (n == 0) {
+      m[r] = -std::numeric_limits<float>::infinity();
+      l[r] = 0.f;
+      continue;
+    }
     float mr = -std::numeric_limits<float>::infinity();
     int64_t j = 0;
     __m256 max8 = _mm256_set1_ps(mr);
@@ -187,40 +266,55 @@ void chunk_values(int64_t R, const float* p, const KV* v, int64_t v_row, int64_t
   by_six_rows(R, [&](auto nr, int64_t r) { values_rows<D, decltype(nr)::value, KV>(p + r * kChunk, v, v_row, n, o + r * D); });
 }
 
+// q float32, or bf16 with a bf16 cache where the CPU has AVX512-BF16 and D % 32 == 0 (the dots above).
+// Row r attends to the first keys[r] keys (a check's chain: each token up to itself); a row's
+// output is then what a call with that row alone over those keys gives, bit for bit.
 template <int D, typename KV>
-std::vector<torch::Tensor> attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+std::vector<torch::Tensor> attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                  const std::vector<int64_t>& keys) {
   const int64_t B = q.size(0), Hkv = q.size(1), R = q.size(2), S = k.size(2);
   const int64_t n_chunks = (S + kChunk - 1) / kChunk, n_tasks = B * Hkv * n_chunks;
-  auto o_part = torch::empty({n_tasks, R, D}, q.options());
-  auto m_part = torch::empty({n_tasks, R}, q.options());
-  auto l_part = torch::empty({n_tasks, R}, q.options());
+  const auto options = q.options().dtype(torch::kFloat);
+  auto o_part = torch::empty({n_tasks, R, D}, options);
+  auto m_part = torch::empty({n_tasks, R}, options);
+  auto l_part = torch::empty({n_tasks, R}, options);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const float* qp = q.data_ptr<float>();
+  const bool dots = q.scalar_type() == torch::kBFloat16;
+  const float* qp = dots ? nullptr : q.data_ptr<float>();
+  const at::BFloat16* qb = dots ? q.data_ptr<at::BFloat16>() : nullptr;
   const KV *kp = k.data_ptr<KV>(), *vp = v.data_ptr<KV>();
   float *op = o_part.data_ptr<float>(), *mp = m_part.data_ptr<float>(), *lp = l_part.data_ptr<float>();
   at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(R * kChunk);
+    std::vector<int64_t> rows_n(R);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bh = t / n_chunks, b = bh / Hkv, h = bh % Hkv, j0 = (t % n_chunks) * kChunk;
-      const int64_t n = std::min(kChunk, S - j0);
+      int64_t n = 0;  // the chunk's keys any row attends to
+      for (int64_t r = 0; r < R; ++r) n = std::max(n, rows_n[r] = std::clamp<int64_t>(keys[r] - j0, 0, kChunk));
       const KV* kc = kp + b * k.stride(0) + h * k.stride(1) + j0 * k.stride(2);
       const KV* vc = vp + b * v.stride(0) + h * v.stride(1) + j0 * v.stride(2);
-      chunk_scores<D, KV>(qp + bh * R * D, R, kc, k.stride(2), n, scale, s.data());
-      chunk_softmax(R, n, s.data(), mp + t * R, lp + t * R);
+      if constexpr (std::is_same_v<KV, at::BFloat16> && D % 32 == 0) {
+        if (dots) bf16dots::chunk_scores<D>(qb + bh * R * D, R, kc, k.stride(2), n, scale, s.data());
+        else chunk_scores<D, KV>(qp + bh * R * D, R, kc, k.stride(2), n, scale, s.data());
+      } else {
+        chunk_scores<D, KV>(qp + bh * R * D, R, kc, k.stride(2), n, scale, s.data());
+      }
+      chunk_softmax(R, rows_n.data(), n, s.data(), mp + t * R, lp + t * R);
       chunk_values<D, KV>(R, s.data(), vc, v.stride(2), n, op + t * R * D);
     }
   });
-  auto out = torch::empty({B, Hkv, R, D}, q.options());
-  auto lse = torch::empty({B, Hkv, R}, q.options());
+  auto out = torch::empty({B, Hkv, R, D}, options);
+  auto lse = torch::empty({B, Hkv, R}, options);
   float *outp = out.data_ptr<float>(), *lsep = lse.data_ptr<float>();
   at::parallel_for(0, B * Hkv * R, 16, [&](int64_t begin, int64_t end) {  // merge the chunks by log-sum-exp
     for (int64_t i = begin; i < end; ++i) {
       const int64_t bh = i / R, r = i % R, t0 = bh * n_chunks;
+      const int64_t row_chunks = (keys[r] + kChunk - 1) / kChunk;  // the chunks holding its keys
       float mx = -std::numeric_limits<float>::infinity(), total = 0.f;
-      for (int64_t c = 0; c < n_chunks; ++c) mx = std::max(mx, mp[(t0 + c) * R + r]);
+      for (int64_t c = 0; c < row_chunks; ++c) mx = std::max(mx, mp[(t0 + c) * R + r]);
       float* orow = outp + i * D;
       std::fill(orow, orow + D, 0.f);
-      for (int64_t c = 0; c < n_chunks; ++c) {
+      for (int64_t c = 0; c < row_chunks; ++c) {
         const float w = std::exp(mp[(t0 + c) * R + r] - mx);
         total += w * lp[(t0 + c) * R + r];
         const float* oc = op + ((t0 + c) * R + r) * D;
@@ -234,29 +328,49 @@ std::vector<torch::Tensor> attend(const torch::Tensor& q, const torch::Tensor& k
 }
 
 template <typename KV>
-std::vector<torch::Tensor> attend_dim(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+std::vector<torch::Tensor> attend_dim(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                      const std::vector<int64_t>& keys) {
   switch (q.size(3)) {
-    case 16: return attend<16, KV>(q, k, v);
-    case 32: return attend<32, KV>(q, k, v);
-    case 64: return attend<64, KV>(q, k, v);
-    case 128: return attend<128, KV>(q, k, v);
+    case 16: return attend<16, KV>(q, k, v, keys);
+    case 32: return attend<32, KV>(q, k, v, keys);
+    case 64: return attend<64, KV>(q, k, v, keys);
+    case 128: return attend<128, KV>(q, k, v, keys);
     default: TORCH_CHECK(false, "few_row_attention: head dim 16, 32, 64 or 128 only");
   }
 }
 
-// q [B, Hkv, R, D] contiguous float32; k, v [B, Hkv, S, D] float32 or bfloat16 (both the same)
-// with contiguous rows, S >= 1.
-// Returns (out [B, Hkv, R, D], lse [B, Hkv, R]): softmax(q k^T / sqrt(D)) v and its log-sum-exp.
-std::vector<torch::Tensor> few_row_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == v.scalar_type() &&
+// q [B, Hkv, R, D] contiguous float32 (or bfloat16: its scores in BF16 dot products where the cache
+// is bf16 too and the CPU has them, else widened); k, v [B, Hkv, S, D] float32 or bfloat16 (both
+// the same) with contiguous rows, S >= 1.
+// `row_keys` (optional, R int64 in 1..S): row r attends to the first row_keys[r] keys only (a
+// check's causal chain), its output bit for bit that of the row alone over those keys.
+// Returns float32 (out [B, Hkv, R, D], lse [B, Hkv, R]): softmax(q k^T / sqrt(D)) v and its log-sum-exp.
+std::vector<torch::Tensor> few_row_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                             const c10::optional<torch::Tensor>& row_keys) {
+  if (q.scalar_type() == torch::kBFloat16 &&
+      !(k.scalar_type() == torch::kBFloat16 && q.size(3) % 32 == 0 && has_bf16_dots() && !g_no_dots))
+    return few_row_attention(q.to(torch::kFloat), k, v, row_keys);
+  TORCH_CHECK((q.scalar_type() == torch::kFloat || q.scalar_type() == torch::kBFloat16) && k.scalar_type() == v.scalar_type() &&
               (k.scalar_type() == torch::kFloat || k.scalar_type() == torch::kBFloat16),
-              "few_row_attention: float32 queries, float32 or bfloat16 keys and values");
+              "few_row_attention: float32 or bfloat16 queries, float32 or bfloat16 keys and values");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.is_contiguous(), "few_row_attention: q contiguous [B, Hkv, R, D]");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.size(2) == v.size(2) && k.size(2) >= 1, "few_row_attention: k, v rows");
   TORCH_CHECK(k.size(0) == q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3), "few_row_attention: shapes");
-  return k.scalar_type() == torch::kFloat ? attend_dim<float>(q, k, v) : attend_dim<at::BFloat16>(q, k, v);
+  const int64_t R = q.size(2), S = k.size(2);
+  std::vector<int64_t> keys(R, S);
+  if (row_keys.has_value()) {
+    const torch::Tensor n = row_keys->to(torch::kLong).contiguous();
+    TORCH_CHECK(n.numel() == R, "few_row_attention: row_keys holds one count per query row");
+    keys.assign(n.data_ptr<int64_t>(), n.data_ptr<int64_t>() + R);
+    for (int64_t c : keys) TORCH_CHECK(c >= 1 && c <= S, "few_row_attention: row_keys in 1..S");
+  }
+  return k.scalar_type() == torch::kFloat ? attend_dim<float>(q, k, v, keys) : attend_dim<at::BFloat16>(q, k, v, keys);
 }
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("few_row_attention", &few_row_attention); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("few_row_attention", &few_row_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("row_keys") = py::none());
+  m.def("uses_bf16_dots", [] { return has_bf16_dots() && !g_no_dots; }, "whether bf16 queries over a bf16 cache run BF16 dots");
+  m.def("set_bf16_dots", [](bool on) { g_no_dots = !on; }, "off: widen bf16 queries to float32 (the AVX2 path)");
+}

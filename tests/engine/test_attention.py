@@ -100,6 +100,53 @@ def test_a_bfloat16_cache_is_read_as_bfloat16_and_summed_in_float32(T, S, monkey
     assert torch.allclose(lse.double(), torch.logsumexp(scores, -1), atol=1e-4, rtol=1e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("T", "S"), [(2, 2), (5, 9), (5, 514), (9, 1030), (4, 1024)])  # chains across chunk edges
+def test_a_chain_check_gives_each_token_what_decoding_it_alone_gives(dtype, T, S):
+    """Each row of a check's causal chain attends to the keys up to its own token inside the
+    kernel, so its output is bit for bit that of decoding the token alone over the same cache:
+    speculation commits plain decoding's tokens in bf16 too, not only up to rounding."""
+    H, Hkv, D = 12, 2, 128
+    q, k, v = (x.to(dtype) for x in qkv(1, H, Hkv, T, S, D, seed=T + S))
+    got = cpu_attention(q, k, v, chain(T))
+    for t in range(T):
+        alone = cpu_attention(q[:, :, t:t + 1], k[:, :, :S - T + t + 1], v[:, :, :S - T + t + 1], None)
+        assert torch.equal(got[:, :, t:t + 1], alone), f"token {t} of {T}"
+    want = sdpa_attention(q.double(), k.double(), v.double(), chain(T))
+    tol = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)  # bf16 answer
+    assert torch.allclose(got.double(), want, **tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("Hkv", "R", "D"), [(2, 6, 128), (2, 7, 64), (1, 30, 128), (3, 13, 64)])
+@pytest.mark.parametrize("S", [1, 3, 6, 513, 1030])  # keys 4 at a time and the rest; chunk edges
+def test_bf16_queries_over_a_bf16_cache_take_exact_products_summed_in_float32(Hkv, R, D, S):
+    """A bf16 model's scores in BF16 dot products (AVX512-BF16): products of bf16 values are
+    exact, so the kernel equals float64 attention over the same bf16 values to float32 rounding,
+    as the widened path does; and each row's output does not depend on the rows beside it."""
+    kernel = cpu_kernel()
+    if not kernel.uses_bf16_dots():
+        pytest.skip("this CPU has no AVX512-BF16")
+    q, k, v = qkv(1, Hkv * R, Hkv, 1, S, D, seed=S + R)
+    q, k, v = q.reshape(1, Hkv, R, D).bfloat16().contiguous(), k.bfloat16(), v.bfloat16()
+    scores = q.double() @ k.double().transpose(-1, -2) / D ** 0.5
+    want = torch.softmax(scores, -1) @ v.double()
+    out, lse = kernel.few_row_attention(q, k, v)
+    assert out.dtype == torch.float32
+    assert torch.allclose(out.double(), want, atol=2e-6, rtol=1e-5)
+    assert torch.allclose(lse.double(), torch.logsumexp(scores, -1), atol=1e-4, rtol=1e-5)
+    try:
+        kernel.set_bf16_dots(False)
+        widened, _ = kernel.few_row_attention(q, k, v)  # the float32 path, on the same values
+    finally:
+        kernel.set_bf16_dots(True)
+    assert torch.allclose(widened.double(), want, atol=2e-6, rtol=1e-5)
+    for r in (1, 5, R - 1):
+        alone, _ = kernel.few_row_attention(q[:, :, r:r + 1].contiguous(), k, v)
+        assert torch.equal(alone[:, :, 0], out[:, :, r])
+
+
 def test_what_the_kernel_does_not_take_goes_to_sdpa_unchanged():
     cases = [qkv(1, 14, 2, FEW_ROWS // 7 + 1, 300, 64),  # too many rows: a prefill chunk
              qkv(1, 4, 2, 3, 100, 24)]  # a head dim without an instantiation

@@ -19,16 +19,25 @@ pytestmark = pytest.mark.skipif(cpu_quant_kernel() is None, reason="engine/csrc/
 TYPES = sorted(KERNEL_TYPES.values())
 
 
-@pytest.fixture(params=["avx2", "avx512"])
+ISAS = {"avx2": 0, "avx512": 1, "avx512-bf16": 2}
+
+
+@pytest.fixture(params=list(ISAS))
 def isa(request):
-    """Each kernel path in turn: AVX2 (every CPU it builds on) and AVX-512 where the CPU has it."""
+    """Each kernel path in turn: AVX2 (every CPU it builds on), AVX-512 where the CPU has it, and
+    AVX-512 with BF16 dot products for bf16 activations where it has AVX512-BF16."""
     kernel = cpu_quant_kernel()
     kernel.set_isa(-1)
-    if request.param == "avx512" and not kernel.uses_avx512():
+    if request.param != "avx2" and not kernel.uses_avx512():
         pytest.skip("this CPU has no AVX-512 (F, BW, VL, DQ)")
-    kernel.set_isa(0 if request.param == "avx2" else 1)
+    if request.param == "avx512-bf16" and not kernel.uses_bf16_dots():
+        pytest.skip("this CPU has no AVX512-BF16")
+    kernel.set_isa(ISAS[request.param])
     yield request.param
     kernel.set_isa(-1)
+
+
+BF16_DOT_TYPES = ("Q4_K", "Q6_K")  # bf16 activations of these run BF16 dot products on "avx512-bf16"
 
 
 def random_blocks(name: str, n_rows: int, n_cols: int, seed: int = 0) -> np.ndarray:
@@ -172,17 +181,39 @@ def test_real_file_greedy_with_blocks_equals_dequantized_float32_model(name):
 
 
 @pytest.mark.parametrize("name", TYPES)
-def test_bf16_activations_run_the_kernel_in_float32_and_return_bf16(name, isa):
-    """A bf16 model's QuantLinear: the kernel's float32 sum of the widened activations plus the
-    float32 bias, rounded once to bf16; each row's output independent of the rows beside it."""
+def test_bf16_activations_return_bf16_and_rows_stay_independent(name, isa):
+    """A bf16 model's QuantLinear: the kernel's float32 sum plus the float32 bias, rounded once to
+    bf16; each row's output independent of the rows beside it. Without BF16 dot products the sum
+    is the float32 path's on the widened activations, bit for bit."""
     linear, _ = layer(name, n_rows=24, bias=True)
     x = torch.randn(QuantLinear.KERNEL_MAX_ROWS, 512).bfloat16()
-    float32 = linear(x.float())
     got = linear(x)
-    assert got.dtype == torch.bfloat16 and torch.equal(got, float32.bfloat16())
+    assert got.dtype == torch.bfloat16
+    if not (isa == "avx512-bf16" and name in BF16_DOT_TYPES):
+        assert torch.equal(got, linear(x.float()).bfloat16())
     alone = torch.cat([linear(x[i:i + 1]) for i in range(x.shape[0])])
-    for n in (2, 5, 9, QuantLinear.KERNEL_MAX_ROWS):
+    for n in (2, 5, 7, 8, 9, 17, QuantLinear.KERNEL_MAX_ROWS):
         assert torch.equal(linear(x[:n]), alone[:n]), f"{n} rows in one call"
+
+
+@pytest.mark.parametrize("name", BF16_DOT_TYPES)
+@pytest.mark.parametrize("n_rows", [1, 2, 5, 9, 25, QuantLinear.KERNEL_MAX_ROWS])
+@pytest.mark.parametrize("n_cols", [512, 768])
+def test_bf16_dots_are_exact_products_summed_in_float32(name, n_rows, n_cols):
+    """The BF16 dot products (bf16 codes times bf16 activations, scaled once per group): within the
+    float32 path's bound of the exact float64 product with gguf's dequantized weights."""
+    kernel = cpu_quant_kernel()
+    kernel.set_isa(-1)
+    if not kernel.uses_bf16_dots():
+        pytest.skip("this CPU has no AVX512-BF16")
+    linear, reference = layer(name, n_cols=n_cols)
+    x = torch.randn(n_rows, n_cols).bfloat16()
+    exact = x.double() @ reference.double().T
+    got = kernel.quant_linear(x, linear.weight, linear.qtype)
+    assert got.dtype == torch.float32 and got.shape == (n_rows, 40)
+    bound = 1e-5 * (x.double().abs() @ reference.double().abs().T).max()
+    assert (got.double() - exact).abs().max() <= bound
+    assert not torch.equal(got, kernel.quant_linear(x.float(), linear.weight, linear.qtype))  # another path
 
 
 @pytest.mark.parametrize("name", ["Q5_0", "Q6_K"])
