@@ -136,8 +136,9 @@ void chunk_scores(const float* q, int64_t R, const KV* k, int64_t k_row, int64_t
 // bf16 queries and keys (a bf16 model's): AVX512-BF16 `vdpbf16ps` multiplies 32 pairs exactly and
 // sums them in pairs into 16 float32 lanes, twice an FMA's products per instruction and no
 // widening of K. NR <= 6 rows x 4 keys (24 accumulators), each key's 16 lanes added across at the
-// end in a fixed order (`sum4`); keys past the last 4 one at a time, in the same order. Subnormal bf16 inputs
-// (below 1.2e-38) count as zero. Every Qwen or SmolLM2 head dim (64, 128) is a multiple of 32.
+// end in a fixed order (`sum4`); keys past the last 4 one at a time, in the same order. Subnormal
+// bf16 inputs (below 1.2e-38) count as zero. Qwen's and SmolLM2's head dims (64, 128) are
+// multiples of 32. 1.5B at 8K, 1 thread: checks of 5 and 9 tokens 0.80x the time, one token 0.92x.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 namespace bf16dots {
