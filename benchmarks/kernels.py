@@ -87,6 +87,17 @@ def side_by_side(fns: dict, repeats: int) -> dict[str, dict[str, float]]:
     return {name: {"median_ms": statistics.median(t), "min_ms": min(t)} for name, t in times.items()}
 
 
+def with_setting(set_setting, during, after, fn):
+    """`fn` run with a kernel setting changed for the call (the other path, timed side by side)."""
+    def run():
+        set_setting(during)
+        try:
+            fn()
+        finally:
+            set_setting(after)
+    return run
+
+
 def masked_sdpa(q, k, v, tail):
     """The previous kernel: one SDPA call, GQA folded into the query length, a [G*T, S] mask."""
     B, H, T, D = q.shape
@@ -145,14 +156,9 @@ def bench_cpu_attention(S: int, repeats: int, dtype: torch.dtype, cfg: ModelConf
             name = f"T={T}" if kv_dtype == torch.float32 else f"{str(kv_dtype).removeprefix('torch.')} T={T}"
             fns = {"sdpa_attention": lambda f=every_layer: f(sdpa_attention),
                    "cpu_attention": lambda f=every_layer: f(cpu_attention)}
-            if kv_dtype == torch.bfloat16 and cpu_kernel().uses_bf16_dots():
-                def widened(f=every_layer):  # bf16 queries widened to float32 (no BF16 dots)
-                    cpu_kernel().set_bf16_dots(False)
-                    try:
-                        f(cpu_attention)
-                    finally:
-                        cpu_kernel().set_bf16_dots(True)
-                fns["cpu_attention, float32 scores"] = widened
+            if kv_dtype == torch.bfloat16 and cpu_kernel().uses_bf16_dots():  # bf16 queries widened to float32
+                fns["cpu_attention, float32 scores"] = with_setting(cpu_kernel().set_bf16_dots, False, True,
+                                                                    lambda f=every_layer: f(cpu_attention))
             if H // Hkv * T <= FEW_ROWS:
                 fns |= {kname: lambda f=every_layer_direct, k=k: f(k) for kname, k in kernels.items()}
             out[name] = side_by_side(fns, repeats)
@@ -273,16 +279,10 @@ def bench_decode(models: Models, S: int, repeats: int) -> dict:
                     f"{name} check 1+3x8 tree": models.ours_step(full, S, tree(3, 8), model=model)}
     quant = cpu_quant_kernel() if is_quantized(models.ours) else None
     if models.dtype == torch.bfloat16 and quant is not None and quant.uses_bf16_dots():
-        def float32_dots(step):  # the blocks' float32 path on the widened activations (set_isa 1)
-            def run():
-                quant.set_isa(1)
-                try:
-                    step()
-                finally:
-                    quant.set_isa(-1)
-            return run
-        fns |= {"ours, float32 dots T=1": float32_dots(models.ours_step(full, S, None, 1)),
-                "ours, float32 dots check 1+4 chain": float32_dots(models.ours_step(full, S, tree(1, 4)))}
+        # the blocks' float32 path on the widened activations (set_isa 1)
+        fns |= {"ours, float32 dots T=1": with_setting(quant.set_isa, 1, -1, models.ours_step(full, S, None, 1)),
+                "ours, float32 dots check 1+4 chain": with_setting(quant.set_isa, 1, -1,
+                                                                   models.ours_step(full, S, tree(1, 4)))}
     return side_by_side(fns, repeats)
 
 

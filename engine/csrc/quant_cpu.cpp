@@ -68,6 +68,20 @@ inline void q4k_scale_min(const uint8_t* sc, int s, int& scale, int& min) {
   }
 }
 
+// Q4_K's 12 bytes of 6-bit scales and mins -> 8 scales, then 8 mins (ggml get_scale_min_k4, as
+// llama.cpp unpacks them: three 32-bit words).
+inline void q4k_scales_mins(const uint8_t* sc, uint8_t out[16]) {
+  uint32_t u[4];
+  std::memcpy(u, sc, 12);
+  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+  u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+  const uint32_t mins_low = u[1] & k1;
+  u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+  u[2] = mins_low;
+  u[0] &= k1;
+  std::memcpy(out, u, 16);
+}
+
 namespace avx2 {
 
 inline __m256i bytes8(const uint8_t* p) {  // 8 bytes -> 8 int32 lanes, zero-extended
@@ -440,27 +454,16 @@ inline float sum8(__m256 a) {
 
 // Each type: `block(b, f)` calls f(v, q, scale) for the block's slices v = 0 .. 7 of 32 values,
 // q their codes as bf16 and scale the float32 scale of each of the 16 lanes `vdpbf16ps` sums them
-// into (lane i: values 2 i and 2 i + 1); `offsets(b)` the 8 sub-blocks' offsets (Q4_K: -dmin m_s).
+// into (lane i: values 2 i and 2 i + 1), and returns the 8 sub-blocks' offsets (Q4_K: -dmin m_s).
 struct Q4_K {  // slice 2 c: the low nibbles of qs[32 c .. 32 c + 31], slice 2 c + 1: the high ones
   static constexpr int kValues = 256, kBytes = 144;
   static constexpr bool kOffsets = true;
-  static inline __m128i scales_mins(const uint8_t* b) {  // bytes 0-7 the 6-bit scales, 8-15 mins (ggml's masks)
-    uint32_t u[4];
-    std::memcpy(u, b + 4, 12);
-    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
-    const uint32_t mins_low = u[1] & 0x3f3f3f3f;
-    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
-    u[2] = mins_low;
-    u[0] &= 0x3f3f3f3f;
-    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
-  }
-  static inline __m256 offsets(const uint8_t* b) {
-    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scales_mins(b), 8)));
-    return _mm256_mul_ps(_mm256_set1_ps(-half(b + 2)), mins);
-  }
-  template <class F> static inline void block(const uint8_t* b, F&& f) {
+  template <class F> static inline __m256 block(const uint8_t* b, F&& f) {
+    uint8_t sm[16];
+    q4k_scales_mins(b + 4, sm);
+    const __m128i scales_mins = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sm));
     alignas(32) float ds[8];  // d sc_s, broadcast from memory
-    _mm256_store_ps(ds, _mm256_mul_ps(_mm256_set1_ps(half(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scales_mins(b)))));
+    _mm256_store_ps(ds, _mm256_mul_ps(_mm256_set1_ps(half(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scales_mins))));
     // bf16 of 0 .. 15, twice: a low nibble's byte indexes it unmasked (`vpermw` reads 5 bits)
     alignas(64) static const uint16_t kTable[32] = {0,      0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
                                                     0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
@@ -472,14 +475,15 @@ struct Q4_K {  // slice 2 c: the low nibbles of qs[32 c .. 32 c + 31], slice 2 c
       f(2 * c, (__m512bh)_mm512_permutexvar_epi16(bytes, table), _mm512_set1_ps(ds[2 * c]));
       f(2 * c + 1, (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table), _mm512_set1_ps(ds[2 * c + 1]));
     }
+    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scales_mins, 8)));
+    return _mm256_mul_ps(_mm256_set1_ps(-half(b + 2)), mins);
   }
 };
 
 struct Q6_K {  // slice 4 h + t: value 128 h + 32 t + l, code (ql nibble) | (2 bits of qh) << 4, as above
   static constexpr int kValues = 256, kBytes = 210;
   static constexpr bool kOffsets = false;
-  static inline __m256 offsets(const uint8_t*) { return _mm256_setzero_ps(); }
-  template <class F> static inline void block(const uint8_t* b, F&& f) {
+  template <class F> static inline __m256 block(const uint8_t* b, F&& f) {
     const __m512 ds = _mm512_mul_ps(_mm512_set1_ps(half(b + 208)),
                                     _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))));
     const __m512i halves = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);  // lanes 8-15: + 1
@@ -505,34 +509,33 @@ struct Q6_K {  // slice 4 h + t: value 128 h + 32 t + l, code (ql nibble) | (2 b
         f(4 * h + t, (__m512bh)_mm512_permutex2var_epi16(low_table, codes[t], high_table), scale);
       }
     }
+    return _mm256_setzero_ps();  // no offsets
   }
 };
 
 // NM rows of x (bf16, row stride K; xsum: each row's sums of 32 values) against one weight row
 template <class Q, int NM>
-inline void dot_rows(const uint16_t* x, const float* xsum, int64_t K, const uint8_t* w, float* y, int64_t N) {
+inline void dot_rows(const at::BFloat16* x, const float* xsum, int64_t K, const uint8_t* w, float* y, int64_t N) {
   __m512 acc[NM][2];
   __m256 off[NM];
   for (int m = 0; m < NM; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps(), off[m] = _mm256_setzero_ps();
   for (int64_t blk = 0; blk < K / Q::kValues; ++blk) {
-    const uint8_t* b = w + blk * Q::kBytes;
-    if constexpr (Q::kOffsets) {
-      const __m256 o = Q::offsets(b);
-      for (int m = 0; m < NM; ++m) off[m] = _mm256_fmadd_ps(o, _mm256_loadu_ps(xsum + m * (K / 32) + 8 * blk), off[m]);
-    }
-    const uint16_t* xb = x + blk * Q::kValues;
-    Q::block(b, [&](int v, __m512bh q, __m512 scale) {
+    const at::BFloat16* xb = x + blk * Q::kValues;
+    const __m256 o = Q::block(w + blk * Q::kBytes, [&](int v, __m512bh q, __m512 scale) {
       for (int m = 0; m < NM; ++m) {
         const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + m * K + 32 * v);
         acc[m][v % 2] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q, xv), scale, acc[m][v % 2]);
       }
     });
+    if constexpr (Q::kOffsets)
+      for (int m = 0; m < NM; ++m) off[m] = _mm256_fmadd_ps(o, _mm256_loadu_ps(xsum + m * (K / 32) + 8 * blk), off[m]);
   }
   for (int m = 0; m < NM; ++m) y[m * N] = avx512::sum16(_mm512_add_ps(acc[m][0], acc[m][1])) + sum8(off[m]);
 }
 
 template <class Q, int R>
-inline void in_registers(const uint16_t* x, const float* xsum, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t N) {
+inline void in_registers(const at::BFloat16* x, const float* xsum, int64_t M, int64_t K, const uint8_t* w, float* y,
+                         int64_t N) {
   if constexpr (R > 1) {
     if (M < R) return in_registers<Q, R - 1>(x, xsum, M, K, w, y, N);
   }
@@ -541,19 +544,14 @@ inline void in_registers(const uint16_t* x, const float* xsum, int64_t M, int64_
 
 bool supports(int64_t qtype) { return qtype == 12 || qtype == 14; }
 
-// x [M, K] bf16 (its bits), y [M, N]: weight rows in groups of 16, x rows in chunks of at most 7
-// (the float32 path's loop, `rows`)
-void quant_linear(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N,
-                  int64_t qtype) {
+// x [M, K] bf16, y [M, N]: weight rows in groups of 16, x rows in chunks of at most 7 (the float32
+// path's loop, `rows`)
+void quant_linear(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* y,
+                  int64_t N, int64_t qtype) {
   std::vector<float> xsum(qtype == 12 ? M * K / 32 : 0);  // Q4_K: each row's sums of 32 values, in order
   for (size_t i = 0; i < xsum.size(); ++i) {
     float s = 0.f;
-    for (int j = 0; j < 32; ++j) {
-      const uint32_t bits = uint32_t{x[32 * i + j]} << 16;
-      float v;
-      std::memcpy(&v, &bits, 4);
-      s += v;
-    }
+    for (int j = 0; j < 32; ++j) s += static_cast<float>(x[32 * i + j]);
     xsum[i] = s;
   }
   const auto run = [&](auto q) {
@@ -630,20 +628,6 @@ inline void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* q
         if (init_offset != 0) init[m * (K / 4) + 8 * b + l] = -init_offset * (qb[4 * l] + qb[4 * l + 1] + qb[4 * l + 2] + qb[4 * l + 3]);
       }
     }
-}
-
-// Q4_K's 12 bytes of 6-bit scales and mins -> 8 scales, then 8 mins (ggml get_scale_min_k4, as
-// llama.cpp unpacks them: three 32-bit words).
-inline void q4k_scales_mins(const uint8_t* sc, uint8_t out[16]) {
-  uint32_t u[4];
-  std::memcpy(u, sc, 12);
-  constexpr uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-  u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
-  const uint32_t mins_low = u[1] & k1;
-  u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
-  u[2] = mins_low;
-  u[0] &= k1;
-  std::memcpy(out, u, 16);
 }
 
 namespace avx2q {  // 32 values per vector, `maddubs` + `madd` (codes <= 63 or signed: no int16 saturation)
@@ -1022,10 +1006,8 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64
     const uint8_t* wp = w.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();
     const int64_t row_bytes = w.size(1);
-    if (x.scalar_type() == torch::kBFloat16) {
-      const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-      return avx512bf::quant_linear(xp, M, K, wp, row_bytes, yp, N, qtype);
-    }
+    if (x.scalar_type() == torch::kBFloat16)
+      return avx512bf::quant_linear(x.data_ptr<at::BFloat16>(), M, K, wp, row_bytes, yp, N, qtype);
     const float* xp = x.data_ptr<float>();
     if (use_avx512()) return avx512::quant_linear(xp, M, K, wp, row_bytes, yp, N, qtype);
     avx2::quant_linear(xp, M, K, wp, row_bytes, yp, N, qtype);
