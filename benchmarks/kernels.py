@@ -8,8 +8,8 @@ random keys and values at the context length (costs do not depend on the values)
 - cpu-attention: decoding's attention over every layer's cache of `--model`'s shapes (so K and V
   come from memory as in decoding, not from L3), float32 and the model's dtype (bf16 where the
   CPU has bf16 instructions), T = 1, 2, 5, 9 tokens: `sdpa_attention` (torch's flash kernel) vs
-  `cpu_attention` (our kernel, engine/csrc; in bf16 on an AVX512-BF16 CPU also with its scores'
-  float32 path, `set_bf16_dots(False)`); `--attention-source OLD.cpp` adds another
+  `cpu_attention` (our kernel, engine/csrc; in bf16 on an AVX512-BF16 CPU also with its
+  widened float32 path, `set_bf16_dots(False)`); `--attention-source OLD.cpp` adds another
   version of the kernel, called directly beside this one, to compare two versions in one run:
 
     git show da268f2:engine/csrc/attention_cpu.cpp > /tmp/old.cpp
@@ -150,14 +150,14 @@ def bench_cpu_attention(S: int, repeats: int, dtype: torch.dtype, cfg: ModelConf
                 for k, v in caches:
                     attend(q, k[:, :, :S + T], v[:, :, :S + T], tail)
 
-            def every_layer_direct(kernel, q=q.reshape(1, Hkv, H // Hkv * T, D).float().contiguous(), caches=caches):
+            def every_layer_direct(kernel, q=q.reshape(1, Hkv, H // Hkv * T, D).contiguous(), caches=caches):
                 for k, v in caches:  # the unmasked keys, as cpu_attention calls the kernel for them
                     kernel.few_row_attention(q, k[:, :, :S], v[:, :, :S])
             name = f"T={T}" if kv_dtype == torch.float32 else f"{str(kv_dtype).removeprefix('torch.')} T={T}"
             fns = {"sdpa_attention": lambda f=every_layer: f(sdpa_attention),
                    "cpu_attention": lambda f=every_layer: f(cpu_attention)}
             if kv_dtype == torch.bfloat16 and cpu_kernel().uses_bf16_dots():  # bf16 queries widened to float32
-                fns["cpu_attention, float32 scores"] = with_setting(cpu_kernel().set_bf16_dots, False, True,
+                fns["cpu_attention, widened to float32"] = with_setting(cpu_kernel().set_bf16_dots, False, True,
                                                                     lambda f=every_layer: f(cpu_attention))
             if H // Hkv * T <= FEW_ROWS:
                 fns |= {kname: lambda f=every_layer_direct, k=k: f(k) for kname, k in kernels.items()}

@@ -7,7 +7,8 @@
 // across threads (flash-decoding), merging the chunks by their log-sum-exp. Queries float32 or
 // bfloat16, outputs float32; K and V float32 or bfloat16 (widened to float32 as they are loaded:
 // a bf16 cache is half the bytes to read); the same sums as SDPA in another order. A bf16 model
-// on a CPU with AVX512-BF16 takes its scores in bf16 dot products (`bf16dots`, exact products).
+// on a CPU with AVX512-BF16 takes its scores, and P.V with P rounded to bf16, in bf16 dot products
+// (`bf16dots`, exact products).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -188,6 +189,70 @@ void chunk_scores(const at::BFloat16* q, int64_t R, const at::BFloat16* k, int64
   by_six_rows(R, [&](auto nr, int64_t r) { scores_rows<D, decltype(nr)::value>(q + r * D, k, k_row, n, scale, s + r * kChunk); });
 }
 
+// o[r] = sum_j bf16(p[r, j]) v[j]: the probabilities rounded to bf16 (as torch's CPU flash kernel
+// and FlashAttention do for a bf16 model; l, the sum they are divided by, stays that of the float32
+// p), each product exact, two keys per lane: `vdpbf16ps` over V rows j and j + 1 interleaved
+// (unpacklo/hi: lane i of `lo` holds dim 8 (i / 4) + i % 4, of `hi` the 4 after), the rows' sums
+// un-interleaved at the end. Keys in pairs (0, 1), (2, 3) ... whatever the row count, and a
+// missing last key is a zero, so a row's output is what it alone gives. Half the instructions of
+// the widened loop; kBlock keys at a time for all dims while their V rows are in L1.
+template <int D, int NR>
+void values_rows(const float* p, const at::BFloat16* v, int64_t v_row, int64_t n, float* o) {
+  static_assert(D % 32 == 0 && kBlock % 2 == 0, "32 dims per dot product, keys in pairs");
+  constexpr int kRowsPerPass = kBlock * 32 / D;  // the next block's rows, prefetched over the passes
+  alignas(64) uint32_t pairs[NR][kChunk / 2];  // row r's (bf16 p[2 i], bf16 p[2 i + 1]) as word i
+  alignas(64) float sums[NR][D];  // interleaved as the lanes are
+  for (int r = 0; r < NR; ++r) {
+    auto* bf = reinterpret_cast<uint16_t*>(pairs[r]);
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 keep = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+      _mm256_mask_storeu_epi16(bf + j, keep, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(keep, p + r * kChunk + j)));
+    }
+    if (n % 2) bf[n] = 0;
+    std::fill(sums[r], sums[r] + D, 0.f);
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+    const int64_t j1 = std::min(n, j0 + kBlock);
+    for (int d0 = 0; d0 < D; d0 += 32) {
+      prefetch_rows<D, kRowsPerPass>(v + (j0 + kAhead + d0 / 32 * kRowsPerPass) * v_row, v_row);
+      __m512 acc[NR][2];
+      for (int r = 0; r < NR; ++r) acc[r][0] = _mm512_load_ps(sums[r] + d0), acc[r][1] = _mm512_load_ps(sums[r] + d0 + 16);
+      const auto pair = [&](int64_t j, __m512i a, __m512i b) {
+        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        for (int r = 0; r < NR; ++r) {
+          const __m512bh pj = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[r][j / 2]));
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], pj, lo);
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], pj, hi);
+        }
+      };
+      int64_t j = j0;
+      for (; j + 4 <= j1; j += 4) {
+        const __m512i a = _mm512_loadu_si512(v + j * v_row + d0), b = _mm512_loadu_si512(v + (j + 1) * v_row + d0);
+        const __m512i c = _mm512_loadu_si512(v + (j + 2) * v_row + d0), e = _mm512_loadu_si512(v + (j + 3) * v_row + d0);
+        pair(j, a, b);
+        pair(j + 2, c, e);
+      }
+      for (; j < j1; j += 2)
+        pair(j, _mm512_loadu_si512(v + j * v_row + d0),
+             j + 1 < j1 ? _mm512_loadu_si512(v + (j + 1) * v_row + d0) : _mm512_setzero_si512());
+      for (int r = 0; r < NR; ++r) _mm512_store_ps(sums[r] + d0, acc[r][0]), _mm512_store_ps(sums[r] + d0 + 16, acc[r][1]);
+    }
+  }
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+  for (int r = 0; r < NR; ++r)
+    for (int d0 = 0; d0 < D; d0 += 32) {
+      const __m512 lo = _mm512_load_ps(sums[r] + d0), hi = _mm512_load_ps(sums[r] + d0 + 16);
+      _mm512_storeu_ps(o + r * D + d0, _mm512_permutex2var_ps(lo, first, hi));
+      _mm512_storeu_ps(o + r * D + d0 + 16, _mm512_permutex2var_ps(lo, second, hi));
+    }
+}
+
+template <int D>
+void chunk_values(int64_t R, const float* p, const at::BFloat16* v, int64_t v_row, int64_t n, float* o) {
+  by_six_rows(R, [&](auto nr, int64_t r) { values_rows<D, decltype(nr)::value>(p + r * kChunk, v, v_row, n, o + r * D); });
+}
+
 }  // namespace bf16dots
 #pragma GCC pop_options
 
@@ -301,6 +366,12 @@ std::vector<torch::Tensor> attend(const torch::Tensor& q, const torch::Tensor& k
         chunk_scores<D, KV>(qp + bh * R * D, R, kc, k.stride(2), n, scale, s.data());
       }
       chunk_softmax(R, rows_n.data(), n, s.data(), mp + t * R, lp + t * R);
+      if constexpr (std::is_same_v<KV, at::BFloat16> && D % 32 == 0) {
+        if (dots) {
+          bf16dots::chunk_values<D>(R, s.data(), vc, v.stride(2), n, op + t * R * D);
+          continue;
+        }
+      }
       chunk_values<D, KV>(R, s.data(), vc, v.stride(2), n, op + t * R * D);
     }
   });

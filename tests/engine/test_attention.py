@@ -120,31 +120,51 @@ def test_a_chain_check_gives_each_token_what_decoding_it_alone_gives(dtype, T, S
 
 @needs_kernel
 @pytest.mark.parametrize(("Hkv", "R", "D"), [(2, 6, 128), (2, 7, 64), (1, 30, 128), (3, 13, 64)])
-@pytest.mark.parametrize("S", [1, 3, 6, 513, 1030])  # keys 4 at a time and the rest; chunk edges
+@pytest.mark.parametrize("S", [1, 3, 6, 513, 1030])  # keys 4 (scores) and 2 (values) at a time; chunk edges
 def test_bf16_queries_over_a_bf16_cache_take_exact_products_summed_in_float32(Hkv, R, D, S):
-    """A bf16 model's scores in BF16 dot products (AVX512-BF16): products of bf16 values are
-    exact, so the kernel equals float64 attention over the same bf16 values to float32 rounding,
-    as the widened path does; and each row's output does not depend on the rows beside it."""
+    """A bf16 model's attention in BF16 dot products (AVX512-BF16): the scores over the bf16 q
+    and K, and P.V with each chunk's probabilities rounded to bf16 (as torch's CPU flash kernel
+    and FlashAttention do). Products of bf16 values are exact, so the kernel equals float64
+    attention over the same values with P so rounded, to float32 rounding; it stays within P's
+    rounding (2^-8 of each weight) of exact attention; each row's output does not depend on the
+    rows beside it or on keys it does not attend to."""
     kernel = cpu_kernel()
     if not kernel.uses_bf16_dots():
         pytest.skip("this CPU has no AVX512-BF16")
     q, k, v = qkv(1, Hkv * R, Hkv, 1, S, D, seed=S + R)
     q, k, v = q.reshape(1, Hkv, R, D).bfloat16().contiguous(), k.bfloat16(), v.bfloat16()
     scores = q.double() @ k.double().transpose(-1, -2) / D ** 0.5
-    want = torch.softmax(scores, -1) @ v.double()
+    exact = torch.softmax(scores, -1)
     out, lse = kernel.few_row_attention(q, k, v)
     assert out.dtype == torch.float32
-    assert torch.allclose(out.double(), want, atol=2e-6, rtol=1e-5)
+    assert torch.allclose(out.double(), bf16_p_attention(scores, v.double()), atol=2e-5, rtol=1e-5)
+    assert ((out.double() - exact @ v.double()).abs() <= 2 ** -8 * (exact @ v.double().abs()) + 2e-6).all()
     assert torch.allclose(lse.double(), torch.logsumexp(scores, -1), atol=1e-4, rtol=1e-5)
     try:
         kernel.set_bf16_dots(False)
         widened, _ = kernel.few_row_attention(q, k, v)  # the float32 path, on the same values
     finally:
         kernel.set_bf16_dots(True)
-    assert torch.allclose(widened.double(), want, atol=2e-6, rtol=1e-5)
+    assert torch.allclose(widened.double(), exact @ v.double(), atol=2e-6, rtol=1e-5)
     for r in (1, 5, R - 1):
         alone, _ = kernel.few_row_attention(q[:, :, r:r + 1].contiguous(), k, v)
         assert torch.equal(alone[:, :, 0], out[:, :, r])
+    n = S // 2 + 1  # every row over its first n keys: what the cache's first n keys alone give
+    fewer, _ = kernel.few_row_attention(q, k, v, torch.full((R,), n))
+    assert torch.equal(fewer, kernel.few_row_attention(q, k[:, :, :n], v[:, :, :n])[0])
+
+
+def bf16_p_attention(scores: torch.Tensor, v: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """float64 attention as the kernel computes it over a bf16 cache: per chunk of `chunk` keys,
+    p = exp(s - the chunk's max) rounded to bf16 for P.V, the chunks merged by their sums of p."""
+    parts = []
+    for s, vc in zip(scores.split(chunk, -1), v.split(chunk, -2)):
+        m = s.amax(-1, keepdim=True)
+        p = torch.exp(s - m)
+        parts.append((p.float().bfloat16().double() @ vc, m, p.sum(-1, keepdim=True)))
+    top = torch.stack([m for _, m, _ in parts]).amax(0)
+    weights = [torch.exp(m - top) for _, m, _ in parts]
+    return sum(w * o for w, (o, _, _) in zip(weights, parts)) / sum(w * s for w, (_, _, s) in zip(weights, parts))
 
 
 def test_what_the_kernel_does_not_take_goes_to_sdpa_unchanged():
