@@ -630,6 +630,13 @@ inline void quantize_activations(const float* x, int64_t M, int64_t K, int8_t* q
     }
 }
 
+struct QuickType {  // what a quick type is unless it says otherwise (each ISA's types below)
+  static constexpr bool kRowScaled = false;  // each row's dx folded into the block's scales (AVX-512)
+  static constexpr int kInitOffset = 0;       // codes stored as w + C: each dot product starts at -C sum(x)
+  static constexpr bool kQ4KOrder = false;    // activations in Q4_K order (see avx512q::Q4_K)
+  static constexpr bool kSigned = false;      // signed codes (AVX2 `maddubs` with sign tricks)
+};
+
 namespace avx2q {  // 32 values per vector, `maddubs` + `madd` (codes <= 63 or signed: no int16 saturation)
 
 using VI = __m256i;
@@ -676,12 +683,8 @@ struct QIsa {
   }
 };
 
-struct Q4_K {
+struct Q4_K : QuickType {
   static constexpr int kValues = 256, kBytes = 144, kChunks = 8, kOffVecs = 1;
-  static constexpr bool kRowScaled = false;
-  static constexpr int kInitOffset = 0;
-  static constexpr bool kQ4KOrder = false;
-  static constexpr bool kSigned = false;
   struct Block {
     const uint8_t* qs;
     float ds[8];
@@ -703,12 +706,8 @@ struct Q4_K {
   static const float* off_x(const QuickAct& a, int64_t m, int64_t blk, int) { return a.xs32 + m * (a.K / 32) + 8 * blk; }
 };
 
-struct Q6_K {
+struct Q6_K : QuickType {
   static constexpr int kValues = 256, kBytes = 210, kChunks = 8, kOffVecs = 2;
-  static constexpr bool kRowScaled = false;
-  static constexpr int kInitOffset = 0;
-  static constexpr bool kQ4KOrder = false;
-  static constexpr bool kSigned = false;
   struct Block {
     const uint8_t* b;
     float ds[16];
@@ -740,11 +739,8 @@ struct Q6_K {
 };
 
 template <int kBlockBytes, int kScaleAt>
-struct Small {  // a 32-value type with signed codes and one float16 scale: no offsets
+struct Small : QuickType {  // a 32-value type with signed codes and one float16 scale: no offsets
   static constexpr int kValues = 32, kBytes = kBlockBytes, kChunks = 1, kOffVecs = 0;
-  static constexpr bool kRowScaled = false;
-  static constexpr int kInitOffset = 0;
-  static constexpr bool kQ4KOrder = false;
   static constexpr bool kSigned = true;
   static const float* off_x(const QuickAct&, int64_t, int64_t, int) { return nullptr; }
 };
@@ -815,13 +811,12 @@ inline __m512 halves(float a, float b) {  // lanes 0-7 a, 8-15 b
 
 inline __m512i join(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
 
-struct Q4_K {  // the activations' dx folded into the 8 sub-block scales once per block and row
+struct Q4_K : QuickType {  // the activations' dx folded into the 8 sub-block scales once per block and row
   // The activations come in Q4_K order: per 128 values, blocks of 32 stored as 0, 2, 1, 3, so
   // the low nibbles of 64 bytes of qs (sub-blocks 4 g and 4 g + 2) and their high nibbles
   // (4 g + 1, 4 g + 3) each meet 64 consecutive activations.
   static constexpr int kValues = 256, kBytes = 144, kChunks = 4, kOffVecs = 1;
-  static constexpr bool kSigned = false, kRowScaled = true, kQ4KOrder = true;
-  static constexpr int kInitOffset = 0;
+  static constexpr bool kRowScaled = true, kQ4KOrder = true;
   struct Block {
     const uint8_t* qs;
     __m256 ds;  // d * scale of the 8 sub-blocks
@@ -847,12 +842,9 @@ struct Q4_K {  // the activations' dx folded into the 8 sub-block scales once pe
   static const float* off_x(const QuickAct& a, int64_t m, int64_t blk, int) { return a.xs32 + m * (a.K / 32) + 8 * blk; }
 };
 
-struct Q6_K {  // the activations' dx folded into the 16 group scales once per block and row
+struct Q6_K : QuickType {  // the activations' dx folded into the 16 group scales once per block and row
   static constexpr int kValues = 256, kBytes = 210, kChunks = 4, kOffVecs = 2;
   static constexpr bool kRowScaled = true;
-  static constexpr int kInitOffset = 0;
-  static constexpr bool kQ4KOrder = false;
-  static constexpr bool kSigned = false;
   struct Block {
     const uint8_t* b;
     __m512 ds;  // d * scale of the 16 groups of 16
@@ -888,11 +880,10 @@ struct Q6_K {  // the activations' dx folded into the 16 group scales once per b
 };
 
 template <int kBlockBytes, int kOffset>
-struct Pair {  // two blocks of a 32-value type: codes w + kOffset (unsigned), each dot started at -kOffset sum(x)
+struct Pair : QuickType {  // two blocks of a 32-value type: codes w + kOffset (unsigned), each dot started at -kOffset sum(x)
   static constexpr int kValues = 64, kBytes = 2 * kBlockBytes, kChunks = 1, kOffVecs = 0;
-  static constexpr bool kSigned = false, kRowScaled = true;  // (d_a dx_a, d_b dx_b) once per pair and row
+  static constexpr bool kRowScaled = true;  // (d_a dx_a, d_b dx_b) once per pair and row
   static constexpr int kInitOffset = kOffset;
-  static constexpr bool kQ4KOrder = false;
   static const float* off_x(const QuickAct&, int64_t, int64_t, int) { return nullptr; }
   static inline __m128 scales(const uint8_t* b) { return _mm_setr_ps(half(b), half(b + kBlockBytes), 0.0f, 0.0f); }
   static inline __m512 row_scale_of(__m128 ds, const float* dx) {  // lanes 0, 1: d_a dx_a, d_b dx_b
