@@ -738,41 +738,31 @@ struct Q6_K : QuickType {
   }
 };
 
-template <int kBlockBytes, int kScaleAt>
-struct Small : QuickType {  // a 32-value type with signed codes and one float16 scale: no offsets
+// a 32-value type with signed codes (T::codes_of a block) and one float16 scale at its start: no offsets
+template <class T, int kBlockBytes>
+struct Small : QuickType {
   static constexpr int kValues = 32, kBytes = kBlockBytes, kChunks = 1, kOffVecs = 0;
   static constexpr bool kSigned = true;
   static const float* off_x(const QuickAct&, int64_t, int64_t, int) { return nullptr; }
-};
-
-struct Q8_0 : Small<34, 0> {
   struct Block {
     const uint8_t* b;
     __m256 ov[1];
     explicit ALWAYS_INLINE Block(const uint8_t* p) : b(p) {}
-    ALWAYS_INLINE VI codes(int) const { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)); }
+    ALWAYS_INLINE VI codes(int) const { return T::codes_of(b); }
     ALWAYS_INLINE VF scale(int) const { return _mm256_set1_ps(half(b)); }
   };
 };
 
-struct Q5_0 : Small<22, 0> {
-  struct Block {
-    const uint8_t* b;
-    __m256 ov[1];
-    explicit ALWAYS_INLINE Block(const uint8_t* p) : b(p) {}
-    ALWAYS_INLINE VI codes(int) const { return q5_0_codes(b); }
-    ALWAYS_INLINE VF scale(int) const { return _mm256_set1_ps(half(b)); }
-  };
+struct Q8_0 : Small<Q8_0, 34> {
+  static ALWAYS_INLINE VI codes_of(const uint8_t* b) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)); }
 };
 
-struct Q4_0 : Small<18, 0> {
-  struct Block {
-    const uint8_t* b;
-    __m256 ov[1];
-    explicit ALWAYS_INLINE Block(const uint8_t* p) : b(p) {}
-    ALWAYS_INLINE VI codes(int) const { return _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8)); }
-    ALWAYS_INLINE VF scale(int) const { return _mm256_set1_ps(half(b)); }
-  };
+struct Q5_0 : Small<Q5_0, 22> {
+  static ALWAYS_INLINE VI codes_of(const uint8_t* b) { return q5_0_codes(b); }
+};
+
+struct Q4_0 : Small<Q4_0, 18> {
+  static ALWAYS_INLINE VI codes_of(const uint8_t* b) { return _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8)); }
 };
 
 #define BOOKCHAT_QUICK_GENERIC
@@ -879,8 +869,10 @@ struct Q6_K : QuickType {  // the activations' dx folded into the 16 group scale
   }
 };
 
-template <int kBlockBytes, int kOffset>
-struct Pair : QuickType {  // two blocks of a 32-value type: codes w + kOffset (unsigned), each dot started at -kOffset sum(x)
+// two blocks of a 32-value type: codes w + kOffset (unsigned, T::codes_of two blocks), each dot
+// started at -kOffset sum(x)
+template <class T, int kBlockBytes, int kOffset>
+struct Pair : QuickType {
   static constexpr int kValues = 64, kBytes = 2 * kBlockBytes, kChunks = 1, kOffVecs = 0;
   static constexpr bool kRowScaled = true;  // (d_a dx_a, d_b dx_b) once per pair and row
   static constexpr int kInitOffset = kOffset;
@@ -892,6 +884,15 @@ struct Pair : QuickType {  // two blocks of a 32-value type: codes w + kOffset (
   static inline VF lanes_of(__m512 row) {  // lanes 0-7: block a, 8-15: block b
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), row);
   }
+  struct Block {
+    const uint8_t* b;
+    __m128 ds;
+    __m256 ov[1];
+    explicit inline Block(const uint8_t* p) : b(p), ds(scales(p)) {}
+    inline __m512 row_scale(const float* dx) const { return row_scale_of(ds, dx); }
+    static inline VF scale_of(__m512 row, int) { return lanes_of(row); }
+    inline VI codes(int) const { return T::codes_of(b); }
+  };
 };
 
 // the nibbles of two 16-byte qs: [a low, a high, b low, b high] (values 0-31 of a, then of b)
@@ -901,50 +902,26 @@ inline __m512i pair_nibbles(const uint8_t* qa, const uint8_t* qb) {
   return _mm512_and_si512(_mm512_srlv_epi64(t, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0)), _mm512_set1_epi8(0xF));
 }
 
-struct Q8_0 : Pair<34, 128> {  // codes w + 128
-  struct Block {
-    const uint8_t* b;
-    __m128 ds;
-    __m256 ov[1];
-    explicit inline Block(const uint8_t* p) : b(p), ds(scales(p)) {}
-    inline __m512 row_scale(const float* dx) const { return row_scale_of(ds, dx); }
-    static inline VF scale_of(__m512 row, int) { return lanes_of(row); }
-    inline VI codes(int) const {
-      return _mm512_xor_si512(join(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)),
-                                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 36))),
-                              _mm512_set1_epi8(-128));
-    }
-  };
+struct Q8_0 : Pair<Q8_0, 34, 128> {  // codes w + 128
+  static inline VI codes_of(const uint8_t* b) {
+    return _mm512_xor_si512(join(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)),
+                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 36))),
+                            _mm512_set1_epi8(-128));
+  }
 };
 
-struct Q5_0 : Pair<22, 16> {  // codes 0..31: nibble, and 16 where qh's bit is set
-  struct Block {
-    const uint8_t* b;
-    __m128 ds;
-    __m256 ov[1];
-    explicit inline Block(const uint8_t* p) : b(p), ds(scales(p)) {}
-    inline __m512 row_scale(const float* dx) const { return row_scale_of(ds, dx); }
-    static inline VF scale_of(__m512 row, int) { return lanes_of(row); }
-    inline VI codes(int) const {
-      uint32_t qa, qb;
-      std::memcpy(&qa, b + 2, 4);
-      std::memcpy(&qb, b + 24, 4);
-      const __m512i nibbles = pair_nibbles(b + 6, b + 28);
-      return _mm512_mask_add_epi8(nibbles, _cvtu64_mask64(qa | static_cast<uint64_t>(qb) << 32), nibbles, _mm512_set1_epi8(16));
-    }
-  };
+struct Q5_0 : Pair<Q5_0, 22, 16> {  // codes 0..31: nibble, and 16 where qh's bit is set
+  static inline VI codes_of(const uint8_t* b) {
+    uint32_t qa, qb;
+    std::memcpy(&qa, b + 2, 4);
+    std::memcpy(&qb, b + 24, 4);
+    const __m512i nibbles = pair_nibbles(b + 6, b + 28);
+    return _mm512_mask_add_epi8(nibbles, _cvtu64_mask64(qa | static_cast<uint64_t>(qb) << 32), nibbles, _mm512_set1_epi8(16));
+  }
 };
 
-struct Q4_0 : Pair<18, 8> {  // codes 0..15
-  struct Block {
-    const uint8_t* b;
-    __m128 ds;
-    __m256 ov[1];
-    explicit inline Block(const uint8_t* p) : b(p), ds(scales(p)) {}
-    inline __m512 row_scale(const float* dx) const { return row_scale_of(ds, dx); }
-    static inline VF scale_of(__m512 row, int) { return lanes_of(row); }
-    inline VI codes(int) const { return pair_nibbles(b + 2, b + 20); }
-  };
+struct Q4_0 : Pair<Q4_0, 18, 8> {  // codes 0..15
+  static inline VI codes_of(const uint8_t* b) { return pair_nibbles(b + 2, b + 20); }
 };
 
 #define BOOKCHAT_QUICK_GENERIC

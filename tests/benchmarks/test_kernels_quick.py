@@ -18,7 +18,7 @@ def test_cpu_attention_bench_times_both_kernels(tmp_path):
     result = json.loads(out.read_text())["results"]["cpu-attention S=256"]
     steps = ["T=1", "T=2", "T=5", "T=9"]
     assert sorted(result) == steps + [f"bfloat16 {t}" for t in steps]  # float32 and the model's dtype
-    widened = {"cpu_attention, float32 scores"} if cpu_kernel().uses_bf16_dots() else set()  # AVX512-BF16
+    widened = {"cpu_attention, widened to float32"} if cpu_kernel().uses_bf16_dots() else set()  # AVX512-BF16
     for name, row in result.items():
         assert set(row) == {"sdpa_attention", "cpu_attention"} | (widened if name.startswith("bfloat16") else set())
         assert all(t["min_ms"] > 0 for t in row.values())
