@@ -195,7 +195,8 @@ void chunk_scores(const at::BFloat16* q, int64_t R, const at::BFloat16* k, int64
 // (unpacklo/hi: lane i of `lo` holds dim 8 (i / 4) + i % 4, of `hi` the 4 after), the rows' sums
 // un-interleaved at the end. Keys in pairs (0, 1), (2, 3) ... whatever the row count, and a
 // missing last key is a zero, so a row's output is what it alone gives. Half the instructions of
-// the widened loop; kBlock keys at a time for all dims while their V rows are in L1.
+// the widened loop; kBlock keys at a time for all dims while their V rows are in L1. The 1.5B at
+// 8K and 32K, 1 thread: checks of 5 and 9 tokens 0.84x and 0.81x the time, one token unchanged.
 template <int D, int NR>
 void values_rows(const float* p, const at::BFloat16* v, int64_t v_row, int64_t n, float* o) {
   static_assert(D % 32 == 0 && kBlock % 2 == 0, "32 dims per dot product, keys in pairs");
