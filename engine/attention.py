@@ -78,7 +78,10 @@ def _split_attention(q, k, v, tail, attend_head=None, is_tree=None):
 
 # The compiled CPU kernel: for R = G*T query rows up to this many it beats torch's flash kernel
 # (24 layers at 32K keys, 2 threads: R = 7 / 35 / 63 in 45 / 145 / 247 ms vs 77 / 188 / 279 ms,
-# benchmarks/RESULTS.md); larger calls (prefill chunks) are GEMM-shaped and stay on flash.
+# benchmarks/RESULTS.md); larger float32 calls (prefill chunks) are GEMM-shaped and stay on flash.
+# A bf16 model's prefill chunks, where the kernel takes BF16 dot products, go through it in
+# slices of at most FEW_ROWS rows: a 512-token chunk of the 1.5B, 2 threads, AVX512-BF16 EPYC,
+# 99 vs 151 ms a layer at 8K keys, 401 vs 596 at 32K (RESULTS, "Prefill attention").
 FEW_ROWS = 64
 HEAD_DIMS = (16, 32, 64, 128)  # the kernel's instantiations
 _CPU_SOURCE = Path(__file__).parent / "csrc" / "attention_cpu.cpp"
@@ -96,26 +99,43 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # of the cache; the kernel sums
 
 def cpu_attention(q, k, v, tail, is_tree=None):
     """`sdpa_attention` with the compiled kernel for the unmasked keys of calls of few rows
-    (decoding, drafts, checks): its answer is SDPA's up to float32 rounding (bf16 caches are
-    read as bf16 and summed in float32, as torch's flash kernel does; a bf16 model's scores
-    in exact bf16 products where the CPU has AVX512-BF16). Shapes as SDPA's."""
+    (decoding, drafts, checks), and for a bf16 model's causal chains of any length (prefill): its
+    answer is SDPA's up to float32 rounding (bf16 caches are read as bf16 and summed in float32,
+    as torch's flash kernel does; a bf16 model's scores and P.V in exact bf16 products where the
+    CPU has AVX512-BF16). Shapes as SDPA's."""
     B, H, T, D = q.shape
-    Hkv = k.shape[1]
-    kernel = cpu_kernel()
+    Hkv, S = k.shape[1], k.shape[2]
+    G, kernel = H // Hkv, cpu_kernel()
     if (kernel is None or q.dtype not in KERNEL_DTYPES or k.dtype != q.dtype or D not in HEAD_DIMS
-            or (H // Hkv) * T > FEW_ROWS or k.stride(3) != 1 or v.stride(3) != 1):
+            or k.stride(3) != 1 or v.stride(3) != 1):
         return sdpa_attention(q, k, v, tail, is_tree)
-    def rows(q_folded):  # bf16 queries stay bf16: the kernel's BF16 dots where it has them
-        return (q_folded if q_folded.dtype == torch.bfloat16 else q_folded.float()).contiguous()
-    row_keys = None
-    if tail is not None and T > 1:
-        if is_tree if is_tree is not None else is_tree_mask(tail):
-            return _split_attention(q, k, v, tail, lambda q_folded, k_head, v_head: kernel.few_row_attention(
-                rows(q_folded), k_head, v_head), is_tree)
-        # a chain: folded row g * T + t attends to the keys up to its own token, each row what
-        # decoding that token alone computes, bit for bit (a check commits decoding's tokens)
-        row_keys = (k.shape[2] - T + 1 + torch.arange(T)).repeat(H // Hkv)
-    out, _ = kernel.few_row_attention(rows(q.reshape(B, Hkv, (H // Hkv) * T, D)), k, v, row_keys)
+    if tail is not None and T > 1 and (is_tree if is_tree is not None else is_tree_mask(tail)):
+        if G * T > FEW_ROWS:
+            return sdpa_attention(q, k, v, tail, is_tree)
+        return _split_attention(q, k, v, tail, lambda q_folded, k_head, v_head: kernel.few_row_attention(
+            _kernel_rows(q_folded), k_head, v_head), is_tree)
+    is_chain = tail is not None and T > 1
+    if G * T <= FEW_ROWS:
+        return _chain_attention(kernel, q, k, v, S - T if is_chain else None)
+    if not is_chain or q.dtype != torch.bfloat16 or not kernel.uses_bf16_dots():
+        return sdpa_attention(q, k, v, tail, is_tree)
+    step = max(1, FEW_ROWS // G)  # tokens a slice: each a chain over the keys up to its last token
+    return torch.cat([_chain_attention(kernel, q[:, :, a:a + step], k[:, :, :S - T + min(T, a + step)],
+                                       v[:, :, :S - T + min(T, a + step)], S - T + a) for a in range(0, T, step)], dim=2)
+
+
+def _kernel_rows(q_folded):  # bf16 queries stay bf16: the kernel's BF16 dots where it has them
+    return (q_folded if q_folded.dtype == torch.bfloat16 else q_folded.float()).contiguous()
+
+
+def _chain_attention(kernel, q, k, v, before: int | None):
+    """q's tokens over the keys in one kernel call: token t sees the first `before` + t + 1 keys
+    (a chain after `before` keys), each row what decoding that token alone computes, bit for bit
+    (a check commits decoding's tokens); every key when `before` is None."""
+    B, H, T, D = q.shape
+    G = H // k.shape[1]
+    row_keys = None if before is None else (before + 1 + torch.arange(T)).repeat(G)  # folded row g * T + t
+    out, _ = kernel.few_row_attention(_kernel_rows(q.reshape(B, k.shape[1], G * T, D)), k, v, row_keys)
     return out.reshape(B, H, T, D).to(q.dtype)
 
 

@@ -154,6 +154,29 @@ def test_bf16_queries_over_a_bf16_cache_take_exact_products_summed_in_float32(Hk
     assert torch.equal(fewer, kernel.few_row_attention(q, k[:, :, :n], v[:, :, :n])[0])
 
 
+@needs_kernel
+@pytest.mark.parametrize(("H", "Hkv", "D", "T", "S"), [(12, 2, 128, 40, 1100), (14, 2, 64, 23, 23), (9, 3, 64, 70, 600)])
+def test_a_bf16_prefill_chunk_gives_each_token_what_decoding_it_alone_gives(H, Hkv, D, T, S):
+    """A bf16 model's prefill chunk (more rows than FEW_ROWS) goes through the kernel's BF16 dots
+    in slices of few rows where the CPU has them: each token's output is then bit for bit what
+    decoding it alone over its prefix computes, and within bf16 rounding of float64 attention.
+    Elsewhere (no AVX512-BF16) the chunk goes to SDPA unchanged."""
+    q, k, v = (x.bfloat16() for x in qkv(1, H, Hkv, T, S, D, seed=T + S))
+    assert (H // Hkv) * T > FEW_ROWS
+    got = cpu_attention(q, k, v, chain(T))
+    if not cpu_kernel().uses_bf16_dots():
+        assert torch.equal(got, sdpa_attention(q, k, v, chain(T)))
+        return
+    for t in (0, 1, T // 2, T - 2, T - 1):
+        alone = cpu_attention(q[:, :, t:t + 1], k[:, :, :S - T + t + 1], v[:, :, :S - T + t + 1], None)
+        assert torch.equal(got[:, :, t:t + 1], alone), f"token {t} of {T}"
+    want = sdpa_attention(q.double(), k.double(), v.double(), chain(T))
+    assert torch.allclose(got.double(), want, atol=1e-2, rtol=8e-3)  # a bf16 answer
+    tree = chain(T).clone()
+    tree[T - 1, T - 2] = False  # a token tree of as many rows still goes to SDPA
+    assert torch.equal(cpu_attention(q, k, v, tree, True), sdpa_attention(q, k, v, tree, True))
+
+
 def bf16_p_attention(scores: torch.Tensor, v: torch.Tensor, chunk: int = 512) -> torch.Tensor:
     """float64 attention as the kernel computes it over a bf16 cache: per chunk of `chunk` keys,
     p = exp(s - the chunk's max) rounded to bf16 for P.V, the chunks merged by their sums of p."""
