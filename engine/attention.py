@@ -119,9 +119,7 @@ def cpu_attention(q, k, v, tail, is_tree=None):
         return _chain_attention(kernel, q, k, v, S - T if is_chain else None)
     if not is_chain or q.dtype != torch.bfloat16 or not kernel.uses_bf16_dots():
         return sdpa_attention(q, k, v, tail, is_tree)
-    step = max(1, FEW_ROWS // G)  # tokens a slice: each a chain over the keys up to its last token
-    return torch.cat([_chain_attention(kernel, q[:, :, a:a + step], k[:, :, :S - T + min(T, a + step)],
-                                       v[:, :, :S - T + min(T, a + step)], S - T + a) for a in range(0, T, step)], dim=2)
+    return _chain_attention(kernel, q, k, v, S - T)  # a bf16 prefill chunk: the kernel's packed path
 
 
 def _kernel_rows(q_folded):  # bf16 queries stay bf16: the kernel's BF16 dots where it has them

@@ -156,24 +156,37 @@ def test_bf16_queries_over_a_bf16_cache_take_exact_products_summed_in_float32(Hk
 
 @needs_kernel
 @pytest.mark.parametrize(("H", "Hkv", "D", "T", "S"), [(12, 2, 128, 40, 1100), (14, 2, 64, 23, 23), (9, 3, 64, 70, 600)])
-def test_a_bf16_prefill_chunk_gives_each_token_what_decoding_it_alone_gives(H, Hkv, D, T, S):
-    """A bf16 model's prefill chunk (more rows than FEW_ROWS) goes through the kernel's BF16 dots
-    in slices of few rows where the CPU has them: each token's output is then bit for bit what
-    decoding it alone over its prefix computes, and within bf16 rounding of float64 attention.
-    Elsewhere (no AVX512-BF16) the chunk goes to SDPA unchanged."""
+def test_a_bf16_prefill_chunk_takes_the_packed_path_exactly(H, Hkv, D, T, S):
+    """A bf16 model's prefill chunk (more rows than FEW_ROWS) goes through the kernel's packed
+    BF16-dots path where the CPU has it: each row stays within P's rounding (2^-8 of each weight)
+    of exact attention over its own keys, and close to float64 attention with P so rounded per
+    chunk; its output does not depend on the rows beside it (rows reversed: the same bits).
+    Elsewhere (no AVX512-BF16), and for token trees, the chunk goes to SDPA unchanged."""
     q, k, v = (x.bfloat16() for x in qkv(1, H, Hkv, T, S, D, seed=T + S))
-    assert (H // Hkv) * T > FEW_ROWS
+    G, R = H // Hkv, H // Hkv * T
+    assert R > FEW_ROWS
     got = cpu_attention(q, k, v, chain(T))
-    if not cpu_kernel().uses_bf16_dots():
+    kernel = cpu_kernel()
+    if not kernel.uses_bf16_dots():
         assert torch.equal(got, sdpa_attention(q, k, v, chain(T)))
         return
-    for t in (0, 1, T // 2, T - 2, T - 1):
-        alone = cpu_attention(q[:, :, t:t + 1], k[:, :, :S - T + t + 1], v[:, :, :S - T + t + 1], None)
-        assert torch.equal(got[:, :, t:t + 1], alone), f"token {t} of {T}"
-    want = sdpa_attention(q.double(), k.double(), v.double(), chain(T))
-    assert torch.allclose(got.double(), want, atol=1e-2, rtol=8e-3)  # a bf16 answer
+    q_folded = q.reshape(1, Hkv, R, D).contiguous()
+    row_keys = (S - T + 1 + torch.arange(T)).repeat(G)
+    out, lse = kernel.few_row_attention(q_folded, k, v, row_keys)
+    assert torch.equal(got, out.reshape(1, H, T, D).bfloat16())
+    scores = q_folded.double() @ k.double().transpose(-1, -2) / D ** 0.5  # [1, Hkv, R, S]
+    for r in (0, 1, T - 1, T, R // 2, R - 2, R - 1):
+        n = int(row_keys[r])
+        s, vr = scores[:, :, r:r + 1, :n], v[:, :, :n].double()
+        got_r, bound = out[:, :, r:r + 1].double(), torch.softmax(s, -1) @ vr.abs()
+        assert ((got_r - torch.softmax(s, -1) @ vr).abs() <= 2 ** -8 * bound + 2e-6).all(), r  # P's rounding
+        # float32 scores can round a p to the bf16 neighbour of float64's: 1/16 of that bound here
+        assert ((got_r - bf16_p_attention(s, vr)).abs() <= 2 ** -12 * bound + 2e-6).all(), r
+        assert torch.allclose(lse[:, :, r].double(), torch.logsumexp(s, -1)[..., 0], atol=1e-4, rtol=1e-5)
+    flipped, _ = kernel.few_row_attention(q_folded.flip(2).contiguous(), k, v, row_keys.flip(0))
+    assert torch.equal(flipped.flip(2), out)
     tree = chain(T).clone()
-    tree[T - 1, T - 2] = False  # a token tree of as many rows still goes to SDPA
+    tree[T - 1, T - 2] = False  # a token tree of as many rows goes to SDPA
     assert torch.equal(cpu_attention(q, k, v, tree, True), sdpa_attention(q, k, v, tree, True))
 
 
