@@ -309,20 +309,54 @@ void packed_scores(const at::BFloat16* q, const uint32_t* kp, int64_t n, float s
   }
 }
 
-// o[r] = sum_j bf16(p[r, j]) v[j] for NR <= 6 rows over a packed chunk: half the dims at a time
-// (D <= 64: all), 6 x 4 accumulators held over every key pair of the chunk
-template <int D, int NR>
-void packed_values(const float* p, const uint32_t* vp, int64_t n, float* o) {
-  constexpr int kDims = D < 64 ? D : 64, kVecs = kDims / 16;
-  alignas(64) uint32_t pairs[NR][kChunk / 2];
+inline __m512 exp512(__m512 x) {  // e^x for x <= 0: exp256's polynomial, 16 lanes
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  const __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(two_n));
+}
+
+// Per row of a chunk's scores s: m = max over its n[r] keys, l = sum of p = exp(s - m), and p
+// rounded to bf16 into `pairs` (two keys a word), zero from n[r] on and past the chunk's n keys
+template <int NR>
+void softmax_pairs(const float* s, const int64_t* rows_n, int64_t n, float* m, float* l, uint32_t (*pairs)[kChunk / 2]) {
   for (int r = 0; r < NR; ++r) {
+    const float* sr = s + r * kChunk;
+    const int64_t nr = rows_n[r];
     auto* bf = reinterpret_cast<uint16_t*>(pairs[r]);
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 keep = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
-      _mm256_mask_storeu_epi16(bf + j, keep, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(keep, p + r * kChunk + j)));
+    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < nr; j += 16) {
+      const __mmask16 keep = nr - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nr - j)) - 1);
+      mx = _mm512_mask_max_ps(mx, keep, mx, _mm512_maskz_loadu_ps(keep, sr + j));
     }
-    if (n % 2) bf[n] = 0;
+    const float mr = _mm512_reduce_max_ps(mx);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      const int64_t left = std::clamp<int64_t>(nr - j, 0, 16);
+      const __mmask16 keep = left == 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(keep, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, sr + j), _mm512_set1_ps(mr))));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(bf + j), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    m[r] = nr ? mr : -std::numeric_limits<float>::infinity();
+    l[r] = nr ? _mm512_reduce_add_ps(sum) : 0.f;
   }
+}
+
+// o[r] = sum_j p[r, j] v[j] for NR <= 6 rows over a packed chunk, p as bf16 pairs: half the dims
+// at a time (D <= 64: all), 6 x 4 accumulators held over every key pair of the chunk
+template <int D, int NR>
+void packed_values(const uint32_t (*pairs)[kChunk / 2], const uint32_t* vp, int64_t n, float* o) {
+  constexpr int kDims = D < 64 ? D : 64, kVecs = kDims / 16;
   for (int d0 = 0; d0 < D; d0 += kDims) {
     __m512 acc[NR][kVecs];
     for (int r = 0; r < NR; ++r)
@@ -443,6 +477,7 @@ std::vector<torch::Tensor> attend_many(const torch::Tensor& q, const torch::Tens
     std::vector<uint32_t> kp(kChunk * D / 2), vp(kChunk * D / 2);
     std::vector<float> s(6 * kChunk), oc(6 * D), m(6), l(6), run_m(block), run_l(block);
     std::vector<int64_t> rows_n(6);
+    alignas(64) uint32_t pairs[6][kChunk / 2];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bh = t / n_blocks, b = bh / Hkv, h = bh % Hkv;
       const int64_t r0 = (t % n_blocks) * block, r1 = std::min(R, r0 + block);
@@ -461,8 +496,8 @@ std::vector<torch::Tensor> attend_many(const torch::Tensor& q, const torch::Tens
           for (int i = 0; i < NR; ++i) n = std::max(n, rows_n[i] = std::clamp<int64_t>(keys[r0 + rr + i] - j0, 0, kChunk));
           if (n == 0) return;
           bf16dots::packed_scores<D, NR>(qb + (bh * R + r0 + rr) * D, kp.data(), n, scale, s.data());
-          chunk_softmax(NR, rows_n.data(), n, s.data(), m.data(), l.data());
-          bf16dots::packed_values<D, NR>(s.data(), vp.data(), n, oc.data());
+          bf16dots::softmax_pairs<NR>(s.data(), rows_n.data(), n, m.data(), l.data(), pairs);
+          bf16dots::packed_values<D, NR>(pairs, vp.data(), n, oc.data());
           for (int i = 0; i < NR; ++i) {  // into the row's running max, sum and output
             if (l[i] == 0.f) continue;
             float &mr = run_m[rr + i], &lr = run_l[rr + i];

@@ -155,7 +155,8 @@ def test_bf16_queries_over_a_bf16_cache_take_exact_products_summed_in_float32(Hk
 
 
 @needs_kernel
-@pytest.mark.parametrize(("H", "Hkv", "D", "T", "S"), [(12, 2, 128, 40, 1100), (14, 2, 64, 23, 23), (9, 3, 64, 70, 600)])
+@pytest.mark.parametrize(("H", "Hkv", "D", "T", "S"),
+                         [(12, 2, 128, 40, 1100), (14, 2, 64, 23, 23), (9, 3, 64, 70, 600)])
 def test_a_bf16_prefill_chunk_takes_the_packed_path_exactly(H, Hkv, D, T, S):
     """A bf16 model's prefill chunk (more rows than FEW_ROWS) goes through the kernel's packed
     BF16-dots path where the CPU has it: each row stays within P's rounding (2^-8 of each weight)
