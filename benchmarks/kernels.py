@@ -7,7 +7,8 @@ random keys and values at the context length (costs do not depend on the values)
   a [G*T, S] boolean mask (the previous kernel, still the non-CPU fallback) vs `sdpa_attention`.
 - cpu-attention: decoding's attention over every layer's cache of `--model`'s shapes (so K and V
   come from memory as in decoding, not from L3), float32 and the model's dtype (bf16 where the
-  CPU has bf16 instructions), T = 1, 2, 5, 9 tokens: `sdpa_attention` (torch's flash kernel) vs
+  CPU has bf16 instructions), T = 1, 2, 5, 9 tokens (and a 512-token prefill chunk in bf16 where
+  the kernel has BF16 dots: its packed path): `sdpa_attention` (torch's flash kernel) vs
   `cpu_attention` (our kernel, engine/csrc; in bf16 on an AVX512-BF16 CPU also with its
   widened float32 path, `set_bf16_dots(False)`); `--attention-source OLD.cpp` adds another
   version of the kernel, called directly beside this one, to compare two versions in one run:
@@ -140,9 +141,11 @@ def bench_cpu_attention(S: int, repeats: int, dtype: torch.dtype, cfg: ModelConf
     kernels = {"this kernel": cpu_kernel(), other[0]: other[1]} if other is not None else {}
     out = {}
     for kv_dtype in dict.fromkeys((torch.float32, dtype)):  # float32, and the model's dtype
-        caches = [(torch.randn(1, Hkv, S + 9, D).to(kv_dtype), torch.randn(1, Hkv, S + 9, D).to(kv_dtype))
+        prefill = (512,) if kv_dtype == torch.bfloat16 and cpu_kernel().uses_bf16_dots() else ()  # packed path
+        n = S + max((9, *prefill))
+        caches = [(torch.randn(1, Hkv, n, D).to(kv_dtype), torch.randn(1, Hkv, n, D).to(kv_dtype))
                   for _ in range(layers)]
-        for T in (1, 2, 5, 9):
+        for T in (1, 2, 5, 9, *prefill):
             q = torch.randn(1, H, T, D).to(kv_dtype)
             tail = torch.ones(T, T, dtype=torch.bool).tril() if T > 1 else None
 
@@ -156,7 +159,7 @@ def bench_cpu_attention(S: int, repeats: int, dtype: torch.dtype, cfg: ModelConf
             name = f"T={T}" if kv_dtype == torch.float32 else f"{str(kv_dtype).removeprefix('torch.')} T={T}"
             fns = {"sdpa_attention": lambda f=every_layer: f(sdpa_attention),
                    "cpu_attention": lambda f=every_layer: f(cpu_attention)}
-            if kv_dtype == torch.bfloat16 and cpu_kernel().uses_bf16_dots():  # bf16 queries widened to float32
+            if kv_dtype == torch.bfloat16 and cpu_kernel().uses_bf16_dots() and T not in prefill:  # widened
                 fns["cpu_attention, widened to float32"] = with_setting(cpu_kernel().set_bf16_dots, False, True,
                                                                     lambda f=every_layer: f(cpu_attention))
             if H // Hkv * T <= FEW_ROWS:

@@ -8,7 +8,8 @@
 // bfloat16, outputs float32; K and V float32 or bfloat16 (widened to float32 as they are loaded:
 // a bf16 cache is half the bytes to read); the same sums as SDPA in another order. A bf16 model
 // on a CPU with AVX512-BF16 takes its scores, and P.V with P rounded to bf16, in bf16 dot products
-// (`bf16dots`, exact products).
+// (`bf16dots`, exact products); its calls of many rows (prefill chunks) take `attend_many`, which
+// packs K and V once per chunk so that every instruction is a product.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -309,20 +310,9 @@ void packed_scores(const at::BFloat16* q, const uint32_t* kp, int64_t n, float s
   }
 }
 
-inline __m512 exp512(__m512 x) {  // e^x for x <= 0: exp256's polynomial, 16 lanes
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-  const __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(two_n));
+inline __m512 exp512(__m512 x) {  // e^x for x <= 0: exp256 on each half
+  return _mm512_insertf32x8(_mm512_castps256_ps512(exp256(_mm512_castps512_ps256(x))),
+                            exp256(_mm512_extractf32x8_ps(x, 1)), 1);
 }
 
 // Per row of a chunk's scores s: m = max over its n[r] keys, l = sum of p = exp(s - m), and p
