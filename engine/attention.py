@@ -110,17 +110,15 @@ def cpu_attention(q, k, v, tail, is_tree=None):
     if (kernel is None or q.dtype not in KERNEL_DTYPES or k.dtype != q.dtype or D not in HEAD_DIMS
             or k.stride(3) != 1 or v.stride(3) != 1):
         return sdpa_attention(q, k, v, tail, is_tree)
-    if tail is not None and T > 1 and (is_tree if is_tree is not None else is_tree_mask(tail)):
+    is_chain = tail is not None and T > 1
+    if is_chain and (is_tree if is_tree is not None else is_tree_mask(tail)):
         if G * T > FEW_ROWS:
             return sdpa_attention(q, k, v, tail, is_tree)
         return _split_attention(q, k, v, tail, lambda q_folded, k_head, v_head: kernel.few_row_attention(
             _kernel_rows(q_folded), k_head, v_head), is_tree)
-    is_chain = tail is not None and T > 1
-    if G * T <= FEW_ROWS:
-        return _chain_attention(kernel, q, k, v, S - T if is_chain else None)
-    if not is_chain or q.dtype != torch.bfloat16 or not kernel.uses_bf16_dots():
-        return sdpa_attention(q, k, v, tail, is_tree)
-    return _chain_attention(kernel, q, k, v, S - T)  # a bf16 prefill chunk: the kernel's packed path
+    if G * T > FEW_ROWS and not (is_chain and q.dtype == torch.bfloat16 and kernel.uses_bf16_dots()):
+        return sdpa_attention(q, k, v, tail, is_tree)  # a float32 prefill chunk: GEMM-shaped, flash
+    return _chain_attention(kernel, q, k, v, S - T if is_chain else None)
 
 
 def _kernel_rows(q_folded):  # bf16 queries stay bf16: the kernel's BF16 dots where it has them
@@ -129,8 +127,9 @@ def _kernel_rows(q_folded):  # bf16 queries stay bf16: the kernel's BF16 dots wh
 
 def _chain_attention(kernel, q, k, v, before: int | None):
     """q's tokens over the keys in one kernel call: token t sees the first `before` + t + 1 keys
-    (a chain after `before` keys), each row what decoding that token alone computes, bit for bit
-    (a check commits decoding's tokens); every key when `before` is None."""
+    (a chain after `before` keys), every key when `before` is None. In a call of at most FEW_ROWS
+    rows each row is what decoding that token alone computes, bit for bit (a check commits
+    decoding's tokens); more rows (a bf16 prefill chunk) take the kernel's packed path."""
     B, H, T, D = q.shape
     G = H // k.shape[1]
     row_keys = None if before is None else (before + 1 + torch.arange(T)).repeat(G)  # folded row g * T + t
