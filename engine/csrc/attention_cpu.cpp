@@ -622,8 +622,10 @@ std::vector<torch::Tensor> few_row_attention(const torch::Tensor& q, const torch
 
 }  // namespace
 
+using nogil = py::call_guard<py::gil_scoped_release>;  // as quant_cpu.cpp says why
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("few_row_attention", &few_row_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("row_keys") = py::none());
+  m.def("few_row_attention", &few_row_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("row_keys") = py::none(), nogil());
   m.def("uses_bf16_dots", [] { return has_bf16_dots() && !g_no_dots; }, "whether bf16 queries over a bf16 cache run BF16 dots");
   m.def("set_bf16_dots", [](bool on) { g_no_dots = !on; }, "off: widen bf16 queries to float32 (the AVX2 path)");
 }

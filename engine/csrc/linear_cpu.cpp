@@ -128,8 +128,10 @@ torch::Tensor widen_weight(const torch::Tensor& w, torch::Tensor out) {
 
 }  // namespace
 
+using nogil = py::call_guard<py::gil_scoped_release>;  // as quant_cpu.cpp says why
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("block_weight", &block_weight, "bfloat16 w [N, K] -> [N/8, K/2, 8, 2], the layout bf16_linear reads");
-  m.def("widen_weight", &widen_weight, "blocked bfloat16 w -> out = float32 w^T [K, N]");
-  m.def("bf16_linear", &bf16_linear, "y = x w^T: float32 x [M, K], blocked bfloat16 w, float32 arithmetic");
+  m.def("block_weight", &block_weight, "bfloat16 w [N, K] -> [N/8, K/2, 8, 2], the layout bf16_linear reads", nogil());
+  m.def("widen_weight", &widen_weight, "blocked bfloat16 w -> out = float32 w^T [K, N]", nogil());
+  m.def("bf16_linear", &bf16_linear, "y = x w^T: float32 x [M, K], blocked bfloat16 w, float32 arithmetic", nogil());
 }
