@@ -6,10 +6,13 @@ import sys
 import time
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-# OpenMP threads sleep at barriers instead of spinning: on a desktop whose other programs take a
-# core, a 2-thread decoding step took 136 ms passive vs 449 ms spinning (1 thread: 164 ms;
-# benchmarks/RESULTS.md, issue 22 item 4). Set before torch loads OpenMP; the environment wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP threads spin briefly at barriers, then sleep (libgomp; set before torch loads it, the
+# environment wins). The 1.5B at 2K, 2 threads on 2 cores, ms a token quiet / beside a process busy
+# 15% of the time (a browser) / beside one busy core (benchmarks/RESULTS.md, "The app's own cost
+# while it streams"): this 66 / 70 / 137; sleeping at once (OMP_WAIT_POLICY=PASSIVE) 100 / 84 / 115;
+# libgomp's long spin 59 / 64 / 199. A busy machine is named in the metrics panel (app/cpu.py).
+if "OMP_WAIT_POLICY" not in os.environ:  # libgomp lets GOMP_SPINCOUNT override a policy the user set
+    os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

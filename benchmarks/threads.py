@@ -1,14 +1,17 @@
-"""Threads under contention (issue 22, item 4): one decoding step's linears with 1 thread, 2
-threads, and 2 threads with OpenMP told not to spin (OMP_WAIT_POLICY=PASSIVE), while other
-processes keep the cores busy.
+"""Threads under contention (issue 22, item 4): how OpenMP's threads wait at barriers, measured on
+the real decoding step while the rest of the machine is quiet, lightly busy or has a core busy.
 
-Each configuration runs in its own process (the OpenMP runtime reads its environment once): every
-linear of Qwen-0.5B's shapes (random weights; the time does not depend on them) in this CPU's
-default layout (engine/device.py: bf16 oneDNN-packed on AVX512-BF16, float32 packed elsewhere),
-T = 1 row, `--repeats` times; `--busy N` starts N spinning Python processes for the duration
-(the machine's own load adds to them: it is recorded). Median and min ms per step.
+Each waiting policy runs in its own process (the OpenMP runtime reads its environment once):
+the model (plain decoding, this CPU's defaults) reads the first `--context` tokens of
+assets/persuasion.txt once, then decodes `--new-tokens` greedy tokens per measurement, with:
+- nothing else running ("quiet");
+- a process busy 15 ms in every 100 ("15% of a core": a browser streaming the answer, on 2 cores);
+- a process spinning ("one core busy": a build, a video).
+`--rounds` alternates the three. Median ms per token. Policies: libgomp's own default (spin about
+300,000 times, then sleep), `GOMP_SPINCOUNT=3000` (spin briefly; app.py's default) and
+`OMP_WAIT_POLICY=PASSIVE` (sleep at once).
 
-    python -m benchmarks.threads --busy 1 --repeats 30
+    python -m benchmarks.threads --model qwen2.5-coder-1.5b --threads 2 --rounds 3
 """
 
 from __future__ import annotations
@@ -23,62 +26,75 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = {"1 thread": (1, {}), "2 threads": (2, {}),
-           "2 threads, OMP_WAIT_POLICY=PASSIVE": (2, {"OMP_WAIT_POLICY": "PASSIVE"})}
-SHAPES = [(896, 896), (128, 896), (128, 896), (896, 896), (4864, 896), (4864, 896), (896, 4864)]  # [out, in]
+POLICIES = {"libgomp default (spin, then sleep)": {},
+            "GOMP_SPINCOUNT=3000 (app.py)": {"GOMP_SPINCOUNT": "3000"},
+            "OMP_WAIT_POLICY=PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"}}
+LIGHT = ("import time\nwhile True:\n    t = time.time()\n    while time.time() - t < 0.015: pass\n"
+         "    time.sleep(0.085)\n")
+LOADS = {"quiet": None, "15% of a core": LIGHT, "one core busy": "while True: pass"}
 
 
-def child(threads: int, repeats: int) -> dict:
+def child(model: str, threads: int, context: int, new_tokens: int, rounds: int) -> dict:
     import torch
 
-    from engine.device import can_pack_linear_weights, pick_dtype
-    from engine.layouts import PackedLinear
+    from engine import Engine, EngineConfig, SamplingConfig
 
     torch.set_num_threads(threads)
-    dtype = pick_dtype("auto", torch.device("cpu"))
-    linears = [torch.nn.Linear(i, o, bias=False, dtype=dtype).requires_grad_(False) for o, i in SHAPES * 24]
-    linears.append(torch.nn.Linear(896, 151_936, bias=False, dtype=dtype).requires_grad_(False))
-    if can_pack_linear_weights(dtype):
-        linears = [PackedLinear(m) for m in linears]
-    x = {n: torch.randn(1, n, dtype=dtype) for n in (896, 4864)}
-    times = []
-    with torch.inference_mode():
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            for m in linears:
-                m(x[m.in_features])
-            times.append(1000 * (time.perf_counter() - t0))
-    times = times[1:]  # the first call builds oneDNN primitives
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "dtype": str(dtype)}
+    engine = Engine.load(EngineConfig(target=model, levels="plain"))
+    doc = engine.tokenizer((ROOT / "assets" / "persuasion.txt").read_text(encoding="utf-8")[:8 * context])["input_ids"]
+    session = engine.open(doc[:context])
+    question = engine.tokenizer("\n\nSummarize this in two paragraphs.")["input_ids"]
+    sampling = SamplingConfig(max_new_tokens=new_tokens)
+
+    def ms_per_token() -> float:  # from the first token to the last: decoding steps only
+        n, t_first = 0, None
+        for event in session.ask(question, sampling):
+            n += len(event.tokens)
+            if t_first is None and event.tokens:
+                t_first, n_first = time.perf_counter(), n
+        session.truncate(context)
+        return 1000 * (time.perf_counter() - t_first) / max(1, n - n_first)
+
+    ms = {name: [] for name in LOADS}
+    for _ in range(rounds):
+        for name, code in LOADS.items():
+            load = code and subprocess.Popen([sys.executable, "-c", code])
+            try:
+                ms[name].append(ms_per_token())
+            finally:
+                if load:
+                    load.kill()
+    return {name: {"median_ms": statistics.median(v), "all_ms": v} for name, v in ms.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.threads", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--busy", type=int, default=1, help="spinning processes started for the measurement")
-    p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--model", default="qwen2.5-coder-1.5b", help="a packaged model name or a folder")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--context", type=int, default=2048, help="tokens of the book read before decoding")
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "threads.json")
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child, args.repeats)))
+        print(json.dumps(child(args.model, args.threads, args.context, args.new_tokens, args.rounds)))
         return 0
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     report = {"command": "python -m benchmarks.threads " + " ".join(sys.argv[1:] if argv is None else argv),
-              "busy_processes": args.busy, "results": {}}
-    try:
-        for name, (threads, env) in CONFIGS.items():
-            load = list(os.getloadavg())
-            done = subprocess.run([sys.executable, "-m", "benchmarks.threads", "--child", str(threads),
-                                   "--repeats", str(args.repeats)], capture_output=True, text=True, check=True,
-                                  cwd=ROOT, env={**os.environ, **env})
-            report["results"][name] = {**json.loads(done.stdout.strip().splitlines()[-1]), "load_avg_before": load}
-            print(f"{name}: {json.dumps(report['results'][name], default=lambda v: round(v, 2))}", flush=True)
-    finally:
-        for spinner in spinners:
-            spinner.kill()
+              "load_avg_before": list(os.getloadavg()), "results": {}}
+    inherited = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    for policy, env in POLICIES.items():
+        done = subprocess.run([sys.executable, "-m", "benchmarks.threads", "--child", "--model", args.model,
+                               "--threads", str(args.threads), "--context", str(args.context),
+                               "--new-tokens", str(args.new_tokens), "--rounds", str(args.rounds)],
+                              capture_output=True, text=True, check=True, cwd=ROOT, env={**inherited, **env})
+        report["results"][policy] = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"{'policy':<38}" + "".join(f"{load:>16}" for load in LOADS))
+    for policy, by_load in report["results"].items():
+        print(f"{policy:<38}" + "".join(f"{by_load[load]['median_ms']:>13.1f} ms" for load in LOADS))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    args.out.write_text(json.dumps(report, indent=2))
     return 0
 
 
