@@ -1,0 +1,122 @@
+"""What a reader waits for in the app itself: time between tokens shown in the metrics panel while
+the app streams, against the engine's own.
+
+Starts `python app.py` (its defaults, or `--app-args`) on a free port with its own library, opens
+the first `--chars` characters of assets/persuasion.txt and asks `--question` `--answers` times,
+through Chromium (Playwright with Debian's /usr/bin/chromium, as a reader's browser on the same
+machine) or, with `--client`, through gradio_client (no browser). Each answer's TBT is the app's
+own figure (mean over the answer, and the plain-decoding probe it compares with). The engine's
+figure for the same book and question: `python -m engine generate --file ... --question ...`.
+
+    python -m benchmarks.app_stream --answers 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+QUESTION = "Summarize what happens in this part of the book in two paragraphs."
+
+
+def start_app(args: list[str], library: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, APP_PORT=str(port), GRADIO_ANALYTICS_ENABLED="False")
+    with open(log, "w") as out:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen([sys.executable, "app.py", "--library", str(library), *args], cwd=ROOT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/"
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"the app exited, see {log}")
+        try:
+            if httpx.get(url + "gradio_api/info", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.5)
+
+
+def figures(metrics: str) -> dict:
+    """The metrics panel's mean TBT and plain-decoding probe, in ms."""
+    mean, plain = re.search(r"mean \**(\d+)", metrics), re.search(r"vs plain \((\d+) ms", metrics)
+    return {"tbt_mean_ms": mean and int(mean[1]), "plain_probe_ms": plain and int(plain[1])}
+
+
+def by_client(url: str, book: Path, question: str, answers: int, levels: str) -> list[dict]:
+    from gradio_client import Client, handle_file
+
+    client = Client(url, verbose=False)
+    client.predict(handle_file(str(book)), "", api_name="/load_book")
+    out = []
+    for _ in range(answers):
+        job = client.submit(question, [], 0.7, 0.8, 256, 0, levels, api_name="/ask")
+        out.append(figures(job.result()[2]))
+    return out
+
+
+def by_browser(url: str, book: Path, question: str, answers: int) -> list[dict]:
+    from playwright.sync_api import expect, sync_playwright
+
+    out = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1500, "height": 1100})
+        page.goto(url)
+        page.locator("#upload input[type=file]").set_input_files(str(book))
+        expect(page.locator("#doc-status")).to_contain_text("Ready", timeout=1_800_000)
+        for _ in range(answers):
+            page.locator("#msg textarea").fill(question)
+            page.locator("#msg textarea").press("Enter")
+            expect(page.locator("#metrics")).to_contain_text("streaming", timeout=600_000)
+            expect(page.locator("#metrics")).to_contain_text("done", timeout=600_000)
+            out.append(figures(page.locator("#metrics").inner_text()))
+        browser.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.app_stream", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--chars", type=int, default=30_000, help="characters of the book (30,000: about 7K tokens)")
+    p.add_argument("--question", default=QUESTION)
+    p.add_argument("--answers", type=int, default=2)
+    p.add_argument("--client", action="store_true", help="gradio_client instead of Chromium")
+    p.add_argument("--levels", default="retrieval>full", help="with --client: the stack asked for")
+    p.add_argument("--app-args", default="", help="more arguments for app.py")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "app_stream.json")
+    args = p.parse_args(argv)
+    load = list(os.getloadavg())
+    with tempfile.TemporaryDirectory() as tmp:
+        book = Path(tmp) / "persuasion-opening.txt"
+        book.write_text((ROOT / "assets" / "persuasion.txt").read_text(encoding="utf-8")[:args.chars], encoding="utf-8")
+        proc, url = start_app(args.app_args.split(), Path(tmp) / "library", Path(tmp) / "app.log")
+        try:
+            answers = (by_client(url, book, args.question, args.answers, args.levels) if args.client
+                       else by_browser(url, book, args.question, args.answers))
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+    report = {"command": "python -m benchmarks.app_stream " + " ".join(sys.argv[1:] if argv is None else argv),
+              "load_avg_before": load, "answers": answers}
+    for i, a in enumerate(answers):
+        print(f"answer {i + 1}: mean TBT {a['tbt_mean_ms']} ms, plain probe {a['plain_probe_ms']} ms")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
