@@ -1,0 +1,20 @@
+"""Smoke test of benchmarks/app_stream.py: the app started on SmolLM2, one answer through
+gradio_client, and the metrics panel's figures read back (a changed panel format reads as None
+here). No timing assertions: speed is measured, not tested."""
+
+import json
+
+import pytest
+
+from benchmarks import app_stream
+from engine import models
+
+
+def test_one_answer_through_the_app_reports_its_figures(tmp_path):
+    if models.packaged_model_dir("smollm2-135m", assemble=False) is None:
+        pytest.skip("smollm2-135m is not assembled")
+    out = tmp_path / "app_stream.json"
+    app_stream.main(["--client", "--levels", "ngram>retrieval>full", "--chars", "3000", "--answers", "1",
+                     "--app-args", "--model smollm2-135m --threads 1 --max-new-tokens 8", "--out", str(out)])
+    (answer,) = json.loads(out.read_text())["answers"]
+    assert answer["tbt_mean_ms"] > 0 and answer["plain_probe_ms"] > 0
