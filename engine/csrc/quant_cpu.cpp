@@ -1040,8 +1040,9 @@ torch::Tensor quick_linear(const torch::Tensor& x, const torch::Tensor& w, int64
 }  // namespace
 
 // The kernels run without the GIL, as torch's own ops do: in the app the engine decodes in one
-// thread while the UI's threads stream the answer, and a kernel holding the GIL made them wait
-// for it, and the engine for them (the 1.5B at 7K: 106-163 ms a token in the app, 92 alone).
+// thread while the UI's threads stream the answer, and a kernel holding the GIL (a linear is half
+// a step) made them wait for it, and the engine for them (RESULTS, "The app's own cost while it
+// streams": no change in TBT measurable by itself through the noise).
 using nogil = py::call_guard<py::gil_scoped_release>;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
