@@ -61,9 +61,7 @@ def serve(demo: gr.Blocks, port: int, share: bool, auth: tuple[str, str] | None,
     """Start serving on 127.0.0.1 (returns at once); (local URL, public URL or None). `routes` (the
     OpenAI API, app/api.py) are mounted on Gradio's own FastAPI app, before Gradio's."""
     demo.queue(default_concurrency_limit=4, max_size=MAX_QUEUE)
-    # Gradio's queue polls every 1 ms (10 ms for progress) except on Windows (50 / 100 ms): on 2
-    # cores each wake-up takes a core from a decoding thread. Windows' pace costs a click at most 50 ms.
-    demo._queue.sleep_when_free, demo._queue.progress_update_sleep_when_free = 0.05, 0.1
+    pace_queue(demo, say)
     _, local_url, _ = demo.launch(
         server_name="127.0.0.1", server_port=port, share=False, auth=auth, prevent_thread_lock=True, quiet=True,
         max_file_size=f"{max_file_mb}mb", footer_links=["api"], css_paths=[ASSETS / "style.css"],
@@ -71,6 +69,19 @@ def serve(demo: gr.Blocks, port: int, share: bool, auth: tuple[str, str] | None,
         theme=gr.themes.Soft(primary_hue="indigo", font=FONTS, font_mono=MONO), favicon_path=ASSETS / "icon.svg")
     say(f"BookChat is running at {local_url}")
     return local_url, open_share_link(demo, share_timeout_s, say) if share else None
+
+
+def pace_queue(demo: gr.Blocks, say: Say = say) -> bool:
+    """Gradio's queue polls every 1 ms (10 ms for progress) except on Windows (50 / 100 ms): on 2
+    cores each wake-up takes a core from a decoding thread. Set Windows' pace (a click waits at most
+    50 ms more). These are private attributes (Gradio 6.31): a Gradio without them is said, not fatal."""
+    paces = {"sleep_when_free": 0.05, "progress_update_sleep_when_free": 0.1}
+    if not all(isinstance(getattr(demo._queue, name, None), float) for name in paces):
+        say("Gradio's queue has no pace settings this app knows: it polls at its own pace (more CPU while idle).")
+        return False
+    for name, seconds in paces.items():
+        setattr(demo._queue, name, seconds)
+    return True
 
 
 class LoginForSessionRoutes:

@@ -17,37 +17,14 @@ import argparse
 import json
 import os
 import re
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from app import child
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = "Summarize what happens in this part of the book in two paragraphs."
-
-
-def start_app(args: list[str], library: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, APP_PORT=str(port), GRADIO_ANALYTICS_ENABLED="False")
-    with open(log, "w") as out:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen([sys.executable, "app.py", "--library", str(library), *args], cwd=ROOT, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}/"
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"the app exited, see {log}")
-        try:
-            if httpx.get(url + "gradio_api/info", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.5)
 
 
 def figures(metrics: str) -> dict:
@@ -103,12 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         book = Path(tmp) / "persuasion-opening.txt"
         book.write_text((ROOT / "assets" / "persuasion.txt").read_text(encoding="utf-8")[:args.chars], encoding="utf-8")
-        proc, url = start_app(args.app_args.split(), Path(tmp) / "library", Path(tmp) / "app.log")
+        proc, url = child.start_app(["--library", str(Path(tmp) / "library"), *args.app_args.split()],
+                                    Path(tmp) / "app.log", timeout_s=600)
         try:
             answers = (by_client(url, book, args.question, args.answers, args.levels) if args.client
                        else by_browser(url, book, args.question, args.answers))
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
+            child.stop(proc)
     report = {"command": "python -m benchmarks.app_stream " + " ".join(sys.argv[1:] if argv is None else argv),
               "load_avg_before": load, "answers": answers}
     for i, a in enumerate(answers):

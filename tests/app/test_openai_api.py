@@ -17,7 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.app.test_ui_api import ART, ROOT, start_app, stop_app
+from app import child
+from tests.app.test_ui_api import ART, ROOT, start_app
 
 openai = pytest.importorskip("openai")
 MODEL = "smollm2-135m"
@@ -38,7 +39,7 @@ def server(library):
     proc, url = start_app(["--model", MODEL, "--threads", "1", "--library", str(library), "--api"],
                           ART / "app-openai-api.log")
     yield url
-    stop_app(proc)
+    child.stop(proc)
 
 
 @pytest.fixture(scope="module")

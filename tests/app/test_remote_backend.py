@@ -10,16 +10,14 @@ Stop in the app ends the answer on the server.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 import time
 
 import httpx
 import pytest
 
-from tests.app.test_ui_api import ART, ROOT, free_port, start_app, stop_app, text_of
+from app import child
+from tests.app.test_ui_api import ART, ROOT, start_app, text_of
 
 openai = pytest.importorskip("openai")
 MODEL, KEY = "smollm2-135m", "test-key-25"
@@ -31,27 +29,14 @@ def server(tmp_path_factory):
 
     if models.packaged_model_dir(MODEL, assemble=False) is None:
         pytest.skip(f"{MODEL} is not assembled: run `python -m engine.models --only {MODEL}`")
-    port, library = free_port(), tmp_path_factory.mktemp("server-library")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    log_path = ART / "api-serve.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "api", "--model", MODEL, "--threads", "1",
-                                 "--port", str(port), "--api-key", KEY, "--library", str(library)], cwd=ROOT, env=env,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url, deadline = f"http://127.0.0.1:{port}/v1", time.time() + 180
-    while True:
-        assert proc.poll() is None, f"python -m api exited, see {log_path}"
-        try:
-            if httpx.get(url + "/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.time() < deadline, f"python -m api did not start in 180 s, see {log_path}"
-        time.sleep(0.5)
+    port, library = child.free_port(), tmp_path_factory.mktemp("server-library")
+    proc = child.start([sys.executable, "-m", "api", "--model", MODEL, "--threads", "1", "--port", str(port),
+                        "--api-key", KEY, "--library", str(library)], f"http://127.0.0.1:{port}/v1/models",
+                       ART / "api-serve.log", {"OMP_NUM_THREADS": "1"}, timeout_s=180,
+                       headers={"Authorization": f"Bearer {KEY}"})
+    url = f"http://127.0.0.1:{port}/v1"
     yield url
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(10)
+    child.stop(proc)
 
 
 def test_the_server_refuses_a_missing_or_wrong_key(server):
@@ -72,7 +57,7 @@ def app_url(server, tmp_path_factory):
     proc, url = start_app(["--backend", "openai", "--base-url", server, "--api-key", KEY, "--model", MODEL,
                            "--library", str(library)], ART / "app-remote.log")
     yield url
-    stop_app(proc)
+    child.stop(proc)
 
 
 def served(server) -> list[dict]:

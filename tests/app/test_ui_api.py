@@ -9,15 +9,12 @@ per-client isolation, and reopening a saved book from its snapshot.
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
+
+from app import child
 
 ROOT = Path(__file__).resolve().parents[2]
 ART = Path(os.environ.get("E2E_ARTIFACTS", ROOT / "tests" / "e2e" / "artifacts"))
@@ -25,42 +22,13 @@ LEVELS = "ngram>retrieval>full"
 pytest.importorskip("gradio_client")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_app(args: list[str], log_path: Path):
-    """`python app.py ARGS` on a free port; returns (process, url) once /gradio_api/info answers."""
+    """`python app.py ARGS` on a free port (app/child.py), one thread; skips without SmolLM2."""
     from engine import models
 
     if models.packaged_model_dir("smollm2-135m", assemble=False) is None:
         pytest.skip("smollm2-135m is not assembled: run `python -m engine.models --only smollm2-135m`")
-    port = free_port()
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, APP_PORT=str(port), GRADIO_ANALYTICS_ENABLED="False", OMP_NUM_THREADS="1")
-    with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen([sys.executable, str(ROOT / "app.py"), *args], cwd=ROOT, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    url, deadline = f"http://127.0.0.1:{port}/", time.time() + 120
-    while True:
-        assert proc.poll() is None, f"the app exited, see {log_path}"
-        try:
-            if httpx.get(url + "gradio_api/info", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        assert time.time() < deadline, f"the app did not start in 120 s, see {log_path}"
-        time.sleep(0.3)
-
-
-def stop_app(proc) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+    return child.start_app(args, log_path, env={"OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +37,7 @@ def app_url(tmp_path_factory):
     proc, url = start_app(["--model", "smollm2-135m", "--threads", "1", "--library", str(library)],
                           ART / "app-api.log")
     yield url
-    stop_app(proc)
+    child.stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -265,7 +233,7 @@ def test_long_books_reloads_the_model_with_four_times_the_context(small_book, tm
     try:
         check_long_books(Client(url, verbose=False), small_book)
     finally:
-        stop_app(proc)
+        child.stop(proc)
 
 
 def check_long_books(client, small_book):

@@ -5,11 +5,6 @@ under tests/e2e/artifacts/ (gitignored) for a person to look at."""
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,43 +15,18 @@ CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 ASSETS = Path(os.environ.get("BOOKCHAT_CACHE", Path.home() / ".cache" / "bookchat")) / "assets"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def app_url(tmp_path_factory):
-    import httpx
-
+    from app import child
     from engine import models
 
     if models.packaged_model_dir("smollm2-135m", assemble=False) is None:
         pytest.skip("smollm2-135m is not assembled: run `python -m engine.models --only smollm2-135m`")
-    port, library = _free_port(), tmp_path_factory.mktemp("library")
-    ART.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, APP_PORT=str(port), GRADIO_ANALYTICS_ENABLED="False", OMP_NUM_THREADS="1")
-    args = ["--model", "smollm2-135m", "--threads", "1", "--library", str(library), "--max-new-tokens", "24"]
-    with open(ART / "app-e2e.log", "w") as log:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen([sys.executable, str(ROOT / "app.py"), *args], cwd=ROOT, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    url, deadline = f"http://127.0.0.1:{port}/", time.time() + 120
-    while True:
-        assert proc.poll() is None, f"the app exited, see {ART / 'app-e2e.log'}"
-        try:
-            if httpx.get(url + "gradio_api/info", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.time() < deadline, "the app did not start in 120 s"
-        time.sleep(0.3)
+    args = ["--model", "smollm2-135m", "--threads", "1", "--library", str(tmp_path_factory.mktemp("library")),
+            "--max-new-tokens", "24"]
+    proc, url = child.start_app(args, ART / "app-e2e.log", env={"OMP_NUM_THREADS": "1"})
     yield url
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+    child.stop(proc)
 
 
 @pytest.fixture(scope="session")
