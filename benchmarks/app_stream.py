@@ -5,8 +5,9 @@ Starts `python app.py` (its defaults, or `--app-args`) on a free port with its o
 the first `--chars` characters of assets/persuasion.txt and asks `--question` `--answers` times,
 through Chromium (Playwright with Debian's /usr/bin/chromium, as a reader's browser on the same
 machine) or, with `--client`, through gradio_client (no browser). Each answer's TBT is the app's
-own figure (mean over the answer, and the plain-decoding probe it compares with). The engine's
-figure for the same book and question: `python -m engine generate --file ... --question ...`.
+own figures: the mean over the answer, the speedup over plain decoding and the plain step it
+compares with (the top level's one-token check in the same answer, app/views.py `speedup_note`).
+The engine's figure for the same book and question: `python -m engine generate --file ... --question ...`.
 
     python -m benchmarks.app_stream --answers 2
 """
@@ -28,9 +29,10 @@ QUESTION = "Summarize what happens in this part of the book in two paragraphs."
 
 
 def figures(metrics: str) -> dict:
-    """The metrics panel's mean TBT and plain-decoding probe, in ms."""
-    mean, plain = re.search(r"mean \**(\d+)", metrics), re.search(r"vs plain \((\d+) ms", metrics)
-    return {"tbt_mean_ms": mean and int(mean[1]), "plain_probe_ms": plain and int(plain[1])}
+    """The metrics panel's mean TBT and plain step in ms, and its speedup."""
+    mean, plain = re.search(r"mean \**(\d+)", metrics), re.search(r"\*\*([\d.]+)×\*\* vs plain \((\d+) ms", metrics)
+    return {"tbt_mean_ms": mean and int(mean[1]), "plain_ms": plain and int(plain[2]),
+            "speedup": plain and float(plain[1])}
 
 
 def by_client(url: str, book: Path, question: str, answers: int, levels: str) -> list[dict]:
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"command": "python -m benchmarks.app_stream " + " ".join(sys.argv[1:] if argv is None else argv),
               "load_avg_before": load, "answers": answers}
     for i, a in enumerate(answers):
-        print(f"answer {i + 1}: mean TBT {a['tbt_mean_ms']} ms, plain probe {a['plain_probe_ms']} ms")
+        print(f"answer {i + 1}: mean TBT {a['tbt_mean_ms']} ms, {a['speedup']}x vs plain ({a['plain_ms']} ms)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     return 0

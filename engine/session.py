@@ -62,6 +62,12 @@ class Stats:
     tbt_ms_last: float = 0.0  # time per token of the last check
     tbt_ms_mean: float = 0.0  # decode time per token, first check excluded
     drafter_s: float = 0.0  # time in the drafters below the top level
+    # the stack's own time per token (as tbt_ms_mean, less the caller's time between steps), and
+    # plain decoding's step in the same conditions: the top level's undrafted checks in this answer
+    # (first check excluded), else its recent ones; 0: none yet. Their ratio is the speedup over
+    # plain decoding, whatever the caller (an app, a browser) takes between steps.
+    step_ms_mean: float = 0.0
+    plain_ms: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -392,7 +398,7 @@ class Session:
             return
         if sampling.penalty_start is None:  # the penalties count this answer's tokens
             sampling = replace(sampling, penalty_start=self.length)
-        stats, n_new, n_first, t_first = Stats(self.level_stats), 0, 0, 0.0
+        stats, n_new, n_first, t_first, steps_s = Stats(self.level_stats), 0, 0, 0.0, 0.0
         reason, reading_version = None, None
         while reason is None:
             if is_set(cancel):
@@ -402,19 +408,30 @@ class Session:
             new, reason = yield from stack.step(sampling, coins, max_new - n_new, stop_ids)
             t1 = now(engine.device)
             n_new += len(new)
-            if not t_first:
+            if t_first:
+                steps_s += t1 - t0
+            else:
                 t_first, n_first, stats.ttft_s = t1, n_new, t1 - t_start
-            stats = self._stats(stats, n_new, n_first, t_start, t_first, t1, (t1 - t0) / max(len(new), 1))
+                top = self.level_stats[-1]
+                top.n_alone, top.alone_s = 0, 0.0  # the first check also read the question's last token
+            stats = self._stats(stats, n_new, n_first, t_start, t_first, t1, (t1 - t0) / max(len(new), 1), steps_s)
             reading, reading_version = self._reading(reading_version)
             yield Event(new, stats, reading, reason)
         if reason == "cancelled":
             yield Event([], stats, None, reason)
 
-    def _stats(self, stats: Stats, n_new, n_first, t_start, t_first, t_now, tbt_last_s) -> Stats:
-        mean_s = (t_now - t_first) / (n_new - n_first) if n_new > n_first else tbt_last_s
+    def _stats(self, stats: Stats, n_new, n_first, t_start, t_first, t_now, tbt_last_s, steps_s) -> Stats:
+        n_after_first = n_new - n_first
+        mean_s = (t_now - t_first) / n_after_first if n_after_first else tbt_last_s
         return replace(stats, levels=[replace(s) for s in self.level_stats], n_tokens=n_new,
                        elapsed_s=t_now - t_start, tbt_ms_last=1000 * tbt_last_s,
-                       tbt_ms_mean=1000 * mean_s, drafter_s=self.stack.drafter_s)
+                       tbt_ms_mean=1000 * mean_s, drafter_s=self.stack.drafter_s,
+                       step_ms_mean=1000 * (steps_s / n_after_first if n_after_first else tbt_last_s),
+                       plain_ms=1000 * self._plain_step_s())
+
+    def _plain_step_s(self) -> float:
+        top = self.level_stats[-1]
+        return top.alone_s / top.n_alone if top.n_alone else self.stack.tuner.check_s.get(1, 0.0)
 
     def _reading(self, seen_version):
         """Token ranges the retrieval cache reads, when they changed since `seen_version`."""

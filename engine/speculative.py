@@ -41,6 +41,8 @@ class LevelStats:
     n_accepted: int = 0
     n_emitted: int = 0  # accepted + one residual/bonus token per check
     time_s: float = 0.0  # forward + verify of this level (its drafter's time excluded)
+    n_alone: int = 0  # checks of no draft: at the top, plain decoding's step
+    alone_s: float = 0.0
 
     @property
     def acceptance(self) -> float:
@@ -51,8 +53,8 @@ class LevelStats:
         return self.n_emitted / self.n_checks if self.n_checks else 0.0
 
     def reset(self) -> None:
-        self.n_checks = self.n_tested = self.n_accepted = self.n_emitted = 0
-        self.time_s = 0.0
+        self.n_checks = self.n_tested = self.n_accepted = self.n_emitted = self.n_alone = 0
+        self.time_s = self.alone_s = 0.0
 
     def record(self, verdict: Verdict, seconds: float) -> None:
         self.n_checks += 1
@@ -60,6 +62,9 @@ class LevelStats:
         self.n_accepted += len(verdict.path)
         self.n_emitted += len(verdict.path) + 1
         self.time_s += seconds
+        if not verdict.n_tested:
+            self.n_alone += 1
+            self.alone_s += seconds
 
 
 class GammaTuner:

@@ -12,3 +12,13 @@ def test_a_level_that_tested_nothing_shows_a_dash_not_zero_percent():
     stats = Stats([LevelStats("retrieval"), top], n_tokens=19, tbt_ms_mean=50.0)
     html = render_metrics("answering", stats, None, Counters())
     assert "| retrieval | – | – | 0 |" in html and "| full | 75% | 1.90 | 10 |" in html
+
+
+def test_the_speedup_compares_the_stack_with_a_plain_step_taken_in_the_same_answer():
+    from app.views import speedup_note
+
+    now = Stats([], n_tokens=20, tbt_ms_mean=120.0, step_ms_mean=90.0, plain_ms=99.0)
+    assert speedup_note(now, probe_ms=70.0) == " · **1.10×** vs plain (99 ms/token now)"
+    not_yet = Stats([], n_tokens=3, tbt_ms_mean=140.0, step_ms_mean=100.0)
+    assert speedup_note(not_yet, probe_ms=70.0) == " · **0.50×** vs plain (70 ms/token at opening)"
+    assert speedup_note(not_yet, probe_ms=None) == ""

@@ -250,3 +250,29 @@ def test_truncating_only_tokens_the_middle_never_took_keeps_its_selection():
     middle.truncate(7)  # tokens 0..6 stay: the cache took 0..4, so its selection stands
     middle.truncate(5)  # token 4 was taken: its KV must go, re-select
     assert calls == ["rebuild", "sync", "rebuild"] and middle.tokens == [0, 1, 2, 3, 4]
+
+
+def test_the_stacks_own_time_per_token_leaves_out_the_callers(monkeypatch):
+    """`step_ms_mean` counts the stack's steps only: a caller that takes a second per event (an app
+    drawing each token) slows the wall-clock TBT, not the speedup's numerator. The clock is fake:
+    each reading advances it 1 ms, the caller 1 s."""
+    import engine.session
+
+    clock = [0.0]
+
+    def fake_now(device):
+        clock[0] += 0.001
+        return clock[0]
+
+    monkeypatch.setattr(engine.session, "now", fake_now)
+    session = tiny_engine("plain").open(random_ids(40, 128, 30))
+    events = []
+    for event in session.ask(random_ids(4, 128, 31), SamplingConfig(max_new_tokens=6)):
+        clock[0] += 1.0
+        events.append(event)
+    stats = events[-1].stats
+    assert stats.n_tokens == 6 and stats.step_ms_mean == pytest.approx(1.0)
+    assert stats.tbt_ms_mean == pytest.approx(1002.0)  # the caller's second + two clock readings
+    top = stats.levels[-1]
+    assert top.n_checks == 6 and top.n_alone == 5  # plain's steps after the first are its baseline
+    assert stats.plain_ms == pytest.approx(1000 * top.alone_s / 5) and stats.plain_ms > 0  # the real clock's
