@@ -248,24 +248,26 @@ class App:
     def prefill_estimate(self, n_tokens: int) -> str:
         """' · about 3 min to read here' from this machine's measured rate, and the faster model's
         time when the wait is long; what the first book will do when nothing was measured yet."""
-        model = self.engine.config.target
-        seconds = self.speeds.prefill_s(model, n_tokens)
+        target = getattr(self.engine, "target", None)  # a remote engine has none: its times are linear
+        model, share = self.engine.config.target, target.config.attention_share() if target is not None else 0.0
+        seconds = self.speeds.prefill_s(model, n_tokens, share)
         if seconds is None:
             return " · the first book measures how fast this machine reads"
         text = f" · about {duration(seconds)} to read here"
-        faster = self._faster_model(model, n_tokens, seconds)
+        faster = self._faster_model(model, n_tokens, seconds, share)
         if seconds > LONG_PREFILL_S and faster:
             text += f"; {faster[0]} would take about {duration(faster[1])} (lower quality: choose it under Model)"
         return text
 
-    def _faster_model(self, model: str, n_tokens: int, seconds: float) -> tuple[str, float] | None:
-        """(name, estimated seconds) of a smaller packaged chat model: measured here, or scaled from
-        this model's time by file size."""
+    def _faster_model(self, model: str, n_tokens: int, seconds: float, share: float) -> tuple[str, float] | None:
+        """(name, estimated seconds) of a smaller packaged chat model: measured here (scaled with this
+        model's attention share: a smaller model's is larger, so this errs short), or scaled from this
+        model's time by file size."""
         this = models.PACKAGED_MODELS.get(model)
         for other in models.PACKAGED_MODELS.values():
             if this is None or other.n_bytes >= this.n_bytes or other.generation is None:
                 continue  # bigger, or not a chat model for books (SmolLM2)
-            estimate = self.speeds.prefill_s(other.name, n_tokens) or seconds * other.n_bytes / this.n_bytes
+            estimate = self.speeds.prefill_s(other.name, n_tokens, share) or seconds * other.n_bytes / this.n_bytes
             return other.name, estimate
         return None
 

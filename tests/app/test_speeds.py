@@ -1,0 +1,36 @@
+"""app/speeds.py: the prefill estimate a reader sees before a book is read."""
+
+from app.speeds import Speeds
+from engine.config import ModelConfig
+
+# Qwen2.5-Coder-1.5B's shapes
+QWEN_1_5B = ModelConfig(n_layers=28, dim=1536, n_heads=12, n_kv_heads=2, head_dim=128, intermediate=8960,
+                        vocab_size=151936, rms_eps=1e-6, has_qkv_bias=True, has_tied_embeddings=True,
+                        max_positions=32768)
+
+
+def test_the_attention_share_counts_multiply_adds_from_the_shapes():
+    linears_per_layer = 1536 * (2 * 1536 + 2 * 256 + 3 * 8960)  # q, o; k, v; gate, up, down
+    assert QWEN_1_5B.attention_share() == 2 * 12 * 128 / linears_per_layer  # about 6.6e-5
+
+
+def test_a_long_book_is_estimated_from_a_short_one_as_it_was_measured():
+    """benchmarks/RESULTS.md, 2026-11-27, the 1.5B on 2 cores of the AVX512-BF16 EPYC: 8,192 tokens
+    in 79.5 s (103 tokens/s), 32,000 in 526 s, 111,831 (YaRN) in 3,937 s. From the 8K book alone
+    the estimate is within 10% of both; linear scaling said 310 s and 1,085 s."""
+    speeds = Speeds(None)
+    speeds.record_prefill("qwen2.5-coder-1.5b", 8192, 79.5)
+    share = QWEN_1_5B.attention_share()
+    for n_tokens, measured_s in ((32000, 526.0), (111831, 3937.0)):
+        assert abs(speeds.prefill_s("qwen2.5-coder-1.5b", n_tokens, share) / measured_s - 1) < 0.1
+    assert speeds.prefill_s("qwen2.5-coder-1.5b", 111831) < 0.3 * 3937.0  # linear: far too short
+
+
+def test_the_nearest_measured_length_is_scaled_and_a_model_never_measured_has_no_estimate(tmp_path):
+    speeds = Speeds(tmp_path)
+    speeds.record_prefill("m", 1000, 10.0)
+    speeds.record_prefill("m", 30000, 600.0)
+    assert speeds.prefill_s("m", 30000, 1e-4) == 600.0
+    assert speeds.prefill_s("m", 2000, 0.0) == 20.0
+    assert Speeds(tmp_path).prefill_s("m", 30000) == 600.0  # kept in the library folder
+    assert speeds.prefill_s("other", 1000) is None
