@@ -8,6 +8,7 @@ has no quick path). Then, as `GammaTuner` models it, with per-token acceptance a
 check: tokens per check (1 - a^(g+1)) / (1 - a), time g * middle + check(g); the table gives the
 best g's speed-up over the top step at a = 0.7, 0.8, 0.9 and 1.0 (1.0: a ceiling no text reaches).
 Costs do not depend on the cache's values, so no prefill is needed: 112K tokens take seconds.
+A context's step and checks are timed interleaved, best of `--repeats`.
 
     python -m benchmarks.ceiling --model qwen2.5-coder-1.5b --contexts 32000,112000 --threads 2
 """
@@ -49,13 +50,16 @@ def step(model, cache: FullCache, n_draft: int):
     return run
 
 
-def best_ms(fn, repeats: int) -> float:
-    times = []
+def best_ms(fns: dict, repeats: int) -> dict:
+    """The fastest of `repeats` calls of each function, interleaved (A, B, A, B, ...) so that a
+    machine that drifts (another process, memory being reclaimed) shifts them all alike."""
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(1000 * (time.perf_counter() - t))
-    return min(times)
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(1000 * (time.perf_counter() - t))
+    return {name: min(ts) for name, ts in times.items()}
 
 
 def random_cache(cfg, S: int, dtype: torch.dtype) -> FullCache:
@@ -97,12 +101,12 @@ def main(argv: list[str] | None = None) -> int:
               "dtype": str(dtype).removeprefix("torch."), "threads": args.threads,
               "load_avg_at_start": list(os.getloadavg()), "middle_ms": {}, "contexts": {}}
     for B in (int(b) for b in args.budgets.split(",")):
-        report["middle_ms"][B] = best_ms(step(middle, random_cache(cfg, B, dtype), 0), args.repeats)
+        report["middle_ms"][B] = best_ms({B: step(middle, random_cache(cfg, B, dtype), 0)}, args.repeats)[B]
     rows = []
     for S in (int(s) for s in args.contexts.split(",")):
         cache = random_cache(cfg, S, dtype)
-        top = best_ms(step(model, cache, 0), args.repeats)
-        checks = {g: best_ms(step(model, cache, g), args.repeats) for g in GAMMAS}
+        checks = best_ms({g: step(model, cache, g) for g in (0, *GAMMAS)}, args.repeats)
+        top = checks.pop(0)
         del cache
         report["contexts"][S] = {"top_ms": top, "check_ms": checks}
         for B, m in report["middle_ms"].items():
