@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 from app.documents import Document, Limits, Section, load_document
 from app.library import Library, model_fingerprint
+from app.speeds import duration, time_left
 from app.storage import write_failure
 from app.tokens import TokenMap
 from engine import models
@@ -241,12 +242,14 @@ def open_book(engine: Engine, chat: ChatFormat, prepared: Prepared, library: Lib
             report("Prefill", "sending the book to the server …")
         return open_remote_book(engine, chat, prepared, library, cancel), False
     chunk, started = engine.prefill_chunk_tokens, time.perf_counter()  # larger when offloaded with flash-attn
+    share = engine.target.config.attention_share()
 
     def progress(done: int, total: int):
-        rate = done / max(time.perf_counter() - started, 1e-6)
-        if report:  # chunk i of N, measured speed, and the time left at that speed
+        elapsed = max(time.perf_counter() - started, 1e-6)
+        left = time_left(elapsed, done, total, share)  # later tokens read more keys: not at this rate
+        if report:  # chunk i of N, measured speed, and the time left
             report("Prefill", f"chunk {math.ceil(done / chunk)} of {math.ceil(total / chunk)} · "
-                              f"{rate:,.0f} tokens/s · ETA {(total - done) / rate:.0f} s")
+                              f"{done / elapsed:,.0f} tokens/s · about {duration(left)} left")
     if library is None:
         book_id, restored, note = "0", False, None
         session = engine.open(prepared.doc_ids, on_progress=progress, cancel=cancel)

@@ -38,8 +38,9 @@ class Speeds:
         """Estimated seconds to prefill `n_tokens`, from the nearest measured length (see the module
         doc; `attention_share` 0: linear); None if never measured."""
         near = self._nearest(model, "prefill", n_tokens)
-        work = lambda n: n + attention_share * n * n / 2
-        return None if near is None else near[1] * work(n_tokens) / work(near[0])
+        if near is None:
+            return None
+        return near[1] * prefill_work(n_tokens, attention_share) / prefill_work(near[0], attention_share)
 
     def decode_ms(self, model: str, n_context: int) -> float | None:
         near = self._nearest(model, "decode", n_context)
@@ -71,6 +72,19 @@ class Speeds:
             os.replace(tmp, self.path)
         except OSError:
             pass
+
+
+def prefill_work(n_tokens: int, attention_share: float) -> float:
+    """A prefill of `n_tokens` in tokens' worth of linear work: each token also attends to the ones
+    before it (`ModelConfig.attention_share`)."""
+    return n_tokens + attention_share * n_tokens * n_tokens / 2
+
+
+def time_left(elapsed_s: float, done: int, total: int, attention_share: float) -> float:
+    """Seconds until a prefill `done` of `total` tokens into, `elapsed_s` in, ends: its rate so far
+    in units of work, so the later tokens, which read more keys, are not timed at the first ones' rate."""
+    done_work = prefill_work(done, attention_share)
+    return elapsed_s * (prefill_work(total, attention_share) - done_work) / max(done_work, 1e-9)
 
 
 def duration(seconds: float) -> str:
