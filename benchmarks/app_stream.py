@@ -30,7 +30,7 @@ QUESTION = "Summarize what happens in this part of the book in two paragraphs."
 
 def figures(metrics: str) -> dict:
     """The metrics panel's mean TBT and plain step in ms, and its speedup."""
-    mean, plain = re.search(r"mean \**(\d+)", metrics), re.search(r"\*\*([\d.]+)×\*\* vs plain \((\d+) ms", metrics)
+    mean, plain = re.search(r"mean \**(\d+)", metrics), re.search(r"\**([\d.]+)×\** vs plain \((\d+) ms", metrics)
     return {"tbt_mean_ms": mean and int(mean[1]), "plain_ms": plain and int(plain[2]),
             "speedup": plain and float(plain[1])}
 
