@@ -22,8 +22,10 @@ def app_url(tmp_path_factory):
 
     if models.packaged_model_dir("smollm2-135m", assemble=False) is None:
         pytest.skip("smollm2-135m is not assembled: run `python -m engine.models --only smollm2-135m`")
+    # 96 tokens: the answer view is redrawn every 0.25 s (app/ui.py REDRAW_EVERY_S), and 24 tokens of
+    # SmolLM2 (~0.5 s) could end before the test saw "streaming"
     args = ["--model", "smollm2-135m", "--threads", "1", "--library", str(tmp_path_factory.mktemp("library")),
-            "--max-new-tokens", "24"]
+            "--max-new-tokens", "96"]
     proc, url = child.start_app(args, ART / "app-e2e.log", env={"OMP_NUM_THREADS": "1"})
     yield url
     child.stop(proc)
