@@ -8,7 +8,7 @@ has no quick path). Then, as `GammaTuner` models it, with per-token acceptance a
 check: tokens per check (1 - a^(g+1)) / (1 - a), time g * middle + check(g); the table gives the
 best g's speed-up over the top step at a = 0.7, 0.8, 0.9 and 1.0 (1.0: a ceiling no text reaches).
 Costs do not depend on the cache's values, so no prefill is needed: 112K tokens take seconds.
-A context's step and checks are timed interleaved, best of `--repeats`.
+A context's step and checks are timed interleaved after a warm-up, best of `--repeats`.
 
     python -m benchmarks.ceiling --model qwen2.5-coder-1.5b --contexts 32000,112000 --threads 2
 """
@@ -19,55 +19,21 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.kernels import tree
-from engine import layouts, quant
-from engine.attention import pick_attention
+from benchmarks.kernels import engine_model, ours_step, random_full_cache, side_by_side, tree
+from engine import quant
 from engine.device import pick_dtype
-from engine.kv.full import FullCache
-from engine.loading import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
 GAMMAS, ACCEPTANCES = (1, 2, 4), (0.7, 0.8, 0.9, 1.0)
 
 
-def step(model, cache: FullCache, n_draft: int):
-    """One forward of the last token and `n_draft` chained draft tokens after `cache.length` keys."""
-    S = cache.length
-    draft = tree(1, n_draft) if n_draft else None
-    ids = torch.tensor([[11] + (draft.tokens.tolist() if n_draft else [])])
-    pos = torch.cat([torch.tensor([S]), S + 1 + draft.depths()]) if n_draft else torch.tensor([S])
-    tail = torch.ones(n_draft + 1, n_draft + 1, dtype=torch.bool).tril() if n_draft else None
-
-    def run():
-        cache.truncate(S)
-        with torch.no_grad():
-            model(ids, pos, cache, tail, None, n_logits=n_draft + 1)
-    return run
-
-
 def best_ms(fns: dict, repeats: int) -> dict:
-    """The fastest of `repeats` calls of each function, interleaved (A, B, A, B, ...) so that a
-    machine that drifts (another process, memory being reclaimed) shifts them all alike."""
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append(1000 * (time.perf_counter() - t))
-    return {name: min(ts) for name, ts in times.items()}
-
-
-def random_cache(cfg, S: int, dtype: torch.dtype) -> FullCache:
-    cache = FullCache(cfg.n_layers, 1, cfg.n_kv_heads, cfg.head_dim, S + max(GAMMAS) + 1, dtype, torch.device("cpu"))
-    cache.k.normal_()
-    cache.v.normal_()
-    cache.length = S
-    return cache
+    """The fastest call of each function, interleaved after a warm-up (`kernels.side_by_side`)."""
+    return {name: r["min_ms"] for name, r in side_by_side(fns, repeats).items()}
 
 
 def speedup(top_ms: float, check_ms: dict[int, float], middle_ms: float, a: float) -> tuple[float, int]:
@@ -90,22 +56,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ceiling.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    cpu = torch.device("cpu")
-    dtype = pick_dtype("auto", cpu)
-    model, _ = load_model(args.model, dtype, cpu)
-    layouts.lay_out_linears(model, "as loaded")  # as Engine does: a GGUF's blocks as in the file
-    model.set_attention(pick_attention(cpu, use_cpu_kernel=True))
+    dtype = pick_dtype("auto", torch.device("cpu"))
+    model, _ = engine_model(args.model, dtype)
     middle = quant.quick_view(model)  # Engine.drafting: the levels below the top
     cfg = model.config
     report = {"command": "python -m benchmarks.ceiling " + " ".join(sys.argv[1:] if argv is None else argv),
               "dtype": str(dtype).removeprefix("torch."), "threads": args.threads,
               "load_avg_at_start": list(os.getloadavg()), "middle_ms": {}, "contexts": {}}
     for B in (int(b) for b in args.budgets.split(",")):
-        report["middle_ms"][B] = best_ms({B: step(middle, random_cache(cfg, B, dtype), 0)}, args.repeats)[B]
+        report["middle_ms"][B] = best_ms({B: ours_step(middle, random_full_cache(cfg, B, B + 1, dtype), B, None)},
+                                         args.repeats)[B]
     rows = []
     for S in (int(s) for s in args.contexts.split(",")):
-        cache = random_cache(cfg, S, dtype)
-        checks = best_ms({g: step(model, cache, g) for g in (0, *GAMMAS)}, args.repeats)
+        cache = random_full_cache(cfg, S, S + max(GAMMAS) + 1, dtype)
+        checks = best_ms({g: ours_step(model, cache, S, tree(1, g) if g else None) for g in (0, *GAMMAS)},
+                         args.repeats)
         top = checks.pop(0)
         del cache
         report["contexts"][S] = {"top_ms": top, "check_ms": checks}

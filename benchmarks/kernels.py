@@ -182,17 +182,12 @@ class Models:
     def __init__(self, name: str, dtype: torch.dtype):
         from transformers import AutoModelForCausalLM
 
-        self.ours, _ = load_model(name, dtype, torch.device("cpu"))
-        fits_bf16 = dtype == torch.float32 and layouts.linear_weights_fit_bf16(self.ours)
-        layout = "as loaded" if is_quantized(self.ours) else linear_layout(torch.device("cpu"), dtype, fits_bf16)
-        layouts.lay_out_linears(self.ours, layout)  # as Engine does: a GGUF's blocks stay as in the file
-        attend = pick_attention(torch.device("cpu"), use_cpu_kernel=True)  # as Engine does: our few-row kernel
-        self.ours.set_attention(attend)
+        self.ours, layout = engine_model(name, dtype)
         self.ours_input_major = None
         if layout in ("packed", "bf16-stored"):
             self.ours_input_major, _ = load_model(name, dtype, torch.device("cpu"))
             layouts.lay_out_linears(self.ours_input_major, "input-major")
-            self.ours_input_major.set_attention(attend)
+            self.ours_input_major.set_attention(pick_attention(torch.device("cpu"), use_cpu_kernel=True))
         self.hf = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype, attn_implementation="sdpa",
                                                        local_files_only=True).eval()
         self.dtype = dtype
@@ -201,29 +196,11 @@ class Models:
         from transformers import DynamicCache
 
         c = self.ours.config
-        full = FullCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, S + extra, self.dtype, torch.device("cpu"))
-        full.k.normal_()
-        full.v.normal_()
-        full.length = S
+        full = random_full_cache(c, S, S + extra, self.dtype)
         hf = DynamicCache(config=self.hf.config)
         for layer_idx in range(c.n_layers):
             hf.update(full.k[layer_idx, :, :, :S].clone(), full.v[layer_idx, :, :, :S].clone(), layer_idx)
         return full, hf
-
-    def ours_step(self, full: FullCache, S: int, draft: Draft | None, n_logits: int = 0, model=None):
-        model = model or self.ours
-        n = len(draft) if draft is not None else 0
-        ids = torch.tensor([[11] + (draft.tokens.tolist() if n else [])])
-        pos = torch.cat([torch.tensor([S]), S + 1 + draft.depths()]) if n else torch.tensor([S])
-        tail = None
-        if n:
-            tail = torch.ones(n + 1, n + 1, dtype=torch.bool).tril()
-            tail[1:, 1:] = draft.ancestor_mask()[1:, 1:]
-
-        def step():
-            full.truncate(S)
-            model(ids, pos, full, tail, None, n_logits=n_logits or n + 1)
-        return step
 
     def hf_step(self, cache, S: int, T: int):
         ids = torch.full((1, T), 11)
@@ -236,6 +213,43 @@ class Models:
                 self.hf(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
                         position_ids=torch.arange(S, S + T)[None])
         return step
+
+
+def engine_model(name: str, dtype: torch.dtype):
+    """Our model of `name` on the CPU laid out as Engine lays it out (a GGUF's blocks as in the file,
+    else the layout `linear_layout` picks) with the engine's attention; (model, layout)."""
+    cpu = torch.device("cpu")
+    model, _ = load_model(name, dtype, cpu)
+    fits_bf16 = dtype == torch.float32 and layouts.linear_weights_fit_bf16(model)
+    layout = "as loaded" if is_quantized(model) else linear_layout(cpu, dtype, fits_bf16)
+    layouts.lay_out_linears(model, layout)
+    model.set_attention(pick_attention(cpu, use_cpu_kernel=True))  # our few-row kernel
+    return model, layout
+
+
+def random_full_cache(cfg: ModelConfig, S: int, capacity: int, dtype: torch.dtype) -> FullCache:
+    """A full cache of `capacity` slots holding S random keys and values (costs do not depend on them)."""
+    full = FullCache(cfg.n_layers, 1, cfg.n_kv_heads, cfg.head_dim, capacity, dtype, torch.device("cpu"))
+    full.k.normal_()
+    full.v.normal_()
+    full.length = S
+    return full
+
+
+def ours_step(model, full: FullCache, S: int, draft: Draft | None, n_logits: int = 0):
+    """A function running one forward of a token and `draft` (a chain or tree) after S cached keys."""
+    n = len(draft) if draft is not None else 0
+    ids = torch.tensor([[11] + (draft.tokens.tolist() if n else [])])
+    pos = torch.cat([torch.tensor([S]), S + 1 + draft.depths()]) if n else torch.tensor([S])
+    tail = None
+    if n:
+        tail = torch.ones(n + 1, n + 1, dtype=torch.bool).tril()
+        tail[1:, 1:] = draft.ancestor_mask()[1:, 1:]
+
+    def step():
+        full.truncate(S)
+        model(ids, pos, full, tail, None, n_logits=n_logits or n + 1)
+    return step
 
 
 def tree(n_candidates: int, depth: int) -> Draft:
@@ -276,16 +290,16 @@ def bench_decode(models: Models, S: int, repeats: int) -> dict:
     fns = {"hf T=1": models.hf_step(hf, S, 1)}
     for name, model in (("ours", models.ours), ("ours input-major", models.ours_input_major)):
         if model is not None:
-            fns |= {f"{name} T=1": models.ours_step(full, S, None, 1, model),
-                    f"{name} check 1+4 chain": models.ours_step(full, S, tree(1, 4), model=model),
-                    f"{name} check 1+8 chain": models.ours_step(full, S, tree(1, 8), model=model),
-                    f"{name} check 1+3x8 tree": models.ours_step(full, S, tree(3, 8), model=model)}
+            fns |= {f"{name} T=1": ours_step(model, full, S, None, 1),
+                    f"{name} check 1+4 chain": ours_step(model, full, S, tree(1, 4)),
+                    f"{name} check 1+8 chain": ours_step(model, full, S, tree(1, 8)),
+                    f"{name} check 1+3x8 tree": ours_step(model, full, S, tree(3, 8))}
     quant = cpu_quant_kernel() if is_quantized(models.ours) else None
     if models.dtype == torch.bfloat16 and quant is not None and quant.uses_bf16_dots():
         # the blocks' float32 path on the widened activations (set_isa 1)
-        fns |= {"ours, float32 dots T=1": with_setting(quant.set_isa, 1, -1, models.ours_step(full, S, None, 1)),
+        fns |= {"ours, float32 dots T=1": with_setting(quant.set_isa, 1, -1, ours_step(models.ours, full, S, None, 1)),
                 "ours, float32 dots check 1+4 chain": with_setting(quant.set_isa, 1, -1,
-                                                                   models.ours_step(full, S, tree(1, 4)))}
+                                                                   ours_step(models.ours, full, S, tree(1, 4)))}
     return side_by_side(fns, repeats)
 
 
