@@ -4,6 +4,7 @@
     <root>/<book_id>/document.json          the Document (text + sections): a book reopens without its file
     <root>/<book_id>/chats/<chat_id>.json   messages, token boundaries and token ids of every turn (export: .md / .json)
     <root>/<book_id>/snapshot.pt            the prefill snapshot (engine `Session.save`)
+    <root>/<book_id>/partial.pt             the reading so far of a book whose prefill stopped
     <root>/model-hashes.json                sha256 of model weight files, by path, size and mtime
 
 `book_id` is the start of the sha256 of the prefilled text, so the same text is one book. Every
@@ -11,11 +12,14 @@ write is atomic (app/storage.py): a kill or a full disk leaves the last good fil
 used only when the model (id, shapes, weight-file hash), the document hash, the file's own hash
 and its tokens all match (app/snapshots.py); anything else means a new prefill, never wrong
 answers. A write that fails (disk full) never loses the open book: `open_session` says so.
+A long book is read in parts, and a reading that stops (Stop, a closed tab, a crash) is kept: the
+next opening of the book reads on from there (`ReadingStopped`, `READ_PART_TOKENS`).
 This module knows nothing of Gradio; it does not tokenise or prefill (app/session.py does).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -27,14 +31,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from app.documents import Document, Section
-from app.snapshots import load_snapshot, model_fingerprint, save_snapshot, weights_sha256
+from app.snapshots import PARTIAL, load_snapshot, model_fingerprint, save_snapshot, weights_sha256
 from app.storage import atomic_write, read_json, remove_temp_files, write_failure, write_json
+from engine.config import Cancelled, EngineError
 
 if TYPE_CHECKING:
     from engine.session import Engine, Session
 
-__all__ = ["Library", "atomic_write", "chat_export_json", "chat_markdown", "default_root", "model_fingerprint",
-           "read_json", "text_sha256", "write_export", "write_json"]
+# A book is read in parts of about this many tokens, each a whole number of the engine's prefill
+# chunks, so the forwards are those of one uninterrupted read (the KV is the same, bit for bit).
+# The reading so far is saved after a part at most this often (a 3 GB cache at 112K tokens takes
+# seconds to write), and whenever it stops: a crash loses at most this much reading.
+READ_PART_TOKENS = 4096
+SAVE_READING_EVERY_S = 300.0
+
+__all__ = ["Library", "ReadingStopped", "atomic_write", "chat_export_json", "chat_markdown", "default_root",
+           "model_fingerprint", "read_json", "text_sha256", "write_export", "write_json"]
 
 
 def default_root() -> Path:
@@ -76,6 +88,17 @@ def document_to_json(document: Document) -> dict:
 def document_from_json(obj: dict) -> Document:
     sections = [Section(title, int(start), kind) for title, start, kind in obj.get("sections", [])]
     return Document(obj["title"], obj["text"], obj["source_format"], sections)
+
+
+class ReadingStopped(Cancelled):
+    """A book's prefill was stopped; what was read is kept in the library when it could be saved."""
+
+    def __init__(self, book_id: str, n_read: int, n_tokens: int, is_saved: bool):
+        self.book_id, self.n_read, self.n_tokens, self.is_saved = book_id, n_read, n_tokens, is_saved
+        then = ("It is in the library: open it again to read on from there." if is_saved
+                else "What was read could not be saved, so the next reading starts from the beginning.")
+        EngineError.__init__(self, f"Stopped after reading {n_read / n_tokens:.0%} of the book ({n_read:,} of "
+                                   f"{n_tokens:,} tokens). {then}")
 
 
 class Library:
@@ -125,7 +148,7 @@ class Library:
 
     def choices(self, book_id: str | None) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
         """(label, id) pairs for pickers: every book, and the chats of `book_id`."""
-        books = [(b["title"], b["id"]) for b in self.books()]
+        books = [(b["title"] + _read_note(b), b["id"]) for b in self.books()]
         chats = [(f"{c['title']} ({c['n_turns']} turn{'s' * (c['n_turns'] != 1)})", c["id"])
                  for c in self.chats(book_id)] if book_id else []
         return books, chats
@@ -180,22 +203,119 @@ class Library:
         saved = (self.meta(book_id) or {}).get("snapshot")
         return load_snapshot(self.book_dir(book_id), engine, saved, expected, doc_ids)
 
+    def save_reading(self, book_id: str, session: Session, identity: dict, doc_sha256: str, n_doc_tokens: int,
+                     chunk_tokens: int) -> None:
+        """Store a stopped reading: the session holds the book's first tokens, read in chunks of
+        `chunk_tokens` (a reading goes on only with the same chunks: the same forwards)."""
+        folder, meta = self.book_dir(book_id), self.meta(book_id) or {}
+        record = {**identity, "doc_sha256": doc_sha256, "n_doc_tokens": n_doc_tokens, "chunk_tokens": chunk_tokens,
+                  "n_tokens": session.length}
+        write_json(folder / "meta.json", {**meta, "partial": save_snapshot(folder, session, record, PARTIAL)})
+
+    def restore_reading(self, book_id: str, engine: Engine, identity: dict, doc_sha256: str,
+                        doc_ids: list[int]) -> Session | None:
+        """The stopped reading of this text by this model, to read on from; None when there is none
+        or anything does not match (then the reading starts again)."""
+        saved, chunk = (self.meta(book_id) or {}).get("partial") or {}, engine.prefill_chunk_tokens
+        n = saved.get("n_tokens")
+        if not (isinstance(n, int) and 0 < n < len(doc_ids) and n % chunk == 0):
+            return None
+        expected = {**identity, "doc_sha256": doc_sha256, "n_doc_tokens": len(doc_ids), "chunk_tokens": chunk,
+                    "n_tokens": n}
+        return load_snapshot(self.book_dir(book_id), engine, saved, expected, doc_ids[:n], PARTIAL)
+
+    def n_read(self, book_id: str, model: str | None = None) -> int:
+        """Tokens of the book a stopped reading (by `model`, a `model_fingerprint`) kept (0: none)."""
+        meta = self.meta(book_id) or {}
+        return _n_read(meta) if model is None or (meta.get("partial") or {}).get("model") == model else 0
+
+    def _forget_reading(self, book_id: str) -> None:
+        meta = self.meta(book_id)
+        if meta is not None and meta.pop("partial", None) is not None:
+            write_json(self.book_dir(book_id) / "meta.json", meta)
+        (self.book_dir(book_id) / PARTIAL).unlink(missing_ok=True)
+
     def open_session(self, engine: Engine, document: Document, doc_ids: list[int], on_progress=None,
-                     cancel=None) -> tuple[str, Session, bool, str | None]:
+                     cancel=None, on_resume=None) -> tuple[str, Session, bool, str | None]:
         """(book id, session, whether restored, a note when the library could not be written): the
-        saved prefill when it matches, else a new prefill, snapshotted. The book is listed only once
-        it is ready (a cancelled prefill adds nothing); a failed write never loses the session."""
+        saved prefill when it matches, else a new prefill, snapshotted, read on from where a stopped
+        reading ended (`on_resume(n tokens read before)`). The book is listed once it is ready, or
+        once part of it is saved; a failed write never loses the session."""
         identity, sha = self.model_identity(engine), text_sha256(document.text)
         book_id = sha[:16]
         session = self.restore_snapshot(book_id, engine, identity, sha, doc_ids)
         restored = session is not None
         if session is None:
-            session = engine.open(doc_ids, on_progress=on_progress, cancel=cancel)
+            reading = Reading(self, engine, document, doc_ids, identity, sha)
+            session = reading.run(on_progress, cancel, on_resume)
         try:
             self.add_book(document, identity["model"], len(doc_ids))
             if not restored:
                 self.save_snapshot(book_id, session, identity, sha)
+                self._forget_reading(book_id)
         except OSError as error:
             return book_id, session, restored, (f"The book could not be saved to the library ({write_failure(error)}). "
                                                 "It is open and answers normally; next time it is read again.")
         return book_id, session, restored, None
+
+
+def _n_read(meta: dict) -> int:
+    n = (meta.get("partial") or {}).get("n_tokens")
+    return n if isinstance(n, int) else 0
+
+
+def _read_note(meta: dict) -> str:
+    """' · 45% read' for a book whose reading stopped there."""
+    n, total = _n_read(meta), meta.get("n_tokens")
+    return f" · {n / total:.0%} read" if n and isinstance(total, int) and total > n else ""
+
+
+class Reading:
+    """One book's prefill in parts, from where a stopped reading of it ended; the reading so far
+    is saved every `SAVE_READING_EVERY_S` and when it stops or fails."""
+
+    def __init__(self, library: Library, engine: Engine, document: Document, doc_ids: list[int], identity: dict,
+                 doc_sha256: str):
+        self.library, self.engine, self.document, self.doc_ids = library, engine, document, doc_ids
+        self.identity, self.sha, self.book_id = identity, doc_sha256, doc_sha256[:16]
+        self.chunk = engine.prefill_chunk_tokens
+        self.part = max(1, READ_PART_TOKENS // self.chunk) * self.chunk
+        self.n_saved, self.saved_at = 0, time.monotonic()
+
+    def run(self, on_progress=None, cancel=None, on_resume=None) -> Session:
+        doc_ids, n_total = self.doc_ids, len(self.doc_ids)
+
+        def progress(start: int):  # a part's progress as the whole book's
+            return on_progress and (lambda done, _total: on_progress(start + done, n_total))
+        session = self.library.restore_reading(self.book_id, self.engine, self.identity, self.sha, doc_ids)
+        if session is None:  # stopped in this first part: nothing is kept
+            session = self.engine.open(doc_ids, progress(0), cancel, n_first=self.part)
+        else:
+            self.n_saved = session.length
+            if on_resume:
+                on_resume(session.length)
+        try:
+            while (start := session.length) < n_total:
+                session.read(doc_ids[start:start + self.part], progress(start), cancel)
+                if time.monotonic() - self.saved_at >= SAVE_READING_EVERY_S:
+                    self.save(session)
+        except Cancelled:
+            raise ReadingStopped(self.book_id, session.length, n_total, self.save(session)) from None
+        except BaseException:
+            with contextlib.suppress(Exception):  # the failure is the news, not a save it prevents
+                self.save(session)
+            raise
+        return session
+
+    def save(self, session: Session) -> bool:
+        """Keep the reading so far in the library (listing the book); False when it could not be
+        written (a full disk: the reading goes on, and the next save tries again)."""
+        if session.length == self.n_saved:
+            return True
+        try:
+            self.library.add_book(self.document, self.identity["model"], len(self.doc_ids))
+            self.library.save_reading(self.book_id, session, self.identity, self.sha, len(self.doc_ids), self.chunk)
+        except OSError:
+            return False
+        self.n_saved, self.saved_at = session.length, time.monotonic()
+        return True

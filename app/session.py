@@ -114,6 +114,7 @@ class BookSession:
         self.plain_ms: float | None = None  # plain decoding ms/token at this context (the speedup's base)
         self.save_error: str | None = None
         self.batcher = None  # engine.batch.Batcher: answers decoded together with other readers'
+        self.n_read_before = 0  # tokens a stopped reading had kept, read on from when this book opened
 
 
     def ask(self, question: str, sampling: SamplingConfig, cancel=None) -> Iterator[Update]:
@@ -241,23 +242,30 @@ def open_book(engine: Engine, chat: ChatFormat, prepared: Prepared, library: Lib
         if report:
             report("Prefill", "sending the book to the server …")
         return open_remote_book(engine, chat, prepared, library, cancel), False
-    chunk, started = engine.prefill_chunk_tokens, time.perf_counter()  # larger when offloaded with flash-attn
-    share = engine.target.config.attention_share()
+    chunk, share = engine.prefill_chunk_tokens, engine.target.config.attention_share()  # chunk: larger offloaded
+    started, n_before = time.perf_counter(), 0
 
     def progress(done: int, total: int):
         elapsed = max(time.perf_counter() - started, 1e-6)
-        left = time_left(elapsed, done, total, share)  # later tokens read more keys: not at this rate
+        left = time_left(elapsed, done, total, share, n_before)  # later tokens read more keys: not at this rate
         if report:  # chunk i of N, measured speed, and the time left
             report("Prefill", f"chunk {math.ceil(done / chunk)} of {math.ceil(total / chunk)} · "
-                              f"{done / elapsed:,.0f} tokens/s · about {duration(left)} left")
+                              f"{(done - n_before) / elapsed:,.0f} tokens/s · about {duration(left)} left")
+
+    def resume(n_read: int):  # a stopped reading of this book, read on from
+        nonlocal started, n_before
+        started, n_before = time.perf_counter(), n_read
+        if report:
+            report("Prefill", f"reading on from {n_read / len(prepared.doc_ids):.0%}, where the last reading "
+                              f"stopped ({n_read:,} tokens read before) …")
     if library is None:
         book_id, restored, note = "0", False, None
         session = engine.open(prepared.doc_ids, on_progress=progress, cancel=cancel)
     else:
         book_id, session, restored, note = library.open_session(engine, prepared.document, prepared.doc_ids,
-                                                                progress, cancel)
+                                                                progress, cancel, resume)
     book = BookSession(engine, chat, prepared, session, book_id, library)
-    book.save_error = note
+    book.save_error, book.n_read_before = note, n_before
     if measure_plain:
         if report:
             report("Prefill", "measuring plain decoding for the speedup …")

@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # torch and the engine load on first use: `Library` alone sta
     from engine.session import Engine, Session
 
 SNAPSHOT = "snapshot.pt"
+PARTIAL = "partial.pt"  # the reading so far of a book whose prefill was stopped (app/library.py)
 _STALE_TMP_S = 3600.0  # a snapshot still being written after an hour was orphaned by a crash
 
 
@@ -69,7 +70,7 @@ def weights_sha256(engine: Engine, cache_path: Path) -> str:
     return "file:" + digest.hexdigest()
 
 
-def save_snapshot(folder: Path, session: Session, record: dict) -> dict:
+def save_snapshot(folder: Path, session: Session, record: dict, name: str = SNAPSHOT) -> dict:
     """Write the snapshot atomically; returns `record` plus the file's sha256 (for meta.json)."""
     from engine.loading import file_sha256
 
@@ -80,7 +81,7 @@ def save_snapshot(folder: Path, session: Session, record: dict) -> dict:
         session.save(tmp, meta=record)
         sha = file_sha256(tmp)
         fsync_file(tmp)  # the data is on disk before the rename makes it the snapshot
-        os.replace(tmp, folder / SNAPSHOT)
+        os.replace(tmp, folder / name)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -89,12 +90,12 @@ def save_snapshot(folder: Path, session: Session, record: dict) -> dict:
 
 
 def load_snapshot(folder: Path, engine: Engine, saved: dict | None, expected: dict,
-                  doc_ids: list[int]) -> Session | None:
+                  doc_ids: list[int], name: str = SNAPSHOT) -> Session | None:
     """The session in `folder`'s snapshot when `saved` (its meta.json record) matches `expected`,
     the file's sha256 matches the record, and its cache holds exactly `doc_ids`; else None."""
     from engine.loading import file_sha256
 
-    path = folder / SNAPSHOT
+    path = folder / name
     if not saved or {k: saved.get(k) for k in expected} != expected or not path.is_file():
         return None
     if file_sha256(path) != saved.get("sha256"):

@@ -80,11 +80,13 @@ def prefill_work(n_tokens: int, attention_share: float) -> float:
     return n_tokens + attention_share * n_tokens * n_tokens / 2
 
 
-def time_left(elapsed_s: float, done: int, total: int, attention_share: float) -> float:
-    """Seconds until a prefill `done` of `total` tokens into, `elapsed_s` in, ends: its rate so far
-    in units of work, so the later tokens, which read more keys, are not timed at the first ones' rate."""
+def time_left(elapsed_s: float, done: int, total: int, attention_share: float, start: int = 0) -> float:
+    """Seconds until a prefill `done` of `total` tokens into, `elapsed_s` after it started at token
+    `start` (a stopped reading taken up again), ends: its rate so far in units of work, so the later
+    tokens, which read more keys, are not timed at the first ones' rate."""
     done_work = prefill_work(done, attention_share)
-    return elapsed_s * (prefill_work(total, attention_share) - done_work) / max(done_work, 1e-9)
+    rate_work = done_work - prefill_work(start, attention_share)
+    return elapsed_s * (prefill_work(total, attention_share) - done_work) / max(rate_work, 1e-9)
 
 
 def duration(seconds: float) -> str:

@@ -25,7 +25,15 @@ import gradio as gr
 
 from app.cpu import CpuWatch, cpu_note
 from app.documents import Limits, PasswordRequired, WrongPassword, chapters
-from app.library import Library, chat_export_json, chat_markdown, write_export
+from app.library import (
+    Library,
+    ReadingStopped,
+    chat_export_json,
+    chat_markdown,
+    model_fingerprint,
+    text_sha256,
+    write_export,
+)
 from app.session import BookSession, Prepared, keep_first, load_engine, open_book, pick_chapters, prepare, read_document
 from app.speeds import Speeds, duration
 from app.storage import write_failure
@@ -194,7 +202,7 @@ class App:
 
     def _fit_then_open(self, user: User, prepared: Prepared, stages: Stages | None = None):
         c, stages = self.c, stages or Stages(prepared.document.title)
-        estimate = self.prefill_estimate(len(prepared.doc_ids)) if prepared.fits else ""
+        estimate = self.prefill_estimate(len(prepared.doc_ids), self._n_read(prepared)) if prepared.fits else ""
         stages.set("Tokenize", prepared.fit_message() + estimate, is_done=prepared.fits)
         if prepared.fits:
             yield from self._open(user, prepared, stages)
@@ -217,6 +225,12 @@ class App:
         try:
             book, restored = yield from self._progress(user, stages, partial(open_book, measure_plain=True),
                                                        self.engine, self.chat, prepared, self.library)
+        except ReadingStopped as error:  # what was read is kept: the book reads on from there next time
+            if error.is_saved:
+                user.book_ids.add(error.book_id)
+                user.titles[error.book_id] = prepared.document.title
+            yield {**self._kept(user, str(error)), **self._library_view(user)}
+            return
         except Cancelled:
             yield self._kept(user, "Loading cancelled.")
             return
@@ -224,15 +238,19 @@ class App:
             yield self._kept(user, f"⚠ {error}")
             return
         book.batcher = self.batcher
-        seconds, n = time.perf_counter() - started, len(prepared.doc_ids)
+        seconds, n, n_now = time.perf_counter() - started, len(prepared.doc_ids), len(prepared.doc_ids)
         if not restored:  # counted here, not from the engine's totals: other readers' work goes on meanwhile
+            n_now -= book.n_read_before
             user.counters.n_prefills += 1
-            user.counters.n_prefill_tokens += n
+            user.counters.n_prefill_tokens += n_now
             model = self.engine.config.target
-            self.speeds.record_prefill(model, n, seconds - 8 * (book.plain_ms or 0) / 1000)  # less the probe
+            if not book.n_read_before:  # a whole reading's time: what the estimates scale
+                self.speeds.record_prefill(model, n, seconds - 8 * (book.plain_ms or 0) / 1000)  # less the probe
             self.speeds.record_decode(model, n, book.plain_ms or 0)
         how = (f"restored from the saved snapshot in {seconds:.1f} s" if restored
-               else f"{n:,} tokens in {seconds:.1f} s ({n / seconds:,.0f} tokens/s)")
+               else f"{n_now:,} tokens in {seconds:.1f} s ({n_now / seconds:,.0f} tokens/s)")
+        if book.n_read_before:
+            how += f", after the {book.n_read_before:,} a stopped reading had kept"
         user.book, user.pending, user.editing, user.notice = book, None, False, None
         user.book_ids.add(book.book_id)
         user.titles[book.book_id] = book.document.title
@@ -245,14 +263,25 @@ class App:
                c.chapter: gr.update(choices=titles, value=titles[0] if titles else None, visible=bool(titles)),
                c.summarize_chapter: gr.update(visible=bool(titles)), **self._library_view(user)}
 
-    def prefill_estimate(self, n_tokens: int) -> str:
-        """' · about 3 min to read here' from this machine's measured rate, and the faster model's
-        time when the wait is long; what the first book will do when nothing was measured yet."""
+    def _n_read(self, prepared: Prepared) -> int:
+        """Tokens of this book a stopped reading by this model kept in the library (0: none)."""
+        if self.library is None or getattr(self.engine, "is_remote", False):
+            return 0
+        return self.library.n_read(text_sha256(prepared.document.text)[:16], model_fingerprint(self.engine))
+
+    def prefill_estimate(self, n_tokens: int, n_read: int = 0) -> str:
+        """' · about 3 min to read here' from this machine's measured rate (what is left when a stopped
+        reading kept `n_read` tokens), and the faster model's time when the wait is long; what the
+        first book will do when nothing was measured yet."""
         target = getattr(self.engine, "target", None)  # a remote engine has none: its times are linear
         model, share = self.engine.config.target, target.config.attention_share() if target is not None else 0.0
-        seconds = self.speeds.prefill_s(model, n_tokens, share)
+        seconds, before = self.speeds.prefill_s(model, n_tokens, share), ""
+        if n_read:
+            before = f" · {n_read / n_tokens:.0%} was read before, the rest reads on from there"
         if seconds is None:
-            return " · the first book measures how fast this machine reads"
+            return before + " · the first book measures how fast this machine reads"
+        if n_read:
+            return before + f": about {duration(seconds - self.speeds.prefill_s(model, n_read, share))} left"
         text = f" · about {duration(seconds)} to read here"
         faster = self._faster_model(model, n_tokens, seconds, share)
         if seconds > LONG_PREFILL_S and faster:

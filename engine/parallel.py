@@ -181,8 +181,12 @@ def _method(ranks: Ranks, sid: int, name: str, *args):
     return getattr(type(session), name).__wrapped__(session, *args)
 
 
-def _open(ranks: Ranks, sid: int, doc_ids: list[int], on_progress=None, cancel=None, leader=None):
-    _register(ranks, sid, ranks.engine.open(doc_ids, on_progress, SharedFlag(cancel)), leader)
+def _open(ranks: Ranks, sid: int, doc_ids: list[int], n_first=None, on_progress=None, cancel=None, leader=None):
+    _register(ranks, sid, ranks.engine.open(doc_ids, on_progress, SharedFlag(cancel), n_first), leader)
+
+
+def read(ranks: Ranks, sid: int, ids: list[int], on_progress=None, cancel=None):
+    ranks.sessions[sid].read_here(ids, on_progress, SharedFlag(cancel))
 
 
 def _restore(ranks: Ranks, sid: int, path: str, leader=None):
@@ -300,9 +304,9 @@ class Leader:
                 finally:
                     self.lock.release()
 
-    def open(self, doc_ids: list[int], on_progress=None, cancel=None):
+    def open(self, doc_ids: list[int], on_progress=None, cancel=None, n_first: int | None = None):
         sid = next(self.next_sids)
-        self.call(_open, sid, list(doc_ids), on_progress=on_progress, cancel=cancel, leader=self)
+        self.call(_open, sid, list(doc_ids), n_first, on_progress=on_progress, cancel=cancel, leader=self)
         return self.ranks.sessions[sid]
 
     def restore(self, path):

@@ -231,16 +231,19 @@ class Engine:
         if n_tokens > self.max_context:
             raise DocumentTooLong(n_tokens, self.max_context)
 
-    def open(self, doc_ids: list[int], on_progress: Progress | None = None, cancel=None) -> Session:
-        """Prefill the document once; the returned session answers questions about it."""
+    def open(self, doc_ids: list[int], on_progress: Progress | None = None, cancel=None,
+             n_first: int | None = None) -> Session:
+        """Prefill the document once; the returned session answers questions about it. `n_first`:
+        read only the first tokens now, with room for all of them; `Session.read` reads the rest."""
         if not doc_ids:
             raise EmptyPrompt("document")
         self.check_tokens(doc_ids, "document")
         self.check_fits(len(doc_ids) + 1)
         session = Session(self, self.new_full_cache(min(self.max_context, len(doc_ids) + CHAT_ROOM_TOKENS)))
-        self.prefill(session.full, doc_ids, session.query_log, on_progress, cancel)
+        first = doc_ids[:n_first or len(doc_ids)]
+        self.prefill(session.full, first, session.query_log, on_progress, cancel)
         self.n_prefills += 1
-        session.start(list(doc_ids))
+        session.start(list(first))
         return session
 
     def build_stack(self, full: FullCache, query_log: QueryLog, name: str
@@ -336,6 +339,28 @@ class Session:
     @parallel.everywhere
     def start(self, tokens: list[int]) -> None:
         self.stack.reset(tokens)
+
+    def read(self, ids: list[int], on_progress: Progress | None = None, cancel=None) -> None:
+        """Prefill more of the document after the tokens held, before any question: a long book read
+        in parts, or a stopped reading taken up again. Stopped by `cancel` (or failed), the session
+        keeps every whole chunk read, so its `length` says where to go on from."""
+        if self.leader is not None:  # tensor parallel: every rank reads, taking rank 0's cancel flag
+            return self.leader.call(parallel.read, self.sid, list(ids), on_progress=on_progress, cancel=cancel)
+        self.read_here(ids, on_progress, cancel)
+
+    def read_here(self, ids: list[int], on_progress: Progress | None = None, cancel=None) -> None:
+        """`read` in this process (under tensor parallel: this rank's part)."""
+        if self.full.length != self.length:
+            raise ValueError("read() continues the document: it goes before the first question")
+        if not ids:
+            return
+        self.engine.check_tokens(ids, "document")
+        self.engine.check_fits(self.length + len(ids) + 1)
+        n_held = self.length
+        try:
+            self.engine.prefill(self.full, ids, self.query_log, on_progress, cancel)
+        finally:  # the chunks whose KV is in the full cache are committed, all of them
+            self.stack.reset(self.tokens + ids[:self.full.length - n_held])
 
     @property
     def tokens(self) -> list[int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -135,3 +136,59 @@ def test_a_truncated_snapshot_means_a_new_prefill_not_an_error(library, engine):
     path = library.book_dir(book_id) / "snapshot.pt"
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     assert library.restore_snapshot(book_id, engine, identity, sha, doc_ids) is None
+
+
+def test_a_stopped_reading_is_kept_and_the_next_opening_reads_on_from_it(library, monkeypatch):
+    """A long book is read in parts; a Stop keeps what was read (listed as "…% read"), and the next
+    opening reads on from there to the KV of one uninterrupted read, then keeps only the snapshot."""
+    from app import library as library_module
+    from app.library import ReadingStopped
+    from tests.conftest import tiny_engine
+    from tests.engine.test_speculative import random_ids
+
+    monkeypatch.setattr(library_module, "READ_PART_TOKENS", 16)  # two chunks of 7 a part
+    engine, doc_ids = tiny_engine("ngram>retrieval>full"), random_ids(60, 128, 21)
+    book_id, cancel, seen = text_sha256(BOOK.text)[:16], threading.Event(), []
+
+    def stop_in_the_third_part(done, total):  # after its first chunk
+        seen.append(done)
+        if done >= 35:
+            cancel.set()
+    with pytest.raises(ReadingStopped, match=r"Stopped after reading 58% of the book \(35 of 60 tokens\)"):
+        library.open_session(engine, BOOK, doc_ids, stop_in_the_third_part, cancel)
+    assert seen == [7, 14, 21, 28, 35]  # the whole book's progress, part after part
+    assert library.n_read(book_id) == 35 and library.choices(None)[0] == [("A Short Book · 58% read", book_id)]
+    assert library.n_read(book_id, "another model") == 0
+
+    resumed, seen = [], []
+    _, session, restored, note = library.open_session(engine, BOOK, doc_ids, lambda done, total: seen.append(done),
+                                                      None, resumed.append)
+    assert resumed == [35] and seen == [42, 49, 56, 60] and not restored and note is None
+    whole = engine.open(doc_ids)
+    assert session.tokens == doc_ids and torch.equal(session.full.k[..., :60, :], whole.full.k[..., :60, :])
+    assert library.n_read(book_id) == 0 and not (library.book_dir(book_id) / "partial.pt").exists()
+    assert library.choices(None)[0] == [("A Short Book", book_id)]
+    assert library.open_session(engine, BOOK, doc_ids)[2]  # now the whole snapshot restores
+
+
+def test_a_reading_that_crashes_keeps_its_last_save_and_one_by_another_model_is_not_read_on(library, monkeypatch):
+    from app import library as library_module
+    from tests.conftest import tiny_engine
+    from tests.engine.test_speculative import random_ids
+
+    monkeypatch.setattr(library_module, "READ_PART_TOKENS", 16)
+    monkeypatch.setattr(library_module, "SAVE_READING_EVERY_S", 0.0)  # saved after every part
+    engine, doc_ids = tiny_engine("plain"), random_ids(60, 128, 22)
+    book_id = text_sha256(BOOK.text)[:16]
+
+    def crash(done, total):
+        if done == 35:
+            assert library.n_read(book_id) == 28  # saved after the last part (a kill would keep this)
+            raise MemoryError("out of memory")
+    with pytest.raises(MemoryError):
+        library.open_session(engine, BOOK, doc_ids, crash)
+    assert library.n_read(book_id) == 35  # every chunk read, the failed part's first one too
+    other = tiny_engine("plain", seed=5)  # other weights: its reading starts again
+    resumed = []
+    library.open_session(other, BOOK, doc_ids, on_resume=resumed.append)
+    assert resumed == []

@@ -46,3 +46,30 @@ def test_the_time_left_is_timed_in_work_not_tokens():
     assert abs((79.5 + left) / 3937.0 - 1) < 0.1
     assert time_left(79.5, 8192, 111831, 0.0) == 79.5 * (111831 - 8192) / 8192
     assert time_left(10.0, 500, 500, share) == 0.0
+
+
+def test_a_reading_taken_up_again_is_timed_from_where_it_went_on_and_estimated_as_the_rest():
+    """A stopped reading of 112K tokens read on from 56K: the time left counts this run's work only
+    (the first 56K took no time of it), and the estimate before it is what is left to read."""
+    from types import SimpleNamespace
+
+    from app.speeds import prefill_work, time_left
+    from app.ui import App
+
+    share = QWEN_1_5B.attention_share()
+    per_work = 3937.0 / prefill_work(111831, share)  # one 112K reading's rate
+    elapsed = per_work * (prefill_work(64000, share) - prefill_work(56000, share))  # 56K -> 64K
+    want = per_work * (prefill_work(111831, share) - prefill_work(64000, share))
+    assert abs(time_left(elapsed, 64000, 111831, share, start=56000) / want - 1) < 1e-9
+    assert time_left(elapsed, 64000, 111831, share) < 0.2 * want  # as if 64K had taken that long
+
+    speeds = Speeds(None)
+    app = SimpleNamespace(engine=SimpleNamespace(config=SimpleNamespace(target="m"),
+                                                 target=SimpleNamespace(config=QWEN_1_5B)),
+                          speeds=speeds, _faster_model=lambda *args: None)
+    assert App.prefill_estimate(app, 111831, 56000) == (" · 50% was read before, the rest reads on from there"
+                                                        " · the first book measures how fast this machine reads")
+    speeds.record_prefill("m", 111831, 3937.0)
+    rest = 3937.0 - speeds.prefill_s("m", 56000, share)
+    assert App.prefill_estimate(app, 111831, 56000).endswith(f"from there: about {round(rest / 60)} min left")
+    assert App.prefill_estimate(app, 111831) == " · about 1 h 6 min to read here"

@@ -190,6 +190,36 @@ def test_clients_are_isolated_and_a_saved_book_reopens_from_its_snapshot(loaded,
     assert chats, "the first client's autosaved chats are listed with the book"
 
 
+def test_a_stopped_reading_is_kept_and_the_book_reads_on_from_there(app_url, tmp_path):
+    """Stop while a book longer than one part (4,096 tokens) is read: the reading so far is kept, and
+    opening the book again reads only the rest."""
+    import re
+
+    from gradio_client import Client, handle_file
+
+    from app.documents import load_document
+    from app.library import text_sha256
+
+    path = tmp_path / "persuasion-longer.txt"
+    path.write_text((ROOT / "assets" / "persuasion.txt").read_text(encoding="utf-8")[:26000], encoding="utf-8")
+    client = Client(app_url, verbose=False)
+    job = client.submit(handle_file(str(path)), "", api_name="/load_book")
+    deadline = time.time() + 180
+    while not any(re.search(r"chunk (9|1\d) of", str(out[0])) for out in job.outputs()):  # in the 2nd part
+        assert not job.done() and time.time() < deadline, job.outputs()[-1:]
+        time.sleep(0.05)
+    client.predict(api_name="/cancel_prefill")
+    status = job.result()[0]
+    stopped = re.search(r"Stopped after reading \d+% of the book \(([\d,]+) of ([\d,]+) tokens\)", status)
+    assert stopped and "open it again to read on from there" in status, status
+    n_read, n_total = (int(n.replace(",", "")) for n in stopped.groups())
+    assert 4096 < n_read < n_total and n_read % 512 == 0 and counters(client)["n_prefills"] == 0
+
+    status = client.predict(text_sha256(load_document(path).text)[:16], api_name="/open_book")[0]
+    assert "was read before" in status and f"after the {n_read:,} a stopped reading had kept" in status, status
+    assert counters(client) == {"n_prefills": 1, "n_prefill_tokens": n_total - n_read}
+
+
 def test_clear_starts_an_empty_chat(loaded):
     client, _ = loaded
     chatbot, metrics, *_ = client.predict(api_name="/clear")

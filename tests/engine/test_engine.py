@@ -102,6 +102,34 @@ def test_snapshot_restores_a_session_that_answers_the_same(tmp_path):
     assert answer(restored, q) == want and engine.n_prefills == 1
 
 
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_a_reading_stopped_saved_and_taken_up_again_equals_one_read(tmp_path, dtype):
+    """A long book read in parts, stopped mid-part, saved and continued from the snapshot holds the
+    KV and answers of one uninterrupted read, bit for bit: parts start at chunk boundaries (7
+    tokens here), so every forward is the one the uninterrupted read makes (a forward's rounding
+    depends on its rows: parts cut off the boundaries fail this test)."""
+    engine = tiny_engine("ngram>retrieval>full", dtype=dtype)
+    doc, q = random_ids(90, 128, 14), random_ids(4, 128, 15)
+    whole = engine.open(doc)
+    want = answer(whole, q, n=12)
+
+    part = engine.open(doc, n_first=14)  # room for all 90 tokens, 14 read now
+    assert part.tokens == doc[:14] and part.full.length == 14
+    cancel = threading.Event()
+    with pytest.raises(Cancelled):  # stopped after the second chunk of this part: 14 + 14 kept
+        part.read(doc[14:70], on_progress=lambda done, total: done >= 14 and cancel.set(), cancel=cancel)
+    assert part.tokens == doc[:28] and part.full.length == 28
+    part.save(tmp_path / "partial.pt")
+    again = Session.restore(engine, tmp_path / "partial.pt")
+    again.read(doc[28:])
+    assert again.tokens == doc and torch.equal(again.full.k[..., :90, :], whole.full.k[..., :90, :])
+    assert torch.equal(again.full.v[..., :90, :], whole.full.v[..., :90, :])
+    assert answer(again, q, n=12) == want
+    with pytest.raises(ValueError, match="before the first question"):
+        again.read(doc[:7])
+    assert engine.n_prefills == 2  # a reading taken up again is not another document
+
+
 def test_config_errors_say_what_to_do():
     with pytest.raises(ValueError, match="choose one of"):
         EngineConfig(levels="ngram>draft")

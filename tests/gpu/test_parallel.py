@@ -7,6 +7,7 @@ and its refusal when heads do not divide evenly."""
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from dataclasses import replace
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from engine import parallel
 from engine.batch import Batcher
-from engine.config import BadTokens, EngineConfig, EngineError, RetrievalConfig, SamplingConfig
+from engine.config import BadTokens, Cancelled, EngineConfig, EngineError, RetrievalConfig, SamplingConfig
 from engine.kv.full import FullCache
 from engine.kv.offload import OffloadCache
 from engine.session import Engine, Session
@@ -90,6 +91,15 @@ def test_two_gloo_ranks_match_one_process(family, gamma):
         events.close()  # the reader went away mid-answer: every rank stops at the same token
         first, second = leader.call(tokens_of_every_rank, session.sid)
         assert first == second and 30 + 3 < len(first) < 30 + 3 + 50
+        doc, cancel = doc_with_repeats(), threading.Event()
+        parted = leader.open(doc, n_first=16)  # a long book read in parts, stopped, read on
+        with pytest.raises(Cancelled):  # rank 0's stop reaches every rank after the same chunk
+            parted.read(doc[16:], on_progress=lambda done, total: cancel.set(), cancel=cancel)
+        assert parted.length == 32
+        parted.read(doc[32:])
+        read_in_parts = [t for e in parted.ask(random_ids(4, 128, 4), SamplingConfig(max_new_tokens=16))
+                         for t in e.tokens]
+        parted_tokens = leader.call(tokens_of_every_rank, parted.sid)
     finally:
         leader.close()
     assert not dist.is_initialized()
@@ -98,6 +108,7 @@ def test_two_gloo_ranks_match_one_process(family, gamma):
         assert len(two[levels][0]) == 16
     assert two.get("sampled") == one.get("sampled") and two["tokens"] == one["tokens"]
     assert (two_logits - one_logits).abs().max() <= 1e-5
+    assert read_in_parts == one["plain"][0] and parted_tokens[0] == parted_tokens[1]
 
 
 @pytest.mark.timeout(180)
