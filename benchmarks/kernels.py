@@ -263,7 +263,7 @@ def tree(n_candidates: int, depth: int) -> Draft:
 
 def bench_prefill(models: Models, S: int, repeats: int, chunk: int = 512) -> dict:
     full, hf = models.caches(S, chunk)
-    ids = torch.randint(0, 150_000, (1, chunk), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, models.ours.config.vocab_size, (1, chunk), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(S, S + chunk)
 
     def ours(model):

@@ -18,6 +18,16 @@ if XDIST:  # so do the processes tests start (the app, gloo ranks): spinning Ope
     os.environ["OMP_NUM_THREADS"] = "1"
 
 
+def packaged_or_skip(name: str):
+    """The packaged model's folder; the test skips when it is not assembled (a checkout before setup)."""
+    from engine.models import packaged_model_dir
+
+    model_dir = packaged_model_dir(name, assemble=False)
+    if model_dir is None:
+        pytest.skip(f"{name} is not assembled: run `python -m engine.models --only {name}`")
+    return model_dir
+
+
 def tiny_hf(family: str = "llama", seed: int = 0, vocab: int = 128, n_layers: int = 2, rope=None,
             tie: bool | None = None, max_positions: int = 4096):
     """A Hugging Face model with random weights: hidden 64, 4 query / 2 KV heads, float64."""

@@ -16,6 +16,7 @@ import torch
 from app.documents import Document, Section
 from app.library import Library, atomic_write, read_json, text_sha256
 from engine import models
+from tests.conftest import packaged_or_skip
 
 BOOK = Document("A Short Book", "Chapter 1\n\nIt was a dark night.\n\nChapter 2\n\nMorning came.", "txt",
                 [Section("Chapter 1", 0, "chapter"), Section("Chapter 2", 33, "chapter")])
@@ -23,12 +24,10 @@ BOOK = Document("A Short Book", "Chapter 1\n\nIt was a dark night.\n\nChapter 2\
 
 @pytest.fixture(scope="module")
 def engine():
-    from engine import models
     from engine.config import EngineConfig
     from engine.session import Engine
 
-    if models.packaged_model_dir("smollm2-135m", assemble=False) is None:
-        pytest.skip("smollm2-135m is not assembled: run `python -m engine.models --only smollm2-135m`")
+    packaged_or_skip("smollm2-135m")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # 2 shared cores: two spinning OpenMP threads are many times slower
     yield Engine.load(EngineConfig(target="smollm2-135m", dtype="float32", levels="ngram>full"))

@@ -18,6 +18,7 @@ import pytest
 
 from app import child
 from tests.app.test_ui_api import ART, ROOT, start_app, text_of
+from tests.conftest import packaged_or_skip
 
 openai = pytest.importorskip("openai")
 MODEL, KEY = "smollm2-135m", "test-key-25"
@@ -25,10 +26,7 @@ MODEL, KEY = "smollm2-135m", "test-key-25"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from engine import models
-
-    if models.packaged_model_dir(MODEL, assemble=False) is None:
-        pytest.skip(f"{MODEL} is not assembled: run `python -m engine.models --only {MODEL}`")
+    packaged_or_skip(MODEL)
     port, library = child.free_port(), tmp_path_factory.mktemp("server-library")
     proc = child.start([sys.executable, "-m", "api", "--model", MODEL, "--threads", "1", "--port", str(port),
                         "--api-key", KEY, "--library", str(library)], f"http://127.0.0.1:{port}/v1/models",

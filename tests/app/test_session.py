@@ -24,6 +24,7 @@ from app.session import (
     prepare,
 )
 from engine.config import SamplingConfig
+from tests.conftest import packaged_or_skip
 
 PERSUASION = Path(__file__).resolve().parents[2] / "assets" / "persuasion.txt"
 GREEDY = SamplingConfig(max_new_tokens=8)
@@ -31,12 +32,10 @@ GREEDY = SamplingConfig(max_new_tokens=8)
 
 @pytest.fixture(scope="module")
 def engine():
-    from engine import models
     from engine.config import EngineConfig, RetrievalConfig
     from engine.session import Engine
 
-    if models.packaged_model_dir("smollm2-135m", assemble=False) is None:
-        pytest.skip("smollm2-135m is not assembled: run `python -m engine.models --only smollm2-135m`")
+    packaged_or_skip("smollm2-135m")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # 2 shared cores: two spinning OpenMP threads are many times slower
     retrieval = RetrievalConfig(budget_tokens=96, sink_tokens=16, window_tokens=32, chunk_tokens=16)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from app import child
+from tests.conftest import packaged_or_skip
 
 ROOT = Path(__file__).resolve().parents[2]
 ART = Path(os.environ.get("E2E_ARTIFACTS", ROOT / "tests" / "e2e" / "artifacts"))
@@ -24,10 +25,7 @@ pytest.importorskip("gradio_client")
 
 def start_app(args: list[str], log_path: Path):
     """`python app.py ARGS` on a free port (app/child.py), one thread; skips without SmolLM2."""
-    from engine import models
-
-    if models.packaged_model_dir("smollm2-135m", assemble=False) is None:
-        pytest.skip("smollm2-135m is not assembled: run `python -m engine.models --only smollm2-135m`")
+    packaged_or_skip("smollm2-135m")
     return child.start_app(args, log_path, env={"OMP_NUM_THREADS": "1"})
 
 

@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerFast
 from engine.chat import BOOK_SYSTEM, SEPARATOR, ChatFormat
 from engine.loading import load_tokenizer
 from engine.models import packaged_model_dir
+from tests.conftest import packaged_or_skip
 
 BOOK_PATH = Path(__file__).resolve().parents[3] / "shared" / "books" / "austen_persuasion.txt"
 BOOK = (
@@ -75,10 +76,7 @@ TINY = {
 
 
 def real_tokenizer(name: str):
-    model_dir = packaged_model_dir(name, assemble=False)
-    if model_dir is None:
-        pytest.skip(f"{name} is not assembled: run `python -m engine.models --only {name}`")
-    return load_tokenizer(model_dir)
+    return load_tokenizer(packaged_or_skip(name))
 
 
 @pytest.fixture(scope="module", params=list(TINY) + PACKAGED)

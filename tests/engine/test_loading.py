@@ -32,15 +32,9 @@ from engine.loading import (
     resolve_model,
 )
 from engine.models import PackagedModel, WheelMember, assemble_gguf, packaged_model_dir
+from tests.conftest import packaged_or_skip
 
 REAL_CACHE = loading.cache_root()  # read before any test points BOOKCHAT_CACHE at tmp_path
-
-
-def packaged_or_skip(name: str) -> Path:
-    model_dir = packaged_model_dir(name, assemble=False)
-    if model_dir is None:
-        pytest.skip(f"{name} is not assembled: run `python -m engine.models --only {name}`")
-    return model_dir
 
 
 @pytest.fixture

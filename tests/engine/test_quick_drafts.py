@@ -10,10 +10,9 @@ import torch
 
 from engine.chat import ChatFormat
 from engine.config import EngineConfig, SamplingConfig
-from engine.models import packaged_model_dir
 from engine.quant import QuantLinear
 from engine.session import Engine
-from tests.conftest import XDIST
+from tests.conftest import XDIST, packaged_or_skip
 
 BOOK = Path(__file__).parents[2] / "assets" / "persuasion.txt"
 MODEL = "qwen2.5-coder-0.5b"  # Q4_K / Q6_K / Q5_0 / Q8_0 linears: every one has a quick path
@@ -25,8 +24,7 @@ def quick_linears(model) -> set[bool]:
 
 @pytest.fixture(scope="module")
 def engine():
-    if packaged_model_dir(MODEL, assemble=False) is None:
-        pytest.skip(f"{MODEL} is not assembled: run `python -m engine.models --only {MODEL}`")
+    packaged_or_skip(MODEL)
     torch.set_num_threads(1 if XDIST else 2)
     return Engine.load(EngineConfig(target=MODEL, draft=MODEL, levels="plain", device="cpu", dtype="float32",
                                     gamma_bottom=2, gamma_middle=3))

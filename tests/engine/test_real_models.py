@@ -14,10 +14,9 @@ from engine.attention import cpu_kernel
 from engine.chat import ChatFormat
 from engine.config import LEVEL_STACKS, EngineConfig, RetrievalConfig, SamplingConfig
 from engine.device import pick_dtype
-from engine.models import packaged_model_dir
 from engine.quant import is_quantized
 from engine.session import Engine
-from tests.conftest import XDIST
+from tests.conftest import XDIST, packaged_or_skip
 
 pytestmark = pytest.mark.slow
 BOOK = Path(__file__).parents[2] / "assets" / "persuasion.txt"
@@ -33,8 +32,7 @@ CHAIN_STACKS = ("draft>full", "retrieval>full", "draft>retrieval>full", "selfspe
 
 
 def load(name: str, dtype: str = "float32") -> Engine:
-    if packaged_model_dir(name, assemble=False) is None:
-        pytest.skip(f"{name} is not assembled: run `python -m engine.models --only {name}`")
+    packaged_or_skip(name)
     torch.set_num_threads(1 if XDIST else 2)  # one thread per test worker
     # the target is also the draft model here: CI has no smaller model with its tokenizer. Fixed
     # draft lengths: every level is exercised whatever this CPU's costs make the tuner choose (on
