@@ -4,15 +4,12 @@ here). No timing assertions: speed is measured, not tested."""
 
 import json
 
-import pytest
-
 from benchmarks import app_stream
-from engine import models
+from tests.conftest import packaged_or_skip
 
 
 def test_one_answer_through_the_app_reports_its_figures(tmp_path):
-    if models.packaged_model_dir("smollm2-135m", assemble=False) is None:
-        pytest.skip("smollm2-135m is not assembled")
+    packaged_or_skip("smollm2-135m")
     out = tmp_path / "app_stream.json"
     app_stream.main(["--client", "--levels", "ngram>retrieval>full", "--chars", "3000", "--answers", "1",
                      "--app-args", "--model smollm2-135m --threads 1 --max-new-tokens 8", "--out", str(out)])

@@ -6,14 +6,13 @@ import json
 import pytest
 
 from benchmarks import batch
-from engine.models import packaged_model_dir
+from tests.conftest import packaged_or_skip
 
 pytestmark = pytest.mark.slow
 
 
 def test_quick_run_batches_and_matches_lone_answers(tmp_path):
-    if packaged_model_dir("smollm2-135m", assemble=False) is None:
-        pytest.skip("smollm2-135m is not assembled: run `python -m engine.models --only smollm2-135m`")
+    packaged_or_skip("smollm2-135m")
     out = tmp_path / "batch.json"
     assert batch.main(["--quick", "--threads", "1", "--out", str(out)]) == 0
     report = json.loads(out.read_text())

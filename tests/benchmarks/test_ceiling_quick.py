@@ -5,7 +5,7 @@ import json
 import pytest
 
 from benchmarks import ceiling
-from engine import models
+from tests.conftest import packaged_or_skip
 
 
 def test_the_speedup_model_is_the_tuners():
@@ -19,8 +19,7 @@ def test_the_speedup_model_is_the_tuners():
 
 
 def test_a_quick_run_reports_every_context_and_budget(tmp_path):
-    if models.packaged_model_dir("smollm2-135m", assemble=False) is None:
-        pytest.skip("smollm2-135m is not assembled")
+    packaged_or_skip("smollm2-135m")
     out = tmp_path / "ceiling.json"
     ceiling.main(["--model", "smollm2-135m", "--contexts", "64,128", "--budgets", "32", "--threads", "1",
                   "--repeats", "1", "--out", str(out)])

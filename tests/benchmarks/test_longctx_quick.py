@@ -6,15 +6,14 @@ import json
 import pytest
 
 from benchmarks import longctx
-from engine.models import packaged_model_dir
+from tests.conftest import packaged_or_skip
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def quick_report(tmp_path_factory):
-    if packaged_model_dir("smollm2-135m", assemble=False) is None:
-        pytest.skip("smollm2-135m is not assembled: run `python -m engine.models --only smollm2-135m`")
+    packaged_or_skip("smollm2-135m")
     out = tmp_path_factory.mktemp("longctx") / "longctx.json"
     assert longctx.main(["--quick", "--threads", "1", "--out", str(out)]) == 0
     return json.loads(out.read_text()), out

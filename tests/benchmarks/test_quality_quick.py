@@ -7,7 +7,7 @@ import json
 import pytest
 
 from benchmarks import quality
-from engine.models import packaged_model_dir
+from tests.conftest import packaged_or_skip
 
 
 def test_a_phrase_four_times_is_a_loop_and_key_words_must_all_appear():
@@ -48,8 +48,7 @@ def test_needles_sit_at_their_depths_and_only_answerable_facts_count():
 
 @pytest.mark.slow
 def test_quick_run_reports_every_question(tmp_path):
-    if packaged_model_dir("smollm2-135m", assemble=False) is None:
-        pytest.skip("smollm2-135m is not assembled: run `python -m engine.models --only smollm2-135m`")
+    packaged_or_skip("smollm2-135m")
     out = tmp_path / "quality.json"
     assert quality.main(["--quick", "--threads", "1", "--out", str(out)]) == 0
     (run,) = json.loads(out.read_text())["runs"]

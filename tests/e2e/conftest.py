@@ -18,10 +18,9 @@ ASSETS = Path(os.environ.get("BOOKCHAT_CACHE", Path.home() / ".cache" / "bookcha
 @pytest.fixture(scope="session")
 def app_url(tmp_path_factory):
     from app import child
-    from engine import models
+    from tests.conftest import packaged_or_skip
 
-    if models.packaged_model_dir("smollm2-135m", assemble=False) is None:
-        pytest.skip("smollm2-135m is not assembled: run `python -m engine.models --only smollm2-135m`")
+    packaged_or_skip("smollm2-135m")
     # 96 tokens: the answer view is redrawn every 0.25 s (app/ui.py REDRAW_EVERY_S), and 24 tokens of
     # SmolLM2 (~0.5 s) could end before the test saw "streaming"
     args = ["--model", "smollm2-135m", "--threads", "1", "--library", str(tmp_path_factory.mktemp("library")),

@@ -14,7 +14,6 @@ from transformers import PreTrainedTokenizerFast
 
 from engine.chat import BOOK_SYSTEM, SEPARATOR, ChatFormat
 from engine.loading import load_tokenizer
-from engine.models import packaged_model_dir
 from tests.conftest import packaged_or_skip
 
 BOOK_PATH = Path(__file__).resolve().parents[3] / "shared" / "books" / "austen_persuasion.txt"
@@ -170,9 +169,7 @@ def test_qwen_stops_on_both_of_its_end_tokens():
     """<|im_end|> ends a turn; <|endoftext|> ends a document: Qwen's generation_config lists both."""
     from engine.loading import generation_defaults
 
-    folder = packaged_model_dir("qwen2.5-coder-0.5b", assemble=False)
-    if folder is None:
-        pytest.skip("qwen2.5-coder-0.5b is not assembled")
+    folder = packaged_or_skip("qwen2.5-coder-0.5b")
     tokenizer = load_tokenizer(folder)
     sampling, end_ids = generation_defaults("qwen2.5-coder-0.5b", folder)
     chat = ChatFormat(tokenizer, end_ids=end_ids)
