@@ -2,6 +2,7 @@
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -93,7 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.api:
         from app.api import api_key, chat_api
         routes = chat_api(app, api_key(args.api_key, bool(args.auth or args.share))).routes()
+    for name in ("SIGTERM", "SIGHUP"):  # a kill or a closed terminal shuts down as Ctrl-C does: readings save
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.default_int_handler)
     launch(app.build(), args.port, args.share, auth, args.max_file_mb, args.share_timeout, routes)
+    app.close()
     return 0
 
 

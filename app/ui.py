@@ -34,6 +34,7 @@ from app.library import (
     text_sha256,
     write_export,
 )
+from app.server import say
 from app.session import BookSession, Prepared, keep_first, load_engine, open_book, pick_chapters, prepare, read_document
 from app.speeds import Speeds, duration
 from app.storage import write_failure
@@ -90,6 +91,7 @@ class App:
         # Readers' answers are decoded together, one packed forward per step (engine/batch.py);
         # every open book is already in memory, so as many answer at once as books may be open.
         self.batcher = Batcher(max_active=max_open_books)
+        self.jobs: set[threading.Thread] = set()  # readings and prefills under way (`close` waits for them)
 
     def user(self, request: gr.Request) -> User:
         user = self.users.setdefault(request.session_hash or "none", User(username=request.username))
@@ -113,6 +115,18 @@ class App:
             other.book, other.notice = None, ("Your book was closed to make room for other readers. Reopen it "
                                               "from the library: it restores in seconds.")
 
+    def close(self, timeout_s: float = 120.0) -> None:
+        """The app is shutting down: stop every reading under way and wait for it to save what it
+        read (app/library.py), so the book reads on from there next time."""
+        if not self.jobs:
+            return
+        say("Saving the reading under way, so it goes on from there next time (Ctrl-C again: quit now) …")
+        for user in list(self.users.values()):
+            user.cancel.set()
+        deadline = time.monotonic() + timeout_s
+        for job in list(self.jobs):
+            job.join(max(0.0, deadline - time.monotonic()))
+
     def request_stop(self, request: gr.Request) -> None:
         self.user(request).cancel.set()
 
@@ -126,8 +140,12 @@ class App:
                 reports.put([job(*args, lambda stage, detail: reports.put(stages.set(stage, detail)), user.cancel)])
             except BaseException as error:  # handed over to this generator's thread
                 reports.put(error)
+            finally:
+                self.jobs.discard(threading.current_thread())
 
-        threading.Thread(target=run, daemon=True).start()
+        thread = threading.Thread(target=run, daemon=True)
+        self.jobs.add(thread)
+        thread.start()
         is_over = False
         try:
             while isinstance(item := reports.get(), str):
@@ -229,7 +247,8 @@ class App:
             if error.is_saved:
                 user.book_ids.add(error.book_id)
                 user.titles[error.book_id] = prepared.document.title
-            yield {**self._kept(user, str(error)), **self._library_view(user)}
+            kept = error.book_id if error.is_saved else None  # picked in the library: "Open book" reads on
+            yield {**self._kept(user, str(error)), **self._library_view(user, kept)}
             return
         except Cancelled:
             yield self._kept(user, "Loading cancelled.")
@@ -405,13 +424,15 @@ class App:
             gr.Warning(f"The export could not be written ({write_failure(error)}).")
             return gr.update(value=None, visible=False)
 
-    def _library_view(self, user: User) -> dict:
+    def _library_view(self, user: User, selected: str | None = None) -> dict:
+        """The library's books and the open book's chats; `selected` (else the open book) is picked,
+        so "Open book" opens it."""
         book = user.book
         books, chats = self.library.choices(book.book_id if book else None) if self.library else ([], [])
         if self.private:  # only what this session opened or wrote
             books = [(user.titles.get(book_id, title), book_id) for title, book_id in books if book_id in user.book_ids]
             chats = [c for c in chats if c[1] in user.chat_ids]
-        return {self.c.books: gr.update(choices=books, value=book.book_id if book else None),
+        return {self.c.books: gr.update(choices=books, value=selected or (book.book_id if book else None)),
                 self.c.chats: gr.update(choices=chats, value=book.chat_id if book and book.turns else None)}
 
     def show_library(self, request: gr.Request):

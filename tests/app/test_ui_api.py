@@ -9,6 +9,8 @@ per-client isolation, and reopening a saved book from its snapshot.
 from __future__ import annotations
 
 import os
+import re
+import signal
 import time
 from pathlib import Path
 
@@ -188,24 +190,35 @@ def test_clients_are_isolated_and_a_saved_book_reopens_from_its_snapshot(loaded,
     assert chats, "the first client's autosaved chats are listed with the book"
 
 
-def test_a_stopped_reading_is_kept_and_the_book_reads_on_from_there(app_url, tmp_path):
-    """Stop while a book longer than one part (4,096 tokens) is read: the reading so far is kept, and
-    opening the book again reads only the rest."""
-    import re
+@pytest.fixture(scope="module")
+def longer_book(tmp_path_factory) -> Path:
+    """6,281 SmolLM2 tokens of Persuasion: a reading of two parts (4,096 tokens a part)."""
+    path = tmp_path_factory.mktemp("books") / "persuasion-longer.txt"
+    path.write_text((ROOT / "assets" / "persuasion.txt").read_text(encoding="utf-8")[:26000], encoding="utf-8")
+    return path
 
+
+def reading_in_its_second_part(url: str, book: Path):
+    """A client and its job loading `book`, once the reading is past its first part."""
     from gradio_client import Client, handle_file
 
+    client = Client(url, verbose=False)
+    job = client.submit(handle_file(str(book)), "", api_name="/load_book")
+    deadline = time.time() + 180
+    while not any(re.search(r"chunk (9|1\d) of", str(out[0])) for out in job.outputs()):
+        assert not job.done() and time.time() < deadline, job.outputs()[-1:]
+        time.sleep(0.05)
+    return client, job
+
+
+def test_a_stopped_reading_is_kept_and_the_book_reads_on_from_there(app_url, longer_book):
+    """Stop while a book longer than one part (4,096 tokens) is read: the reading so far is kept, and
+    opening the book again reads only the rest."""
     from app.documents import load_document
     from app.library import text_sha256
 
-    path = tmp_path / "persuasion-longer.txt"
-    path.write_text((ROOT / "assets" / "persuasion.txt").read_text(encoding="utf-8")[:26000], encoding="utf-8")
-    client = Client(app_url, verbose=False)
-    job = client.submit(handle_file(str(path)), "", api_name="/load_book")
-    deadline = time.time() + 180
-    while not any(re.search(r"chunk (9|1\d) of", str(out[0])) for out in job.outputs()):  # in the 2nd part
-        assert not job.done() and time.time() < deadline, job.outputs()[-1:]
-        time.sleep(0.05)
+    path = longer_book
+    client, job = reading_in_its_second_part(app_url, path)
     client.predict(api_name="/cancel_prefill")
     status = job.result()[0]
     stopped = re.search(r"Stopped after reading \d+% of the book \(([\d,]+) of ([\d,]+) tokens\)", status)
@@ -216,6 +229,25 @@ def test_a_stopped_reading_is_kept_and_the_book_reads_on_from_there(app_url, tmp
     status = client.predict(text_sha256(load_document(path).text)[:16], api_name="/open_book")[0]
     assert "was read before" in status and f"after the {n_read:,} a stopped reading had kept" in status, status
     assert counters(client) == {"n_prefills": 1, "n_prefill_tokens": n_total - n_read}
+
+
+def test_an_app_shut_down_mid_reading_saves_it_and_the_next_start_reads_on(tmp_path, longer_book):
+    """A kill (SIGTERM: a closed terminal, a logout) while a book is read: the app saves the reading
+    before it exits, and the library of the next start has it."""
+    from app.documents import load_document
+    from app.library import Library, text_sha256
+
+    library = tmp_path / "library"
+    proc, url = start_app(["--model", "smollm2-135m", "--threads", "1", "--library", str(library)],
+                          ART / "app-api-shutdown.log")
+    try:
+        reading_in_its_second_part(url, longer_book)
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(120) == 0
+    finally:
+        child.stop(proc)
+    assert "Saving the reading under way" in (ART / "app-api-shutdown.log").read_text()
+    assert Library(library).n_read(text_sha256(load_document(longer_book).text)[:16]) > 4096
 
 
 def test_clear_starts_an_empty_chat(loaded):
