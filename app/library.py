@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import tempfile
 import time
 import weakref
@@ -109,6 +110,8 @@ class Library:
         self.root = Path(root).expanduser()
         self.root.mkdir(parents=True, exist_ok=True)
         remove_temp_files(self.root)  # left by a kill mid-write (a snapshot's can be hundreds of MB)
+        for removed in self.root.glob(".*.removed"):  # a book whose removal a kill cut short
+            shutil.rmtree(removed, ignore_errors=True)
         self._identities: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> model_identity
 
     def book_dir(self, book_id: str) -> Path:
@@ -134,6 +137,19 @@ class Library:
         if meta is not None:
             meta["opened"] = time.time()
             write_json(self.book_dir(book_id) / "meta.json", meta)
+
+    def book_bytes(self, book_id: str) -> int:
+        """Disk space the book takes: its text, chats, snapshot and saved reading."""
+        return sum(p.stat().st_size for p in self.book_dir(book_id).rglob("*") if p.is_file())
+
+    def remove_book(self, book_id: str) -> int:
+        """Delete the book with its chats, snapshot and saved reading; returns the bytes freed. It
+        leaves the list at once (a rename), so a kill mid-deletion leaves no half book."""
+        folder, n_bytes = self.book_dir(book_id), self.book_bytes(book_id)
+        removed = self.root / f".{book_id}.removed"
+        os.replace(folder, removed)
+        shutil.rmtree(removed, ignore_errors=True)
+        return n_bytes
 
     def meta(self, book_id: str) -> dict | None:
         return read_json(self.book_dir(book_id) / "meta.json")

@@ -89,6 +89,11 @@ def time_left(elapsed_s: float, done: int, total: int, attention_share: float, s
     return elapsed_s * (prefill_work(total, attention_share) - done_work) / max(rate_work, 1e-9)
 
 
+def disk_size(n_bytes: int) -> str:
+    """'38 MB', '3.2 GB'."""
+    return f"{n_bytes / 1e6:.0f} MB" if n_bytes < 1e9 else f"{n_bytes / 1e9:.1f} GB"
+
+
 def duration(seconds: float) -> str:
     """'45 s', '3 min', '1 h 20 min'."""
     if seconds < 90:

@@ -36,7 +36,7 @@ from app.library import (
 )
 from app.server import say
 from app.session import BookSession, Prepared, keep_first, load_engine, open_book, pick_chapters, prepare, read_document
-from app.speeds import Speeds, duration
+from app.speeds import Speeds, disk_size, duration
 from app.storage import write_failure
 from app.tokens import PlainChatFormat
 from app.views import Counters, Stages, is_remote, render_metrics, render_plot, render_reading
@@ -92,6 +92,7 @@ class App:
         # every open book is already in memory, so as many answer at once as books may be open.
         self.batcher = Batcher(max_active=max_open_books)
         self.jobs: set[threading.Thread] = set()  # readings and prefills under way (`close` waits for them)
+        self.reading_ids: set[str] = set()  # books being read now: not removed meanwhile
 
     def user(self, request: gr.Request) -> User:
         user = self.users.setdefault(request.session_hash or "none", User(username=request.username))
@@ -218,6 +219,49 @@ class App:
         user.cancel.clear()
         yield from self._fit_then_open(user, prepare(self.engine, self.chat, document, self.max_tokens))
 
+    def ask_remove(self, book_id: str | None, request: gr.Request):
+        """Name what "Remove" deletes, and ask."""
+        meta = self._removable(book_id, self.user(request))
+        if isinstance(meta, str):
+            return {self.c.status: meta, self.c.confirm_row: gr.update(visible=False)}
+        n_chats, size = len(self.library.chats(book_id)), self.library.book_bytes(book_id)
+        note = (f"Remove **{meta['title']}** from the library, with its {n_chats} chat{'s' * (n_chats != 1)} and "
+                f"its saved reading ({disk_size(size)})? The file you uploaded is not touched.")
+        return {self.c.confirm_note: note, self.c.confirm_row: gr.update(visible=True)}
+
+    def remove_saved(self, book_id: str | None, request: gr.Request):
+        """Delete a book from the library (closing it when it is this reader's open book)."""
+        user, c, hidden = self.user(request), self.c, gr.update(visible=False)
+        meta = self._removable(book_id, user)
+        if isinstance(meta, str):
+            return {c.status: meta, c.confirm_row: hidden}
+        closed = {}
+        if user.book is not None and user.book.book_id == book_id:
+            user.book, user.editing = None, False
+            closed = {c.chatbot: [], c.title: "### No book open", c.plot: render_plot([]),
+                      c.chapter: gr.update(choices=[], value=None, visible=False), c.summarize_chapter: hidden,
+                      c.metrics: render_metrics("idle", None, None, user.counters),
+                      c.reading: render_reading(None, None)}
+        freed = self.library.remove_book(book_id)
+        return {c.status: f"Removed *{meta['title']}* from the library: {disk_size(freed)} freed.",
+                c.confirm_row: hidden, **closed, **self._library_view(user)}
+
+    def _removable(self, book_id: str | None, user: User) -> dict | str:
+        """The book's meta, or why it cannot be removed now."""
+        if self.library is None or self.private:
+            return "Books are removed by whoever runs this app (it is shared)."
+        try:
+            meta = self.library.meta(book_id) if book_id else None
+        except ValueError:  # typed into the box: not an id
+            meta = None
+        if meta is None:
+            return "Pick a book from the library first."
+        if book_id in self.reading_ids:
+            return f"*{meta['title']}* is being read: cancel the reading first."
+        if any(u.book is not None and u.book.book_id == book_id for u in self.users.values() if u is not user):
+            return f"*{meta['title']}* is open in another window: close that window first."
+        return meta
+
     def _fit_then_open(self, user: User, prepared: Prepared, stages: Stages | None = None):
         c, stages = self.c, stages or Stages(prepared.document.title)
         estimate = self.prefill_estimate(len(prepared.doc_ids), self._n_read(prepared)) if prepared.fits else ""
@@ -240,6 +284,8 @@ class App:
         yield {c.status: stages.set("Prefill", "starting …"), c.cancel: gr.update(visible=True),
                c.fit_row: gr.update(visible=False)}
         self._make_room(user)
+        reading = text_sha256(prepared.document.text)[:16]
+        self.reading_ids.add(reading)
         try:
             book, restored = yield from self._progress(user, stages, partial(open_book, measure_plain=True),
                                                        self.engine, self.chat, prepared, self.library)
@@ -256,6 +302,8 @@ class App:
         except Exception as error:  # EngineError (too long...) or e.g. out of memory: the open book stays
             yield self._kept(user, f"⚠ {error}")
             return
+        finally:
+            self.reading_ids.discard(reading)
         book.batcher = self.batcher
         seconds, n, n_now = time.perf_counter() - started, len(prepared.doc_ids), len(prepared.doc_ids)
         if not restored:  # counted here, not from the engine's totals: other readers' work goes on meanwhile
@@ -488,7 +536,14 @@ class App:
                         c.load_selection = gr.Button("Load this part", size="sm", elem_id="load-selection")
                     gr.Markdown("#### Library", elem_classes="section-title")
                     c.books = gr.Dropdown(label="Books read", elem_id="books", allow_custom_value=True)
-                    c.open_book = gr.Button("Open book", size="sm", elem_id="open-book")
+                    with gr.Row():
+                        c.open_book = gr.Button("Open book", size="sm", elem_id="open-book")
+                        c.remove_book = gr.Button("Remove…", size="sm", elem_id="remove-book", visible=not self.private)
+                    with gr.Group(visible=False, elem_id="remove-confirm") as c.confirm_row:
+                        c.confirm_note = gr.Markdown("", elem_id="confirm-note")
+                        with gr.Row():
+                            c.confirm_remove = gr.Button("Remove", size="sm", variant="stop", elem_id="confirm-remove")
+                            c.keep_book = gr.Button("Keep", size="sm", elem_id="keep-book")
                     c.chats = gr.Dropdown(label="Chats about this book", elem_id="chats", allow_custom_value=True)
                 with gr.Column(scale=3, min_width=480, elem_id="centre"):
                     self._centre(c)
@@ -630,6 +685,12 @@ class App:
         gr.on([c.unlock.click, c.password.submit], self.unlock, [c.password], loading, api_name="unlock", **load)
         c.load_selection.click(self.load_selection, [c.first_n, c.pick], loading, api_name="load_selection", **load)
         c.open_book.click(self.open_saved, [c.books], loading, api_name="open_book", **load)
+        c.remove_book.click(self.ask_remove, [c.books], [c.status, c.confirm_note, c.confirm_row],
+                            api_name="ask_remove_book", **instant)
+        removed = [c.status, c.confirm_row, c.chatbot, c.title, c.metrics, c.plot, c.reading, c.chapter,
+                   c.summarize_chapter, c.books, c.chats]
+        c.confirm_remove.click(self.remove_saved, [c.books], removed, api_name="remove_book", **instant)
+        c.keep_book.click(lambda: gr.update(visible=False), None, c.confirm_row, api_name=False)
         switched = [c.model_status, c.models, c.title, c.chatbot, c.sampling_note, c.status, *c.sampling, c.level]
         c.load_model.click(self.switch_model, [c.model, c.long_books], switched, api_name="load_model", **load)
         c.defaults.click(self.reset_settings, None, [*c.sampling, c.level], api_name=False)

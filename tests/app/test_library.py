@@ -191,3 +191,21 @@ def test_a_reading_that_crashes_keeps_its_last_save_and_one_by_another_model_is_
     resumed = []
     library.open_session(other, BOOK, doc_ids, on_resume=resumed.append)
     assert resumed == []
+
+
+def test_a_removed_book_leaves_the_list_and_the_disk_with_its_chats_and_snapshot(library):
+    from tests.conftest import tiny_engine
+    from tests.engine.test_speculative import random_ids
+
+    engine, doc_ids = tiny_engine("plain"), random_ids(40, 128, 23)
+    book_id, _, _, _ = library.open_session(engine, BOOK, doc_ids)
+    library.save_chat(book_id, {"id": "c1", "turns": [{"question": "q"}]})
+    other = library.add_book(Document("Another", "Other text.", "txt"), "m", 3)
+    folder = library.book_dir(book_id)
+    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    assert (folder / "snapshot.pt").is_file() and library.book_bytes(book_id) == size > 0
+    assert library.remove_book(book_id) == size
+    assert not folder.exists() and [b["id"] for b in library.books()] == [other]
+    assert not list(library.root.glob(".*"))  # nothing left behind
+    (library.root / f".{book_id}.removed").mkdir()  # a removal a kill cut short
+    assert not list(Library(library.root).root.glob(".*"))

@@ -250,6 +250,30 @@ def test_an_app_shut_down_mid_reading_saves_it_and_the_next_start_reads_on(tmp_p
     assert Library(library).n_read(text_sha256(load_document(longer_book).text)[:16]) > 4096
 
 
+def test_remove_names_what_it_deletes_then_deletes_the_book_and_closes_it(app_url, tmp_path):
+    from gradio_client import Client, handle_file
+
+    from app.documents import load_document
+    from app.library import text_sha256
+
+    path = tmp_path / "chapter-two.txt"
+    path.write_text((ROOT / "assets" / "persuasion.txt").read_text(encoding="utf-8")[4500:8000], encoding="utf-8")
+    reader, other = Client(app_url, verbose=False), Client(app_url, verbose=False)
+    assert "Ready" in reader.predict(handle_file(str(path)), "", api_name="/load_book")[0]
+    book_id = text_sha256(load_document(path).text)[:16]
+    assert "open in another window" in other.predict(book_id, api_name="/ask_remove_book")[0]
+    assert "open in another window" in other.predict(book_id, api_name="/remove_book")[0]
+    _, note = reader.predict(book_id, api_name="/ask_remove_book")  # (status, note): a group has no value
+    assert re.search(r"Remove \*\*chapter-two\*\* from the library, with its 0 chats and its saved reading "
+                     r"\(\d+ MB\)\? The file you uploaded is not touched\.", note), note
+
+    status, chatbot, title, *_, books, _ = reader.predict(book_id, api_name="/remove_book")
+    assert re.search(r"Removed \*chapter-two\* from the library: \d+ MB freed\.", status), status
+    assert chatbot == [] and "No book open" in title
+    assert book_id not in [value for _, value in books["choices"]]
+    assert "Pick a book" in reader.predict(book_id, api_name="/ask_remove_book")[0]
+
+
 def test_clear_starts_an_empty_chat(loaded):
     client, _ = loaded
     chatbot, metrics, *_ = client.predict(api_name="/clear")
