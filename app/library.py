@@ -239,7 +239,7 @@ class Library:
             return None
         expected = {**identity, "doc_sha256": doc_sha256, "n_doc_tokens": len(doc_ids), "chunk_tokens": chunk,
                     "n_tokens": n}
-        return load_snapshot(self.book_dir(book_id), engine, saved, expected, doc_ids[:n], PARTIAL)
+        return load_snapshot(self.book_dir(book_id), engine, saved, expected, doc_ids[:n], PARTIAL, len(doc_ids))
 
     def n_read(self, book_id: str, model: str | None = None) -> int:
         """Tokens of the book a stopped reading (by `model`, a `model_fingerprint`) kept (0: none)."""

@@ -90,7 +90,7 @@ def save_snapshot(folder: Path, session: Session, record: dict, name: str = SNAP
 
 
 def load_snapshot(folder: Path, engine: Engine, saved: dict | None, expected: dict,
-                  doc_ids: list[int], name: str = SNAPSHOT) -> Session | None:
+                  doc_ids: list[int], name: str = SNAPSHOT, n_total: int | None = None) -> Session | None:
     """The session in `folder`'s snapshot when `saved` (its meta.json record) matches `expected`,
     the file's sha256 matches the record, and its cache holds exactly `doc_ids`; else None."""
     from engine.loading import file_sha256
@@ -101,7 +101,7 @@ def load_snapshot(folder: Path, engine: Engine, saved: dict | None, expected: di
     if file_sha256(path) != saved.get("sha256"):
         return None  # tampered, truncated, or replaced after its record was written
     try:
-        session = engine.restore(path)  # under tensor parallel every rank restores its heads
+        session = engine.restore(path, n_total)  # under tensor parallel every rank restores its heads
     except Exception:  # torch/zip raise many types for damaged files
         return None
     c, k = engine.target.config, session.full.k

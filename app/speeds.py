@@ -26,8 +26,13 @@ class Speeds:
         except (OSError, ValueError):  # unreadable: start again, it only holds measurements
             self.data = {}
 
-    def record_prefill(self, model: str, n_tokens: int, seconds: float) -> None:
-        if n_tokens >= 256 and seconds > 0:  # a few tokens time the overheads, not the model
+    def record_prefill(self, model: str, n_tokens: int, seconds: float, attention_share: float = 0.0,
+                       start: int = 0) -> None:
+        """A prefill of `n_tokens` took `seconds`; `start`: it read only the tokens from there (a
+        stopped reading taken up again), recorded as the whole reading at that rate of work."""
+        if n_tokens - start >= 256 and seconds > 0:  # a few tokens time the overheads, not the model
+            whole = prefill_work(n_tokens, attention_share)
+            seconds *= whole / (whole - prefill_work(start, attention_share))
             self._add(model, "prefill", [n_tokens, round(seconds, 2)])
 
     def record_decode(self, model: str, n_context: int, ms_per_token: float) -> None:

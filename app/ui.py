@@ -311,8 +311,8 @@ class App:
             user.counters.n_prefills += 1
             user.counters.n_prefill_tokens += n_now
             model = self.engine.config.target
-            if not book.n_read_before:  # a whole reading's time: what the estimates scale
-                self.speeds.record_prefill(model, n, seconds - 8 * (book.plain_ms or 0) / 1000)  # less the probe
+            self.speeds.record_prefill(model, n, seconds - 8 * (book.plain_ms or 0) / 1000,  # less the probe
+                                       self._attention_share(), start=book.n_read_before)  # read on: as a whole
             self.speeds.record_decode(model, n, book.plain_ms or 0)
         how = (f"restored from the saved snapshot in {seconds:.1f} s" if restored
                else f"{n_now:,} tokens in {seconds:.1f} s ({n_now / seconds:,.0f} tokens/s)")
@@ -340,8 +340,7 @@ class App:
         """' · about 3 min to read here' from this machine's measured rate (what is left when a stopped
         reading kept `n_read` tokens), and the faster model's time when the wait is long; what the
         first book will do when nothing was measured yet."""
-        target = getattr(self.engine, "target", None)  # a remote engine has none: its times are linear
-        model, share = self.engine.config.target, target.config.attention_share() if target is not None else 0.0
+        model, share = self.engine.config.target, self._attention_share()
         seconds, before = self.speeds.prefill_s(model, n_tokens, share), ""
         if n_read:
             before = f" · {n_read / n_tokens:.0%} was read before, the rest reads on from there"
@@ -354,6 +353,10 @@ class App:
         if seconds > LONG_PREFILL_S and faster:
             text += f"; {faster[0]} would take about {duration(faster[1])} (lower quality: choose it under Model)"
         return text
+
+    def _attention_share(self) -> float:
+        target = getattr(self.engine, "target", None)  # a remote engine has none: its times are linear
+        return target.config.attention_share() if target is not None else 0.0
 
     def _faster_model(self, model: str, n_tokens: int, seconds: float, share: float) -> tuple[str, float] | None:
         """(name, estimated seconds) of a smaller packaged chat model: measured here (scaled with this

@@ -214,13 +214,15 @@ class Engine:
             if on_progress:
                 on_progress(i + len(piece), len(ids))
 
-    def restore(self, path: str | Path) -> Session:
-        """Reopen a prefill snapshot (`Session.save`) without prefilling again."""
-        return Session.restore(self, path)
+    def restore(self, path: str | Path, n_total: int | None = None) -> Session:
+        """Reopen a prefill snapshot (`Session.save`) without prefilling again; `n_total`: it holds
+        the first tokens of a document that long, whose rest `Session.read` reads (the cache is
+        allocated and planned for all of it at once)."""
+        return Session.restore(self, path, n_total)
 
-    def restore_state(self, state: dict) -> Session:
+    def restore_state(self, state: dict, n_total: int | None = None) -> Session:
         """A session from a snapshot's state (`Session.state`), e.g. one rank's heads of it."""
-        return Session.from_state(self, state)
+        return Session.from_state(self, state, n_total)
 
     def check_tokens(self, ids: list[int], what: str) -> None:
         vocab = self.target.config.vocab_size
@@ -482,13 +484,13 @@ class Session:
         return {"tokens": self.tokens, "cache": self.full.state(), "queries": queries, "meta": meta or {}}
 
     @classmethod
-    def restore(cls, engine: Engine, path: str | Path) -> Session:
+    def restore(cls, engine: Engine, path: str | Path, n_total: int | None = None) -> Session:
         # memory-mapped in host memory: the cache copies it to the device a layer at a time
-        return cls.from_state(engine, torch.load(path, map_location="cpu", mmap=True, weights_only=True))
+        return cls.from_state(engine, torch.load(path, map_location="cpu", mmap=True, weights_only=True), n_total)
 
     @classmethod
-    def from_state(cls, engine: Engine, state: dict) -> Session:
-        n_tokens = state["cache"]["k"].shape[3]
+    def from_state(cls, engine: Engine, state: dict, n_total: int | None = None) -> Session:
+        n_tokens = max(state["cache"]["k"].shape[3], n_total or 0)
         full = engine.new_full_cache(min(engine.max_context, n_tokens + CHAT_ROOM_TOKENS), state["cache"])
         session = cls(engine, full)
         session.query_log.queries = [q if q is None else q.to(engine.device) for q in state["queries"]]

@@ -64,12 +64,14 @@ def test_a_reading_taken_up_again_is_timed_from_where_it_went_on_and_estimated_a
     assert time_left(elapsed, 64000, 111831, share) < 0.2 * want  # as if 64K had taken that long
 
     speeds = Speeds(None)
-    app = SimpleNamespace(engine=SimpleNamespace(config=SimpleNamespace(target="m"),
-                                                 target=SimpleNamespace(config=QWEN_1_5B)),
-                          speeds=speeds, _faster_model=lambda *args: None)
+    app = SimpleNamespace(engine=SimpleNamespace(config=SimpleNamespace(target="m")), speeds=speeds,
+                          _attention_share=lambda: share, _faster_model=lambda *args: None)
     assert App.prefill_estimate(app, 111831, 56000) == (" · 50% was read before, the rest reads on from there"
                                                         " · the first book measures how fast this machine reads")
     speeds.record_prefill("m", 111831, 3937.0)
     rest = 3937.0 - speeds.prefill_s("m", 56000, share)
     assert App.prefill_estimate(app, 111831, 56000).endswith(f"from there: about {round(rest / 60)} min left")
     assert App.prefill_estimate(app, 111831) == " · about 1 h 6 min to read here"
+    read_on = Speeds(None)  # the last 55,831 tokens of that reading, timed alone: a whole reading of 3,937 s
+    read_on.record_prefill("m", 111831, 3937.0 - speeds.prefill_s("m", 56000, share), share, start=56000)
+    assert abs(read_on.prefill_s("m", 111831, share) - 3937.0) < 0.01

@@ -120,8 +120,10 @@ def test_a_reading_stopped_saved_and_taken_up_again_equals_one_read(tmp_path, dt
         part.read(doc[14:70], on_progress=lambda done, total: done >= 14 and cancel.set(), cancel=cancel)
     assert part.tokens == doc[:28] and part.full.length == 28
     part.save(tmp_path / "partial.pt")
-    again = Session.restore(engine, tmp_path / "partial.pt")
+    again = Session.restore(engine, tmp_path / "partial.pt", n_total=90)  # allocated for all 90 at once
+    capacity = again.full.capacity
     again.read(doc[28:])
+    assert again.full.capacity == capacity == whole.full.capacity  # no growth: on a GPU, no second copy
     assert again.tokens == doc and torch.equal(again.full.k[..., :90, :], whole.full.k[..., :90, :])
     assert torch.equal(again.full.v[..., :90, :], whole.full.v[..., :90, :])
     assert answer(again, q, n=12) == want
