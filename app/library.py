@@ -13,13 +13,12 @@ used only when the model (id, shapes, weight-file hash), the document hash, the 
 and its tokens all match (app/snapshots.py); anything else means a new prefill, never wrong
 answers. A write that fails (disk full) never loses the open book: `open_session` says so.
 A long book is read in parts, and a reading that stops (Stop, a closed tab, a crash) is kept: the
-next opening of the book reads on from there (`ReadingStopped`, `READ_PART_TOKENS`).
-This module knows nothing of Gradio; it does not tokenise or prefill (app/session.py does).
+next opening of the book reads on from there (app/reading.py).
+This module knows nothing of Gradio and does not tokenise (app/session.py does).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -34,20 +33,11 @@ from typing import TYPE_CHECKING
 from app.documents import Document, Section
 from app.snapshots import PARTIAL, load_snapshot, model_fingerprint, save_snapshot, weights_sha256
 from app.storage import atomic_write, read_json, remove_temp_files, write_failure, write_json
-from engine.config import Cancelled, EngineError
 
 if TYPE_CHECKING:
     from engine.session import Engine, Session
 
-# A book is read in parts of about this many tokens, each a whole number of the engine's prefill
-# chunks, so the forwards are those of one uninterrupted read (the KV is the same, bit for bit).
-# The reading so far is saved after a part at most this often, and whenever it stops (Cancel, a
-# closed tab, the app shut down): a crash loses at most this much reading. A save of 112K tokens
-# (3.2 GB) took 16 s on 2 cores (benchmarks/reading.py): about 1% of a one-hour reading in all.
-READ_PART_TOKENS = 4096
-SAVE_READING_EVERY_S = 600.0
-
-__all__ = ["Library", "ReadingStopped", "atomic_write", "chat_export_json", "chat_markdown", "default_root",
+__all__ = ["Library", "atomic_write", "chat_export_json", "chat_markdown", "default_root",
            "model_fingerprint", "read_json", "text_sha256", "write_export", "write_json"]
 
 
@@ -90,17 +80,6 @@ def document_to_json(document: Document) -> dict:
 def document_from_json(obj: dict) -> Document:
     sections = [Section(title, int(start), kind) for title, start, kind in obj.get("sections", [])]
     return Document(obj["title"], obj["text"], obj["source_format"], sections)
-
-
-class ReadingStopped(Cancelled):
-    """A book's prefill was stopped; what was read is kept in the library when it could be saved."""
-
-    def __init__(self, book_id: str, n_read: int, n_tokens: int, is_saved: bool):
-        self.book_id, self.n_read, self.n_tokens, self.is_saved = book_id, n_read, n_tokens, is_saved
-        then = ("It is in the library: open it again to read on from there." if is_saved
-                else "What was read could not be saved, so the next reading starts from the beginning.")
-        EngineError.__init__(self, f"Stopped after reading {n_read / n_tokens:.0%} of the book ({n_read:,} of "
-                                   f"{n_tokens:,} tokens). {then}")
 
 
 class Library:
@@ -165,7 +144,7 @@ class Library:
 
     def choices(self, book_id: str | None) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
         """(label, id) pairs for pickers: every book, and the chats of `book_id`."""
-        books = [(b["title"] + _read_note(b), b["id"]) for b in self.books()]
+        books = [(_label(b), b["id"]) for b in self.books()]
         chats = [(f"{c['title']} ({c['n_turns']} turn{'s' * (c['n_turns'] != 1)})", c["id"])
                  for c in self.chats(book_id)] if book_id else []
         return books, chats
@@ -263,8 +242,9 @@ class Library:
         session = self.restore_snapshot(book_id, engine, identity, sha, doc_ids)
         restored = session is not None
         if session is None:
-            reading = Reading(self, engine, document, doc_ids, identity, sha)
-            session = reading.run(on_progress, cancel, on_resume)
+            from app.reading import Reading
+
+            session = Reading(self, engine, document, doc_ids, identity, sha).run(on_progress, cancel, on_resume)
         try:
             self.add_book(document, identity["model"], len(doc_ids))
             if not restored:
@@ -281,58 +261,8 @@ def _n_read(meta: dict) -> int:
     return n if isinstance(n, int) else 0
 
 
-def _read_note(meta: dict) -> str:
-    """' · 45% read' for a book whose reading stopped there."""
+def _label(meta: dict) -> str:
+    """The book's title, after '45% read · ' when its reading stopped there (first: a narrow list
+    cuts a long title's end)."""
     n, total = _n_read(meta), meta.get("n_tokens")
-    return f" · {n / total:.0%} read" if n and isinstance(total, int) and total > n else ""
-
-
-class Reading:
-    """One book's prefill in parts, from where a stopped reading of it ended; the reading so far
-    is saved every `SAVE_READING_EVERY_S` and when it stops or fails."""
-
-    def __init__(self, library: Library, engine: Engine, document: Document, doc_ids: list[int], identity: dict,
-                 doc_sha256: str):
-        self.library, self.engine, self.document, self.doc_ids = library, engine, document, doc_ids
-        self.identity, self.sha, self.book_id = identity, doc_sha256, doc_sha256[:16]
-        self.chunk = engine.prefill_chunk_tokens
-        self.part = max(1, READ_PART_TOKENS // self.chunk) * self.chunk
-        self.n_saved, self.saved_at = 0, time.monotonic()
-
-    def run(self, on_progress=None, cancel=None, on_resume=None) -> Session:
-        doc_ids, n_total = self.doc_ids, len(self.doc_ids)
-
-        def progress(start: int):  # a part's progress as the whole book's
-            return on_progress and (lambda done, _total: on_progress(start + done, n_total))
-        session = self.library.restore_reading(self.book_id, self.engine, self.identity, self.sha, doc_ids)
-        if session is None:  # stopped in this first part: nothing is kept
-            session = self.engine.open(doc_ids, progress(0), cancel, n_first=self.part)
-        else:
-            self.n_saved = session.length
-            if on_resume:
-                on_resume(session.length)
-        try:
-            while (start := session.length) < n_total:
-                session.read(doc_ids[start:start + self.part], progress(start), cancel)
-                if time.monotonic() - self.saved_at >= SAVE_READING_EVERY_S:
-                    self.save(session)
-        except Cancelled:
-            raise ReadingStopped(self.book_id, session.length, n_total, self.save(session)) from None
-        except BaseException:
-            with contextlib.suppress(Exception):  # the failure is the news, not a save it prevents
-                self.save(session)
-            raise
-        return session
-
-    def save(self, session: Session) -> bool:
-        """Keep the reading so far in the library (listing the book); False when it could not be
-        written (a full disk: the reading goes on, and the next save tries again)."""
-        if session.length == self.n_saved:
-            return True
-        try:
-            self.library.add_book(self.document, self.identity["model"], len(self.doc_ids))
-            self.library.save_reading(self.book_id, session, self.identity, self.sha, len(self.doc_ids), self.chunk)
-        except OSError:
-            return False
-        self.n_saved, self.saved_at = session.length, time.monotonic()
-        return True
+    return (f"{n / total:.0%} read · " if n and isinstance(total, int) and total > n else "") + meta["title"]

@@ -25,15 +25,8 @@ import gradio as gr
 
 from app.cpu import CpuWatch, cpu_note
 from app.documents import Limits, PasswordRequired, WrongPassword, chapters
-from app.library import (
-    Library,
-    ReadingStopped,
-    chat_export_json,
-    chat_markdown,
-    model_fingerprint,
-    text_sha256,
-    write_export,
-)
+from app.library import Library, chat_export_json, chat_markdown, model_fingerprint, text_sha256, write_export
+from app.reading import ReadingStopped
 from app.server import say
 from app.session import BookSession, Prepared, keep_first, load_engine, open_book, pick_chapters, prepare, read_document
 from app.speeds import Speeds, disk_size, duration

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from app.documents import Document
-from app.library import Library, ReadingStopped
+from app.library import Library
+from app.reading import ReadingStopped
 from benchmarks.kernels import random_full_cache
 from engine.chat import ChatFormat
 from engine.config import EngineConfig, SamplingConfig

@@ -140,12 +140,12 @@ def test_a_truncated_snapshot_means_a_new_prefill_not_an_error(library, engine):
 def test_a_stopped_reading_is_kept_and_the_next_opening_reads_on_from_it(library, monkeypatch):
     """A long book is read in parts; a Stop keeps what was read (listed as "…% read"), and the next
     opening reads on from there to the KV of one uninterrupted read, then keeps only the snapshot."""
-    from app import library as library_module
-    from app.library import ReadingStopped
+    from app import reading
+    from app.reading import ReadingStopped
     from tests.conftest import tiny_engine
     from tests.engine.test_speculative import random_ids
 
-    monkeypatch.setattr(library_module, "READ_PART_TOKENS", 16)  # two chunks of 7 a part
+    monkeypatch.setattr(reading, "READ_PART_TOKENS", 16)  # two chunks of 7 a part
     engine, doc_ids = tiny_engine("ngram>retrieval>full"), random_ids(60, 128, 21)
     book_id, cancel, seen = text_sha256(BOOK.text)[:16], threading.Event(), []
 
@@ -156,7 +156,7 @@ def test_a_stopped_reading_is_kept_and_the_next_opening_reads_on_from_it(library
     with pytest.raises(ReadingStopped, match=r"Stopped after reading 58% of the book \(35 of 60 tokens\)"):
         library.open_session(engine, BOOK, doc_ids, stop_in_the_third_part, cancel)
     assert seen == [7, 14, 21, 28, 35]  # the whole book's progress, part after part
-    assert library.n_read(book_id) == 35 and library.choices(None)[0] == [("A Short Book · 58% read", book_id)]
+    assert library.n_read(book_id) == 35 and library.choices(None)[0] == [("58% read · A Short Book", book_id)]
     assert library.n_read(book_id, "another model") == 0
 
     resumed, seen = [], []
@@ -171,12 +171,12 @@ def test_a_stopped_reading_is_kept_and_the_next_opening_reads_on_from_it(library
 
 
 def test_a_reading_that_crashes_keeps_its_last_save_and_one_by_another_model_is_not_read_on(library, monkeypatch):
-    from app import library as library_module
+    from app import reading
     from tests.conftest import tiny_engine
     from tests.engine.test_speculative import random_ids
 
-    monkeypatch.setattr(library_module, "READ_PART_TOKENS", 16)
-    monkeypatch.setattr(library_module, "SAVE_READING_EVERY_S", 0.0)  # saved after every part
+    monkeypatch.setattr(reading, "READ_PART_TOKENS", 16)
+    monkeypatch.setattr(reading, "SAVE_READING_EVERY_S", 0.0)  # saved after every part
     engine, doc_ids = tiny_engine("plain"), random_ids(60, 128, 22)
     book_id = text_sha256(BOOK.text)[:16]
 

@@ -2,14 +2,14 @@
 
 import json
 
-from app import library
+from app import reading as app_reading
 from benchmarks import reading
 from tests.conftest import packaged_or_skip
 
 
 def test_a_quick_run_reads_on_to_the_same_cache_and_answer(tmp_path, monkeypatch):
     packaged_or_skip("smollm2-135m")
-    monkeypatch.setattr(library, "READ_PART_TOKENS", 512)  # one prefill chunk a part: the book has three
+    monkeypatch.setattr(app_reading, "READ_PART_TOKENS", 512)  # one prefill chunk a part: the book has three
     out = tmp_path / "reading.json"
     reading.main(["--model", "smollm2-135m", "--tokens", "1400", "--stop-at", "600", "--threads", "1",
                   "--save-sizes", "300", "--out", str(out)])

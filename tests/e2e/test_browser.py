@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from conftest import ART
+from conftest import ART, ROOT
 from playwright.sync_api import expect
 
 ERROR_PILLS = '[data-testid="status-tracker"] .error'
@@ -72,3 +72,30 @@ def test_bad_file_keeps_the_book_and_chat(app_url, pdf_path, page, tmp_path):
     assert page.locator('#chatbot [data-testid="bot"]').last.inner_text() == answer
     assert page.locator(ERROR_PILLS).count() == 0
     page.screenshot(path=str(ART / "bad-file.png"))
+
+
+def test_a_stopped_reading_reads_on_and_a_book_is_removed(app_url, page, tmp_path):
+    """Cancel a reading in its second part (4,096 tokens a part): the message says what was kept
+    and the library picks the book, so "Open book" reads on from there; then Remove… names what
+    it deletes, and Remove deletes it."""
+    book = tmp_path / "persuasion-opening.txt"
+    book.write_text((ROOT / "assets" / "persuasion.txt").read_text(encoding="utf-8")[:26000], encoding="utf-8")
+    page.goto(app_url)
+    page.locator("#upload input[type=file]").set_input_files(str(book))
+    status = page.locator("#doc-status")
+    expect(status).to_contain_text(re.compile(r"chunk (9|1\d) of"), timeout=120_000)
+    page.locator("#cancel-prefill").click()
+    expect(status).to_contain_text("Stopped after reading", timeout=60_000)
+    expect(page.locator("#books input")).to_have_value(re.compile(r"\d+% read · persuasion-opening"))
+    page.screenshot(path=str(ART / "reading-stopped.png"))
+    page.locator("#open-book").click()
+    expect(status).to_contain_text("a stopped reading had kept", timeout=120_000)
+    expect(status).to_contain_text("Ready")
+
+    page.locator("#remove-book").click()
+    expect(page.locator("#confirm-note")).to_contain_text("Remove persuasion-opening from the library")
+    page.screenshot(path=str(ART / "remove-confirm.png"))
+    page.locator("#confirm-remove").click()
+    expect(status).to_contain_text(re.compile(r"Removed persuasion-opening from the library: \d+ MB freed"))
+    expect(page.locator("#book-title")).to_contain_text("No book open")
+    assert page.locator(ERROR_PILLS).count() == 0
