@@ -142,9 +142,11 @@ class Library:
                 found.append({**meta, "id": folder.name})
         return sorted(found, key=lambda m: -float(m.get("opened", m.get("created", 0))))
 
-    def choices(self, book_id: str | None) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-        """(label, id) pairs for pickers: every book, and the chats of `book_id`."""
-        books = [(_label(b), b["id"]) for b in self.books()]
+    def choices(self, book_id: str | None, model: str | None = None
+                ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+        """(label, id) pairs for pickers: every book (how much a stopped reading by `model`, a
+        `model_fingerprint`, kept), and the chats of `book_id`."""
+        books = [(_label(b, model), b["id"]) for b in self.books()]
         chats = [(f"{c['title']} ({c['n_turns']} turn{'s' * (c['n_turns'] != 1)})", c["id"])
                  for c in self.chats(book_id)] if book_id else []
         return books, chats
@@ -222,8 +224,7 @@ class Library:
 
     def n_read(self, book_id: str, model: str | None = None) -> int:
         """Tokens of the book a stopped reading (by `model`, a `model_fingerprint`) kept (0: none)."""
-        meta = self.meta(book_id) or {}
-        return _n_read(meta) if model is None or (meta.get("partial") or {}).get("model") == model else 0
+        return _n_read(self.meta(book_id) or {}, model)
 
     def _forget_reading(self, book_id: str) -> None:
         meta = self.meta(book_id)
@@ -256,13 +257,14 @@ class Library:
         return book_id, session, restored, None
 
 
-def _n_read(meta: dict) -> int:
-    n = (meta.get("partial") or {}).get("n_tokens")
-    return n if isinstance(n, int) else 0
+def _n_read(meta: dict, model: str | None = None) -> int:
+    partial = meta.get("partial") or {}
+    n = partial.get("n_tokens")
+    return n if isinstance(n, int) and (model is None or partial.get("model") == model) else 0
 
 
-def _label(meta: dict) -> str:
-    """The book's title, after '45% read · ' when its reading stopped there (first: a narrow list
-    cuts a long title's end)."""
-    n, total = _n_read(meta), meta.get("n_tokens")
+def _label(meta: dict, model: str | None = None) -> str:
+    """The book's title, after '45% read · ' when its reading (by `model`) stopped there (first: a
+    narrow list cuts a long title's end)."""
+    n, total = _n_read(meta, model), meta.get("n_tokens")
     return (f"{n / total:.0%} read · " if n and isinstance(total, int) and total > n else "") + meta["title"]

@@ -472,7 +472,8 @@ class App:
         """The library's books and the open book's chats; `selected` (else the open book) is picked,
         so "Open book" opens it."""
         book = user.book
-        books, chats = self.library.choices(book.book_id if book else None) if self.library else ([], [])
+        model = None if getattr(self.engine, "is_remote", False) else model_fingerprint(self.engine)  # reads on
+        books, chats = self.library.choices(book.book_id if book else None, model) if self.library else ([], [])
         if self.private:  # only what this session opened or wrote
             books = [(user.titles.get(book_id, title), book_id) for title, book_id in books if book_id in user.book_ids]
             chats = [c for c in chats if c[1] in user.chat_ids]

@@ -158,6 +158,7 @@ def test_a_stopped_reading_is_kept_and_the_next_opening_reads_on_from_it(library
     assert seen == [7, 14, 21, 28, 35]  # the whole book's progress, part after part
     assert library.n_read(book_id) == 35 and library.choices(None)[0] == [("58% read · A Short Book", book_id)]
     assert library.n_read(book_id, "another model") == 0
+    assert library.choices(None, "another model")[0] == [("A Short Book", book_id)]  # it would read from 0
 
     resumed, seen = [], []
     _, session, restored, note = library.open_session(engine, BOOK, doc_ids, lambda done, total: seen.append(done),
