@@ -30,12 +30,18 @@ SAVE_READING_EVERY_S = 600.0
 
 
 class ReadingStopped(Cancelled):
-    """A book's prefill was stopped; what was read is kept in the library when it could be saved."""
+    """A book's prefill was stopped after `n_read` tokens; the library keeps the first `n_kept`
+    (all of them, unless the disk refused the last save)."""
 
-    def __init__(self, book_id: str, n_read: int, n_tokens: int, is_saved: bool):
-        self.book_id, self.n_read, self.n_tokens, self.is_saved = book_id, n_read, n_tokens, is_saved
-        then = ("It is in the library: open it again to read on from there." if is_saved
-                else "What was read could not be saved, so the next reading starts from the beginning.")
+    def __init__(self, book_id: str, n_read: int, n_tokens: int, n_kept: int):
+        self.book_id, self.n_read, self.n_tokens, self.n_kept = book_id, n_read, n_tokens, n_kept
+        self.is_saved = n_kept > 0  # the library lists the book, to read on from n_kept
+        if n_kept == n_read:
+            then = "It is in the library: open it again to read on from there."
+        elif n_kept:
+            then = f"The disk took only its first {n_kept:,} tokens: the next reading goes on from there."
+        else:
+            then = "What was read could not be saved, so the next reading starts from the beginning."
         EngineError.__init__(self, f"Stopped after reading {n_read / n_tokens:.0%} of the book ({n_read:,} of "
                                    f"{n_tokens:,} tokens). {then}")
 
@@ -70,7 +76,8 @@ class Reading:
                 if time.monotonic() - self.saved_at >= SAVE_READING_EVERY_S:
                     self.save(session)
         except Cancelled:
-            raise ReadingStopped(self.book_id, session.length, n_total, self.save(session)) from None
+            self.save(session)
+            raise ReadingStopped(self.book_id, session.length, n_total, self.n_saved) from None
         except BaseException:
             with contextlib.suppress(Exception):  # the failure is the news, not a save it prevents
                 self.save(session)

@@ -188,6 +188,15 @@ def test_a_reading_that_crashes_keeps_its_last_save_and_one_by_another_model_is_
     with pytest.raises(MemoryError):
         library.open_session(engine, BOOK, doc_ids, crash)
     assert library.n_read(book_id) == 35  # every chunk read, the failed part's first one too
+    def disk_full(*args):
+        raise OSError(28, "No space left on device")
+    cancel = threading.Event()
+    monkeypatch.setattr(library, "save_reading", disk_full)
+    with pytest.raises(reading.ReadingStopped, match=r"\(42 of 60 tokens\)\. The disk took only its first 35 tokens"):
+        library.open_session(engine, BOOK, doc_ids, lambda done, total: done >= 42 and cancel.set(), cancel)
+    monkeypatch.undo()
+    assert library.n_read(book_id) == 35
+
     other = tiny_engine("plain", seed=5)  # other weights: its reading starts again
     resumed = []
     library.open_session(other, BOOK, doc_ids, on_resume=resumed.append)
