@@ -95,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         from app.api import api_key, chat_api
         routes = chat_api(app, api_key(args.api_key, bool(args.auth or args.share))).routes()
     for name in ("SIGTERM", "SIGHUP"):  # a kill or a closed terminal shuts down as Ctrl-C does: readings save
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), signal.default_int_handler)
+        sig = getattr(signal, name, None)  # (not where ignored: `nohup python app.py` outlives its terminal)
+        if sig is not None and signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, signal.default_int_handler)
     launch(app.build(), args.port, args.share, auth, args.max_file_mb, args.share_timeout, routes)
     app.close()
     return 0
