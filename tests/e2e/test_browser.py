@@ -94,6 +94,7 @@ def test_a_stopped_reading_reads_on_and_a_book_is_removed(app_url, page, tmp_pat
 
     page.locator("#remove-book").click()
     expect(page.locator("#confirm-note")).to_contain_text("Remove persuasion-opening from the library")
+    page.locator("#confirm-remove").scroll_into_view_if_needed()
     page.screenshot(path=str(ART / "remove-confirm.png"))
     page.locator("#confirm-remove").click()
     expect(status).to_contain_text(re.compile(r"Removed persuasion-opening from the library: \d+ MB freed"))
