@@ -37,7 +37,7 @@ from app.storage import atomic_write, read_json, remove_temp_files, write_failur
 if TYPE_CHECKING:
     from engine.session import Engine, Session
 
-__all__ = ["Library", "atomic_write", "chat_export_json", "chat_markdown", "default_root",
+__all__ = ["Library", "atomic_write", "book_id_of", "chat_export_json", "chat_markdown", "default_root",
            "model_fingerprint", "read_json", "text_sha256", "write_export", "write_json"]
 
 
@@ -48,6 +48,11 @@ def default_root() -> Path:
 
 def text_sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def book_id_of(text: str) -> str:
+    """The library's id of a text (as `add_book` names it): the start of its sha256."""
+    return text_sha256(text)[:16]
 
 
 def chat_markdown(chat: dict) -> str:

@@ -35,7 +35,6 @@ class ReadingStopped(Cancelled):
 
     def __init__(self, book_id: str, n_read: int, n_tokens: int, n_kept: int):
         self.book_id, self.n_read, self.n_tokens, self.n_kept = book_id, n_read, n_tokens, n_kept
-        self.is_saved = n_kept > 0  # the library lists the book, to read on from n_kept
         if n_kept == n_read:
             then = "It is in the library: open it again to read on from there."
         elif n_kept:
@@ -44,6 +43,11 @@ class ReadingStopped(Cancelled):
             then = "What was read could not be saved, so the next reading starts from the beginning."
         EngineError.__init__(self, f"Stopped after reading {n_read / n_tokens:.0%} of the book ({n_read:,} of "
                                    f"{n_tokens:,} tokens). {then}")
+
+    @property
+    def is_saved(self) -> bool:
+        """The library lists the book, to read on from `n_kept`."""
+        return self.n_kept > 0
 
 
 class Reading:

@@ -158,9 +158,9 @@ class RemoteBook(BookSession):
 
 def open_remote_book(engine: RemoteEngine, chat, prepared: Prepared, library, cancel=None) -> RemoteBook:
     """The book, listed in the library (no snapshot: the server holds the prefill) and sent once."""
-    from app.library import text_sha256
+    from app.library import book_id_of
 
-    book_id = text_sha256(prepared.document.text)[:16]
+    book_id = book_id_of(prepared.document.text)
     book = RemoteBook(engine, chat, prepared, book_id, library)
     book.warm(cancel)
     if library is not None:

@@ -25,7 +25,7 @@ import gradio as gr
 
 from app.cpu import CpuWatch, cpu_note
 from app.documents import Limits, PasswordRequired, WrongPassword, chapters
-from app.library import Library, chat_export_json, chat_markdown, model_fingerprint, text_sha256, write_export
+from app.library import Library, book_id_of, chat_export_json, chat_markdown, model_fingerprint, write_export
 from app.reading import ReadingStopped
 from app.server import say
 from app.session import BookSession, Prepared, keep_first, load_engine, open_book, pick_chapters, prepare, read_document
@@ -277,7 +277,7 @@ class App:
         yield {c.status: stages.set("Prefill", "starting …"), c.cancel: gr.update(visible=True),
                c.fit_row: gr.update(visible=False)}
         self._make_room(user)
-        reading = text_sha256(prepared.document.text)[:16]
+        reading = book_id_of(prepared.document.text)
         self.reading_ids.add(reading)
         try:
             book, restored = yield from self._progress(user, stages, partial(open_book, measure_plain=True),
@@ -298,9 +298,9 @@ class App:
         finally:
             self.reading_ids.discard(reading)
         book.batcher = self.batcher
-        seconds, n, n_now = time.perf_counter() - started, len(prepared.doc_ids), len(prepared.doc_ids)
+        seconds, n = time.perf_counter() - started, len(prepared.doc_ids)
+        n_now = n - book.n_read_before  # the tokens read now (a restored book read none)
         if not restored:  # counted here, not from the engine's totals: other readers' work goes on meanwhile
-            n_now -= book.n_read_before
             user.counters.n_prefills += 1
             user.counters.n_prefill_tokens += n_now
             model = self.engine.config.target
@@ -327,7 +327,7 @@ class App:
         """Tokens of this book a stopped reading by this model kept in the library (0: none)."""
         if self.library is None or getattr(self.engine, "is_remote", False):
             return 0
-        return self.library.n_read(text_sha256(prepared.document.text)[:16], model_fingerprint(self.engine))
+        return self.library.n_read(book_id_of(prepared.document.text), model_fingerprint(self.engine))
 
     def prefill_estimate(self, n_tokens: int, n_read: int = 0) -> str:
         """' · about 3 min to read here' from this machine's measured rate (what is left when a stopped
