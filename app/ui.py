@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import gradio as gr
 
 from app.cpu import CpuWatch, cpu_note
-from app.documents import Limits, PasswordRequired, WrongPassword, chapters
+from app.documents import Document, Limits, PasswordRequired, WrongPassword, chapters
 from app.library import Library, book_id_of, chat_export_json, chat_markdown, model_fingerprint, write_export
 from app.reading import ReadingStopped
 from app.server import say
@@ -69,6 +69,11 @@ class User:
     notice: str | None = None  # why the book was closed, shown at the next question
     username: str | None = None  # the login that opened this session: only it may end the session
     titles: dict[str, str] = field(default_factory=dict)  # book id -> this user's title (private library)
+
+
+def _picked(pending: Prepared, picked: list[str]) -> Document:
+    found = chapters(pending.document)
+    return pick_chapters(pending.document, [found[int(i)] for i in picked])
 
 
 class App:
@@ -191,10 +196,19 @@ class App:
         if user.pending is None:
             yield {self.c.status: "Upload a book first."}
             return
-        found, pending = chapters(user.pending.document), user.pending
-        document = (pick_chapters(pending.document, [found[int(i)] for i in picked]) if picked
-                    else keep_first(pending, int(n_tokens)))
+        document = _picked(user.pending, picked) if picked else keep_first(user.pending, int(n_tokens))
         yield from self._fit_then_open(user, prepare(self.engine, self.chat, document, self.max_tokens))
+
+    def selection_note(self, n_tokens: float, picked: list[str], request: gr.Request):
+        """The load button says what it will read, and refuses chapters that do not fit."""
+        pending = self.user(request).pending
+        if pending is None:
+            return gr.update()
+        if not picked:
+            return gr.update(value=f"Read the first {int(n_tokens):,} tokens", interactive=True)
+        n = len(self.chat.document_ids(_picked(pending, picked).text))
+        over, what = n - pending.budget_tokens, f"{len(picked)} chapter{'s' * (len(picked) > 1)}, {n:,} tokens"
+        return gr.update(value=f"Read {what}" if over <= 0 else f"{what}: {over:,} too many", interactive=over <= 0)
 
     def open_saved(self, book_id: str | None, request: gr.Request):
         user = self.user(request)
@@ -681,6 +695,8 @@ class App:
         c.upload.upload(self.load_book, [c.upload, c.password], loading, api_name="load_book", **load)
         gr.on([c.unlock.click, c.password.submit], self.unlock, [c.password], loading, api_name="unlock", **load)
         c.load_selection.click(self.load_selection, [c.first_n, c.pick], loading, api_name="load_selection", **load)
+        gr.on([c.first_n.change, c.pick.change], self.selection_note, [c.first_n, c.pick], c.load_selection,
+              api_name=False, show_progress="hidden", concurrency_limit=None)
         c.open_book.click(self.open_saved, [c.books], loading, api_name="open_book", **load)
         c.remove_book.click(self.ask_remove, [c.books], [c.status, c.confirm_note, c.confirm_row],
                             api_name="ask_remove_book", **instant)

@@ -201,6 +201,30 @@ def test_a_book_far_beyond_the_context_is_not_prefilled_and_the_user_chooses(app
     assert app.users["reader"].book is not book and engine.n_prefills == n_prefills + 1
 
 
+def test_the_load_button_says_what_the_chosen_chapters_hold_and_refuses_too_many(app, engine, tmp_path):
+    req = request("picker")
+    path = tmp_path / "chapters.txt"
+    chapters = (f"CHAPTER {i}\n\n{book_text(2_500 + 700 * i, start=40_000 * i)}\n\n" for i in range(1, 9))
+    path.write_text("".join(chapters), encoding="utf-8")
+    updates = run(app.load_book(str(path), "", req))
+    assert "too long by" in last(app, updates, "status")
+    assert app.selection_note(1024, [], req)["value"] == "Read the first 1,024 tokens"
+    choices = [value for _, value in last(app, updates, "pick")["choices"]]
+    assert len(choices) >= 8, choices  # ours, and any the book's own text holds
+
+    everything = app.selection_note(1024, choices, req)
+    found = re.fullmatch(rf"{len(choices)} chapters, ([\d,]+) tokens: ([\d,]+) too many", everything["value"])
+    assert found and not everything["interactive"], everything
+    assert int(found[1].replace(",", "")) - int(found[2].replace(",", "")) == 3072
+
+    two = app.selection_note(1024, ["2", "0"], req)
+    found = re.fullmatch(r"Read 2 chapters, ([\d,]+) tokens", two["value"])
+    assert found and two["interactive"], two
+    assert "Ready" in last(app, run(app.load_selection(1024, ["2", "0"], req)), "status")
+    assert app.users["picker"].book.doc_len == int(found[1].replace(",", ""))  # the label counted what was read
+    assert app.selection_note(1024, ["1"], req) == {"__type__": "update"}  # nothing pending: the button is left alone
+
+
 @pytest.mark.parametrize(("raw", "expected", "note"), [
     ("Café “naïve” — déjà vu. ".encode("cp1252") * 20, "Café “naïve” — déjà vu.",
      "This file is not UTF-8; it was read as Windows-1252. If letters look wrong, save it as UTF-8."),
