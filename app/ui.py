@@ -335,7 +335,8 @@ class App:
                c.metrics: render_metrics("ready", None, book, user.counters), c.plot: render_plot([]),
                c.reading: render_reading(book, None), c.title: f"### {book.document.title}",
                c.chapter: gr.update(choices=titles, value=titles[0] if titles else None, visible=bool(titles)),
-               c.summarize_chapter: gr.update(visible=bool(titles)), **self._library_view(user)}
+               c.summarize_chapter: gr.update(visible=bool(titles)), c.models: self.model_table(),  # its speeds
+               **self._library_view(user)}
 
     def _n_read(self, prepared: Prepared) -> int:
         """Tokens of this book a stopped reading by this model kept in the library (0: none)."""
@@ -642,6 +643,9 @@ class App:
             mark = " **(loaded)**" if m.name == current else ""
             rows.append(f"| `{m.name}`{mark} | {m.n_bytes / 1e9:.1f} GB | {m.n_context // 1024 or '?'}K | "
                         f"{self.speeds.describe(m.name)} | {m.note} |")
+        if current not in models.PACKAGED_MODELS:  # a folder, a .gguf file or a hub id of the reader's
+            rows.append(f"| `{current}` **(loaded)** | | {self.engine.max_context // 1024}K | "
+                        f"{self.speeds.describe(current)} | your model |")
         head = "| model | file | context | measured on this machine | quality |\n|:--|--:|--:|:--|:--|"
         draft = f" · draft `{self.engine.config.draft}`" if self.engine.config.draft else ""
         return f"Loaded: `{current}`{draft} · levels `{self.engine.config.levels}`\n\n{head}\n" + "\n".join(rows)
@@ -681,7 +685,7 @@ class App:
 
     def _wire(self, demo: gr.Blocks, c: SimpleNamespace) -> None:
         loading = [c.status, c.upload, c.cancel, c.password_row, c.fit_row, c.first_n, c.pick, c.chatbot, c.metrics,
-                   c.plot, c.reading, c.chapter, c.summarize_chapter, c.title, c.books, c.chats]
+                   c.plot, c.reading, c.chapter, c.summarize_chapter, c.title, c.books, c.chats, c.models]
         answering = [c.msg, c.chatbot, c.metrics, c.plot, c.reading, c.books, c.chats]
         # Loading is one at a time: while another user's load runs, "queue: 2/3" shows on the status
         # (loading) or the metrics (answering) panel; "minimal" adds no overlay to streamed outputs.
@@ -726,5 +730,6 @@ class App:
         gr.api(self.export, api_name="export")
         gr.api(self.engine_counters, api_name="engine_counters")
         demo.load(self.show_library, None, [c.books, c.chats], api_name=False)
+        demo.load(self.model_table, None, c.models, api_name=False)  # what this machine measured since the start
         demo.unload(self.forget)
 

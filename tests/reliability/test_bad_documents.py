@@ -28,7 +28,16 @@ from app.documents import (
     load_document,
 )
 from tests.reliability import bad_files
-from tests.reliability.conftest import LEVELS, book_text, last, make_app, open_with_chat, request, run
+from tests.reliability.conftest import (
+    LEVELS,
+    book_text,
+    last,
+    make_app,
+    open_with_chat,
+    request,
+    run,
+    write_book,
+)
 
 MB = 1024 * 1024
 LIMITS = Limits(max_file_bytes=2 * MB, max_pages=20, max_chars=600_000)
@@ -223,6 +232,16 @@ def test_the_load_button_says_what_the_chosen_chapters_hold_and_refuses_too_many
     assert "Ready" in last(app, run(app.load_selection(1024, ["2", "0"], req)), "status")
     assert app.users["picker"].book.doc_len == int(found[1].replace(",", ""))  # the label counted what was read
     assert app.selection_note(1024, ["1"], req) == {"__type__": "update"}  # nothing pending: the button is left alone
+
+
+def test_the_model_table_shows_the_speed_this_machine_just_measured(engine, tmp_path):
+    app, model = make_app(engine, tmp_path / "library"), engine.config.target
+    assert f"`{model}` **(loaded)** | | 4K | not measured here yet | your model |" in app.model_table()
+    updates = run(app.load_book(str(write_book(tmp_path)), "", request("first-book")))
+    table = last(app, updates, "models")
+    assert re.search(rf"`{re.escape(model)}` \*\*\(loaded\)\*\* \| \| 4K \| [\d,]+ tokens/s prefill \([\d,]+ tokens\)",
+                     table), table
+    assert app.model_table() == table  # and a page opened later shows it too (demo.load)
 
 
 @pytest.mark.parametrize(("raw", "expected", "note"), [
