@@ -27,11 +27,12 @@ import shutil
 import tempfile
 import time
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from app.documents import Document, Section
-from app.snapshots import PARTIAL, load_snapshot, model_fingerprint, save_snapshot, weights_sha256
+from app.snapshots import PARTIAL, SNAPSHOT, load_snapshot, model_fingerprint, save_snapshot, weights_sha256
 from app.storage import atomic_write, read_json, remove_temp_files, write_failure, write_json
 
 if TYPE_CHECKING:
@@ -85,6 +86,20 @@ def document_to_json(document: Document) -> dict:
 def document_from_json(obj: dict) -> Document:
     sections = [Section(title, int(start), kind) for title, start, kind in obj.get("sections", [])]
     return Document(obj["title"], obj["text"], obj["source_format"], sections)
+
+
+MIN_SHARED_CHARS = 2_000  # about a prefill chunk of text: less is not worth a snapshot's load
+
+
+@dataclass(frozen=True)
+class SharedStart:
+    """Another book's reading that a text starts as (`Library.read_before`)."""
+
+    book_id: str
+    name: str  # SNAPSHOT or PARTIAL
+    title: str
+    n_chars: int  # characters the two texts share from the start
+    n_tokens: int  # tokens the reading holds
 
 
 class Library:
@@ -195,7 +210,8 @@ class Library:
     def save_snapshot(self, book_id: str, session: Session, identity: dict, doc_sha256: str) -> None:
         """Store the prefill snapshot of a freshly prefilled session (document tokens only)."""
         folder, meta = self.book_dir(book_id), self.meta(book_id) or {}
-        record = {**identity, "doc_sha256": doc_sha256, "n_tokens": session.length}
+        record = {**identity, "doc_sha256": doc_sha256, "n_tokens": session.length,
+                  "chunk_tokens": session.engine.prefill_chunk_tokens}  # another text may start from it
         write_json(folder / "meta.json", {**meta, "snapshot": save_snapshot(folder, session, record)})
 
     def restore_snapshot(self, book_id: str, engine: Engine, identity: dict, doc_sha256: str,
@@ -227,6 +243,34 @@ class Library:
                     "n_tokens": n}
         return load_snapshot(self.book_dir(book_id), engine, saved, expected, doc_ids[:n], PARTIAL, len(doc_ids))
 
+    def read_before(self, text: str, model: str, chunk_tokens: int, among: set[str] | None = None
+                    ) -> SharedStart | None:
+        """The reading by `model` (a `model_fingerprint`), in chunks of `chunk_tokens`, of another
+        book (of `among`, a private library's, if given) whose text begins as `text` does, sharing
+        the most: the first 16K tokens of a book read before its first 32K, chapters 1-6 before 1-12,
+        or the other way round."""
+        best, book_id = None, book_id_of(text)
+        for meta in self.books():
+            for key, name in (("snapshot", SNAPSHOT), ("partial", PARTIAL)):
+                record = meta.get(key) or {}
+                if (meta["id"] == book_id or (among is not None and meta["id"] not in among)
+                        or record.get("model") != model or record.get("chunk_tokens") != chunk_tokens):
+                    continue
+                other = self.document(meta["id"])
+                n_chars = len(os.path.commonprefix([text, other.text])) if other else 0
+                if n_chars >= MIN_SHARED_CHARS and (best is None or n_chars > best.n_chars):
+                    best = SharedStart(meta["id"], name, meta["title"], n_chars, record["n_tokens"])
+        return best
+
+    def restore_shared_start(self, engine: Engine, identity: dict, found: SharedStart,
+                             doc_ids: list[int]) -> Session | None:
+        """`found`'s reading cut to the whole prefill chunks it shares with `doc_ids`, in a cache
+        for all of them; None when anything does not match (then the reading starts at 0)."""
+        record = (self.meta(found.book_id) or {}).get("snapshot" if found.name == SNAPSHOT else "partial") or {}
+        expected = {**identity, "chunk_tokens": engine.prefill_chunk_tokens}
+        return load_snapshot(self.book_dir(found.book_id), engine, record, expected, doc_ids, found.name,
+                             len(doc_ids), shared_start=True)
+
     def n_read(self, book_id: str, model: str | None = None) -> int:
         """Tokens of the book a stopped reading (by `model`, a `model_fingerprint`) kept (0: none)."""
         return _n_read(self.meta(book_id) or {}, model)
@@ -238,10 +282,12 @@ class Library:
         (self.book_dir(book_id) / PARTIAL).unlink(missing_ok=True)
 
     def open_session(self, engine: Engine, document: Document, doc_ids: list[int], on_progress=None,
-                     cancel=None, on_resume=None) -> tuple[str, Session, bool, str | None]:
+                     cancel=None, on_resume=None, among: set[str] | None = None
+                     ) -> tuple[str, Session, bool, str | None]:
         """(book id, session, whether restored, a note when the library could not be written): the
         saved prefill when it matches, else a new prefill, snapshotted, read on from where a stopped
-        reading ended (`on_resume(n tokens read before)`). The book is listed once it is ready, or
+        reading ended, or from another book's (of `among`) it begins as (`on_resume(n tokens read
+        before, that book's title or None)`). The book is listed once it is ready, or
         once part of it is saved; a failed write never loses the session."""
         identity, sha = self.model_identity(engine), text_sha256(document.text)
         book_id = sha[:16]
@@ -250,7 +296,8 @@ class Library:
         if session is None:
             from app.reading import Reading
 
-            session = Reading(self, engine, document, doc_ids, identity, sha).run(on_progress, cancel, on_resume)
+            session = Reading(self, engine, document, doc_ids, identity, sha, among).run(on_progress, cancel,
+                                                                                          on_resume)
         try:
             self.add_book(document, identity["model"], len(doc_ids))
             if not restored:

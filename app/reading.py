@@ -6,7 +6,8 @@ of the engine's prefill chunks, so the forwards are those of one uninterrupted r
 is the same, bit for bit. What was read is saved in the library (`partial.pt`, verified like a
 snapshot: app/snapshots.py) whenever the reading stops (Cancel, a closed tab, the app shut down:
 `ReadingStopped`) or fails, and after a part at most every `SAVE_READING_EVERY_S`; the next
-opening of the book restores it and reads on.
+opening of the book restores it and reads on. A book that begins as another one read before (its
+first 32K tokens after its first 16K, chapters 1-12 after 1-6) starts from the chunks they share.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ class Reading:
     is saved every `SAVE_READING_EVERY_S` and when it stops or fails."""
 
     def __init__(self, library: Library, engine: Engine, document: Document, doc_ids: list[int], identity: dict,
-                 doc_sha256: str):
+                 doc_sha256: str, among: set[str] | None = None):
         self.library, self.engine, self.document, self.doc_ids = library, engine, document, doc_ids
+        self.among = among  # the books whose readings it may start from (a private library's); None: all
         self.identity, self.sha, self.book_id = identity, doc_sha256, doc_sha256[:16]
         self.chunk = engine.prefill_chunk_tokens
         self.part = max(1, READ_PART_TOKENS // self.chunk) * self.chunk
@@ -67,13 +69,18 @@ class Reading:
 
         def progress(start: int):  # a part's progress as the whole book's
             return on_progress and (lambda done, _total: on_progress(start + done, n_total))
-        session = self.library.restore_reading(self.book_id, self.engine, self.identity, self.sha, doc_ids)
+        session, source = self.library.restore_reading(self.book_id, self.engine, self.identity, self.sha,
+                                                       doc_ids), None
+        if session is None and (found := self.library.read_before(self.document.text, self.identity["model"],
+                                                                   self.chunk, self.among)):
+            session = self.library.restore_shared_start(self.engine, self.identity, found, doc_ids)
+            source = found.title
         if session is None:  # stopped in this first part: nothing is kept
             session = self.engine.open(doc_ids, progress(0), cancel, n_first=self.part)
         else:
-            self.n_saved = session.length
+            self.n_saved = 0 if source else session.length  # another book's reading: nothing of this one saved
             if on_resume:
-                on_resume(session.length)
+                on_resume(session.length, source)
         try:
             while (start := session.length) < n_total:
                 session.read(doc_ids[start:start + self.part], progress(start), cancel)

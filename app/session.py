@@ -115,6 +115,7 @@ class BookSession:
         self.save_error: str | None = None
         self.batcher = None  # engine.batch.Batcher: answers decoded together with other readers'
         self.n_read_before = 0  # tokens a stopped reading had kept, read on from when this book opened
+        self.read_before_in: str | None = None  # or the title of another book they were read in
 
 
     def ask(self, question: str, sampling: SamplingConfig, cancel=None) -> Iterator[Update]:
@@ -230,9 +231,11 @@ def load_engine(config: EngineConfig, report: Report | None = None, cancel=None)
 
 
 def open_book(engine: Engine, chat: ChatFormat, prepared: Prepared, library: Library | None,
-              report: Report | None = None, cancel=None, measure_plain: bool = False) -> tuple[BookSession, bool]:
-    """Restore the book's snapshot or prefill it (reporting chunk i of N, tokens/s, ETA); optionally
-    time plain decoding for the speedup figure. Returns the book and whether it was restored.
+              report: Report | None = None, cancel=None, measure_plain: bool = False,
+              among: set[str] | None = None) -> tuple[BookSession, bool]:
+    """Restore the book's snapshot or prefill it (reporting chunk i of N, tokens/s, ETA), from the
+    start another book of the library (of `among`, if given) shares with it; optionally time plain
+    decoding for the speedup figure. Returns the book and whether it was restored.
     Raises DocumentTooLong when the document does not fit its budget (the caller offers choices)."""
     if not prepared.fits:
         raise DocumentTooLong(len(prepared.doc_ids), prepared.budget_tokens)
@@ -243,7 +246,7 @@ def open_book(engine: Engine, chat: ChatFormat, prepared: Prepared, library: Lib
             report("Prefill", "sending the book to the server …")
         return open_remote_book(engine, chat, prepared, library, cancel), False
     chunk, share = engine.prefill_chunk_tokens, engine.target.config.attention_share()  # chunk: larger offloaded
-    started, n_before = time.perf_counter(), 0
+    started, n_before, read_in = time.perf_counter(), 0, None
 
     def progress(done: int, total: int):
         elapsed = max(time.perf_counter() - started, 1e-6)
@@ -252,20 +255,21 @@ def open_book(engine: Engine, chat: ChatFormat, prepared: Prepared, library: Lib
             report("Prefill", f"chunk {math.ceil(done / chunk)} of {math.ceil(total / chunk)} · "
                               f"{(done - n_before) / elapsed:,.0f} tokens/s · about {duration(left)} left")
 
-    def resume(n_read: int):  # a stopped reading of this book, read on from
-        nonlocal started, n_before
-        started, n_before = time.perf_counter(), n_read
+    def resume(n_read: int, source: str | None = None):  # a stopped reading, or another book's, read on from
+        nonlocal started, n_before, read_in
+        started, n_before, read_in = time.perf_counter(), n_read, source
         if report:
-            report("Prefill", f"reading on from {n_read / len(prepared.doc_ids):.0%}, where the last reading "
-                              f"stopped ({n_read:,} tokens read before) …")
+            where = f"its first {n_read:,} tokens were read before, in *{source}*" if source else \
+                f"where the last reading stopped ({n_read:,} tokens read before)"
+            report("Prefill", f"reading on from {n_read / len(prepared.doc_ids):.0%}: {where} …")
     if library is None:
         book_id, restored, note = "0", False, None
         session = engine.open(prepared.doc_ids, on_progress=progress, cancel=cancel)
     else:
         book_id, session, restored, note = library.open_session(engine, prepared.document, prepared.doc_ids,
-                                                                progress, cancel, resume)
+                                                                progress, cancel, resume, among)
     book = BookSession(engine, chat, prepared, session, book_id, library)
-    book.save_error, book.n_read_before = note, n_before
+    book.save_error, book.n_read_before, book.read_before_in = note, n_before, read_in
     if measure_plain:
         if report:
             report("Prefill", "measuring plain decoding for the speedup …")

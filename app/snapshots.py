@@ -89,10 +89,11 @@ def save_snapshot(folder: Path, session: Session, record: dict, name: str = SNAP
     return {**record, "sha256": sha}
 
 
-def load_snapshot(folder: Path, engine: Engine, saved: dict | None, expected: dict,
-                  doc_ids: list[int], name: str = SNAPSHOT, n_total: int | None = None) -> Session | None:
+def load_snapshot(folder: Path, engine: Engine, saved: dict | None, expected: dict, doc_ids: list[int],
+                  name: str = SNAPSHOT, n_total: int | None = None, shared_start: bool = False) -> Session | None:
     """The session in `folder`'s snapshot when `saved` (its meta.json record) matches `expected`,
-    the file's sha256 matches the record, and its cache holds exactly `doc_ids`; else None."""
+    the file's sha256 matches the record, and its cache holds exactly `doc_ids` (`shared_start`:
+    the whole prefill chunks it shares with the start of `doc_ids`, another document); else None."""
     from engine.loading import file_sha256
 
     path = folder / name
@@ -101,13 +102,14 @@ def load_snapshot(folder: Path, engine: Engine, saved: dict | None, expected: di
     if file_sha256(path) != saved.get("sha256"):
         return None  # tampered, truncated, or replaced after its record was written
     try:
-        session = engine.restore(path, n_total)  # under tensor parallel every rank restores its heads
-    except Exception:  # torch/zip raise many types for damaged files
+        session = engine.restore(path, n_total, doc_ids if shared_start else None)  # every rank its heads
+    except Exception:  # torch/zip raise many types for damaged files (ValueError: no shared chunk)
         return None
     c, k = engine.target.config, session.full.k
     is_same_shape = (k.shape[0], k.shape[2], k.shape[4], k.dtype) == (c.n_layers, c.n_kv_heads, c.head_dim,
                                                                       engine.dtype)
-    is_same_text = session.tokens == doc_ids and session.full.length == len(doc_ids)
+    n = session.full.length if shared_start else len(doc_ids)
+    is_same_text = session.tokens == doc_ids[:n] and session.full.length == n
     return session if is_same_shape and is_same_text else None
 
 
@@ -117,7 +119,8 @@ def _tensors_sha256(engine: Engine) -> str:
     digest = hashlib.sha256()
     for name, tensor in sorted(engine.target.state_dict().items()):
         digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
-        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+        tensor = tensor.detach().to_dense() if tensor.is_mkldnn else tensor.detach()  # bf16 weights packed for oneDNN
+        digest.update(tensor.cpu().contiguous().view(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
 
 

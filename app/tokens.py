@@ -34,6 +34,10 @@ class TokenMap:
         idx = pos - self.shift
         return self.n_chars if idx >= len(self.offsets) else self.lead + self.offsets[max(idx, 0)]
 
+    def char_to_token(self, char: int) -> int:
+        """The document position of the first token that starts at or after `char`."""
+        return self.shift + bisect.bisect_left(self.offsets, char - self.lead)
+
     def n_tokens_between(self, start_char: int, end_char: int) -> int:
         return (bisect.bisect_left(self.offsets, end_char - self.lead)
                 - bisect.bisect_left(self.offsets, start_char - self.lead))

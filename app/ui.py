@@ -271,7 +271,7 @@ class App:
 
     def _fit_then_open(self, user: User, prepared: Prepared, stages: Stages | None = None):
         c, stages = self.c, stages or Stages(prepared.document.title)
-        estimate = self.prefill_estimate(len(prepared.doc_ids), self._n_read(prepared)) if prepared.fits else ""
+        estimate = self.prefill_estimate(len(prepared.doc_ids), self._n_read(user, prepared)) if prepared.fits else ""
         stages.set("Tokenize", prepared.fit_message() + estimate, is_done=prepared.fits)
         if prepared.fits:
             yield from self._open(user, prepared, stages)
@@ -294,8 +294,10 @@ class App:
         reading = book_id_of(prepared.document.text)
         self.reading_ids.add(reading)
         try:
-            book, restored = yield from self._progress(user, stages, partial(open_book, measure_plain=True),
-                                                       self.engine, self.chat, prepared, self.library)
+            job = partial(open_book, measure_plain=True,  # from another book: never another reader's
+                          among=user.book_ids if self.private else None)
+            book, restored = yield from self._progress(user, stages, job, self.engine, self.chat, prepared,
+                                                       self.library)
         except ReadingStopped as error:  # what was read is kept: the book reads on from there next time
             if error.is_saved:
                 user.book_ids.add(error.book_id)
@@ -324,7 +326,8 @@ class App:
         how = (f"restored from the saved snapshot in {seconds:.1f} s" if restored
                else f"{n_now:,} tokens in {seconds:.1f} s ({n_now / seconds:,.0f} tokens/s)")
         if book.n_read_before:
-            how += f", after the {book.n_read_before:,} a stopped reading had kept"
+            how += f", after the {book.n_read_before:,} " + (f"read before in *{book.read_before_in}*"
+                                                            if book.read_before_in else "a stopped reading had kept")
         user.book, user.pending, user.editing, user.notice = book, None, False, None
         user.book_ids.add(book.book_id)
         user.titles[book.book_id] = book.document.title
@@ -338,11 +341,18 @@ class App:
                c.summarize_chapter: gr.update(visible=bool(titles)), c.models: self.model_table(),  # its speeds
                **self._library_view(user)}
 
-    def _n_read(self, prepared: Prepared) -> int:
-        """Tokens of this book a stopped reading by this model kept in the library (0: none)."""
+    def _n_read(self, user: User, prepared: Prepared) -> int:
+        """Tokens of this book the library holds by this model: a stopped reading of it, or about
+        the whole prefill chunks it shares with another book's reading it begins as (0: none)."""
         if self.library is None or getattr(self.engine, "is_remote", False):
             return 0
-        return self.library.n_read(book_id_of(prepared.document.text), model_fingerprint(self.engine))
+        model, text, chunk = model_fingerprint(self.engine), prepared.document.text, self.engine.prefill_chunk_tokens
+        if n := self.library.n_read(book_id_of(text), model):
+            return n
+        if not (found := self.library.read_before(text, model, chunk, user.book_ids if self.private else None)):
+            return 0
+        n = min(found.n_tokens, len(prepared.doc_ids) - 1, prepared.tokens.char_to_token(found.n_chars))
+        return n - n % chunk
 
     def prefill_estimate(self, n_tokens: int, n_read: int = 0) -> str:
         """' · about 3 min to read here' from this machine's measured rate (what is left when a stopped
@@ -685,7 +695,7 @@ class App:
 
     def _wire(self, demo: gr.Blocks, c: SimpleNamespace) -> None:
         loading = [c.status, c.upload, c.cancel, c.password_row, c.fit_row, c.first_n, c.pick, c.chatbot, c.metrics,
-                   c.plot, c.reading, c.chapter, c.summarize_chapter, c.title, c.books, c.chats, c.models]
+                   c.plot, c.reading, c.chapter, c.summarize_chapter, c.title, c.models, c.books, c.chats]
         answering = [c.msg, c.chatbot, c.metrics, c.plot, c.reading, c.books, c.chats]
         # Loading is one at a time: while another user's load runs, "queue: 2/3" shows on the status
         # (loading) or the metrics (answering) panel; "minimal" adds no overlay to streamed outputs.

@@ -189,13 +189,13 @@ def read(ranks: Ranks, sid: int, ids: list[int], on_progress=None, cancel=None):
     ranks.sessions[sid].read_here(ids, on_progress, SharedFlag(cancel))
 
 
-def _restore(ranks: Ranks, sid: int, path: str, n_total: int | None = None, leader=None):
+def _restore(ranks: Ranks, sid: int, path: str, n_total: int | None = None, doc_ids=None, leader=None):
     """Each rank memory-maps the snapshot and takes its own KV and query heads."""
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     c, r = ranks.engine.target.config, dist.get_rank()
     state["cache"] = {name: t.narrow(2, r * c.n_kv_heads, c.n_kv_heads) for name, t in state["cache"].items()}
     state["queries"] = [q if q is None else q.narrow(1, r * c.n_heads, c.n_heads) for q in state["queries"]]
-    _register(ranks, sid, ranks.engine.restore_state(state, n_total), leader)
+    _register(ranks, sid, ranks.engine.restore_state(state, n_total, doc_ids), leader)
 
 
 def _register(ranks: Ranks, sid: int, session, leader) -> None:
@@ -309,9 +309,9 @@ class Leader:
         self.call(_open, sid, list(doc_ids), n_first, on_progress=on_progress, cancel=cancel, leader=self)
         return self.ranks.sessions[sid]
 
-    def restore(self, path, n_total: int | None = None):
+    def restore(self, path, n_total: int | None = None, doc_ids: list[int] | None = None):
         sid = next(self.next_sids)
-        self.call(_restore, sid, str(path), n_total, leader=self)
+        self.call(_restore, sid, str(path), n_total, doc_ids, leader=self)
         return self.ranks.sessions[sid]
 
     def close(self) -> None:

@@ -214,15 +214,16 @@ class Engine:
             if on_progress:
                 on_progress(i + len(piece), len(ids))
 
-    def restore(self, path: str | Path, n_total: int | None = None) -> Session:
+    def restore(self, path: str | Path, n_total: int | None = None, doc_ids: list[int] | None = None) -> Session:
         """Reopen a prefill snapshot (`Session.save`) without prefilling again; `n_total`: it holds
         the first tokens of a document that long, whose rest `Session.read` reads (the cache is
-        allocated and planned for all of it at once)."""
-        return Session.restore(self, path, n_total)
+        allocated and planned for all of it at once). `doc_ids`: another document that begins as
+        the saved one does; only the whole prefill chunks the two share are kept (`shared_start`)."""
+        return Session.restore(self, path, n_total, doc_ids)
 
-    def restore_state(self, state: dict, n_total: int | None = None) -> Session:
+    def restore_state(self, state: dict, n_total: int | None = None, doc_ids: list[int] | None = None) -> Session:
         """A session from a snapshot's state (`Session.state`), e.g. one rank's heads of it."""
-        return Session.from_state(self, state, n_total)
+        return Session.from_state(self, state, n_total, doc_ids)
 
     def check_tokens(self, ids: list[int], what: str) -> None:
         vocab = self.target.config.vocab_size
@@ -484,18 +485,38 @@ class Session:
         return {"tokens": self.tokens, "cache": self.full.state(), "queries": queries, "meta": meta or {}}
 
     @classmethod
-    def restore(cls, engine: Engine, path: str | Path, n_total: int | None = None) -> Session:
+    def restore(cls, engine: Engine, path: str | Path, n_total: int | None = None,
+                doc_ids: list[int] | None = None) -> Session:
         # memory-mapped in host memory: the cache copies it to the device a layer at a time
-        return cls.from_state(engine, torch.load(path, map_location="cpu", mmap=True, weights_only=True), n_total)
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        return cls.from_state(engine, state, n_total, doc_ids)
 
     @classmethod
-    def from_state(cls, engine: Engine, state: dict, n_total: int | None = None) -> Session:
+    def from_state(cls, engine: Engine, state: dict, n_total: int | None = None,
+                   doc_ids: list[int] | None = None) -> Session:
+        if doc_ids is not None:
+            state = shared_start(state, doc_ids, engine.prefill_chunk_tokens)
         n_tokens = max(state["cache"]["k"].shape[3], n_total or 0)
         full = engine.new_full_cache(min(engine.max_context, n_tokens + CHAT_ROOM_TOKENS), state["cache"])
         session = cls(engine, full)
         session.query_log.queries = [q if q is None else q.to(engine.device) for q in state["queries"]]
         session.start(state["tokens"])
         return session
+
+
+def shared_start(state: dict, doc_ids: list[int], chunk_tokens: int) -> dict:
+    """A snapshot's state cut to the whole prefill chunks its tokens share with `doc_ids`, leaving
+    at least one token of `doc_ids` to read: the first 16K tokens of a book read before its first
+    32K. Their KV is what reading `doc_ids` gives, bit for bit (the same tokens in the same
+    forwards). The retrieval queries belong to later tokens, so they go."""
+    saved, n = state["tokens"], 0
+    while n < min(len(saved), len(doc_ids) - 1) and saved[n] == doc_ids[n]:
+        n += 1
+    n -= n % chunk_tokens
+    if n == 0:
+        raise ValueError("the snapshot and the document share no whole prefill chunk")
+    cache = {name: t[:, :, :, :n] for name, t in state["cache"].items()}  # [L, B, Hkv, S, D]
+    return {**state, "tokens": saved[:n], "cache": cache, "queries": [None] * len(state["queries"])}
 
 
 def reading_ranges(chunk_starts: torch.Tensor, chunk_tokens: int, top: int = 12) -> list[tuple[int, int, float]]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from app.documents import Document, Section
-from app.library import Library, atomic_write, read_json, text_sha256
+from app.library import Library, atomic_write, model_fingerprint, read_json, text_sha256
 from engine import models
 from tests.conftest import packaged_or_skip
 
@@ -162,8 +162,8 @@ def test_a_stopped_reading_is_kept_and_the_next_opening_reads_on_from_it(library
 
     resumed, seen = [], []
     _, session, restored, note = library.open_session(engine, BOOK, doc_ids, lambda done, total: seen.append(done),
-                                                      None, resumed.append)
-    assert resumed == [35] and seen == [42, 49, 56, 60] and not restored and note is None
+                                                      None, lambda *args: resumed.append(args))
+    assert resumed == [(35, None)] and seen == [42, 49, 56, 60] and not restored and note is None
     whole = engine.open(doc_ids)
     assert session.tokens == doc_ids and torch.equal(session.full.k[..., :60, :], whole.full.k[..., :60, :])
     assert library.n_read(book_id) == 0 and not (library.book_dir(book_id) / "partial.pt").exists()
@@ -199,8 +199,41 @@ def test_a_reading_that_crashes_keeps_its_last_save_and_one_by_another_model_is_
 
     other = tiny_engine("plain", seed=5)  # other weights: its reading starts again
     resumed = []
-    library.open_session(other, BOOK, doc_ids, on_resume=resumed.append)
+    library.open_session(other, BOOK, doc_ids, on_resume=lambda *args: resumed.append(args))
     assert resumed == []
+
+
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_a_book_that_begins_as_one_read_before_reads_only_the_rest(library, dtype):
+    """Its first 16K tokens read, then its first 32K (here 40 of 60 tokens in chunks of 7): the
+    whole chunks the two share come from the first reading's snapshot, the rest is read, and the
+    KV is that of one reading, bit for bit. Another model, or a text that begins otherwise, reads all."""
+    from tests.conftest import tiny_engine
+    from tests.engine.test_speculative import random_ids
+
+    engine, doc_ids = tiny_engine("ngram>retrieval>full", dtype=dtype), random_ids(60, 128, 23)
+    opening = "It was a truth universally acknowledged. " * 60  # 2,400 characters both texts begin with
+    first = Document("Emma (first part)", opening + "Chapter 2. Morning came.", "txt")
+    longer = Document("Emma", opening + "Chapter 2. Morning came, and with it the rain.", "txt")
+    library.open_session(engine, first, doc_ids[:40])
+    assert library.read_before(longer.text, model_fingerprint(engine), 7).title == "Emma (first part)"
+
+    resumed, seen = [], []
+    _, session, restored, _ = library.open_session(engine, longer, doc_ids, lambda done, total: seen.append(done),
+                                                   None, lambda *args: resumed.append(args))
+    whole = engine.open(doc_ids)
+    assert resumed == [(35, "Emma (first part)")] and seen == [42, 49, 56, 60] and not restored
+    assert session.tokens == doc_ids and session.full.capacity == whole.full.capacity
+    assert torch.equal(session.full.k[..., :60, :], whole.full.k[..., :60, :])
+    assert torch.equal(session.full.v[..., :60, :], whole.full.v[..., :60, :])
+    assert library.open_session(engine, longer, doc_ids)[2]  # and it has a snapshot of its own
+
+    resumed.clear()
+    library.open_session(tiny_engine("ngram>retrieval>full", seed=5, dtype=dtype), longer, doc_ids,
+                         on_resume=lambda *args: resumed.append(args))
+    other = Document("Persuasion", "Sir Walter Elliot, of Kellynch Hall. " * 70, "txt")
+    library.open_session(engine, other, doc_ids[:40] + random_ids(10, 128, 24), on_resume=lambda *a: resumed.append(a))
+    assert resumed == []  # another model's reading, a text that begins otherwise: read from the start
 
 
 def test_a_removed_book_leaves_the_list_and_the_disk_with_its_chats_and_snapshot(library):

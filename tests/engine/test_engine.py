@@ -132,6 +132,30 @@ def test_a_reading_stopped_saved_and_taken_up_again_equals_one_read(tmp_path, dt
     assert engine.n_prefills == 2  # a reading taken up again is not another document
 
 
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+@pytest.mark.parametrize(("n_saved", "n_shared"), [(40, 40), (90, 33)], ids=["shorter-read-before", "longer"])
+def test_a_document_that_begins_as_a_saved_one_reads_only_the_rest(tmp_path, dtype, n_saved, n_shared):
+    """The first 40 tokens of a book read before its first 60 (or 90 tokens of another text that
+    shares its first 33): the whole 7-token chunks they share are restored, the rest is read, and
+    the KV and answer are those of one reading of the new document, bit for bit."""
+    engine = tiny_engine("ngram>retrieval>full", dtype=dtype)
+    doc, q = random_ids(60, 128, 16), random_ids(4, 128, 17)
+    whole = engine.open(doc)
+    want = answer(whole, q, n=12)
+    saved = doc[:n_shared] + random_ids(n_saved - n_shared, 128, 18)
+    engine.open(saved).save(tmp_path / "other.pt")
+
+    again = engine.restore(tmp_path / "other.pt", n_total=len(doc), doc_ids=doc)
+    n_kept = n_shared - n_shared % 7  # whole chunks of 7
+    assert again.tokens == doc[:n_kept] and again.full.length == n_kept
+    again.read(doc[n_kept:])
+    assert again.tokens == doc and torch.equal(again.full.k[..., :60, :], whole.full.k[..., :60, :])
+    assert torch.equal(again.full.v[..., :60, :], whole.full.v[..., :60, :])
+    assert answer(again, q, n=12) == want
+    with pytest.raises(ValueError, match="share no whole prefill chunk"):
+        engine.restore(tmp_path / "other.pt", doc_ids=random_ids(60, 128, 19))
+
+
 def test_config_errors_say_what_to_do():
     with pytest.raises(ValueError, match="choose one of"):
         EngineConfig(levels="ngram>draft")

@@ -77,7 +77,7 @@ def conversation(engine, is_sampled: bool) -> dict:
 
 @pytest.mark.timeout(180)  # ranks that disagree wait for each other forever: fail, do not hang
 @pytest.mark.parametrize("family, gamma", [("llama", None), ("qwen2", 3)])
-def test_two_gloo_ranks_match_one_process(family, gamma):
+def test_two_gloo_ranks_match_one_process(family, gamma, tmp_path):
     ids = random_ids(40, 128, 3)
     engine = tiny_rank_engine(family, gamma)
     one, one_logits = conversation(engine, gamma is not None), logits_of(parallel.Ranks(engine), ids)
@@ -100,6 +100,12 @@ def test_two_gloo_ranks_match_one_process(family, gamma):
         read_in_parts = [t for e in parted.ask(random_ids(4, 128, 4), SamplingConfig(max_new_tokens=16))
                          for t in e.tokens]
         parted_tokens = leader.call(tokens_of_every_rank, parted.sid)
+        leader.open(doc[:20]).save(tmp_path / "start.pt")  # a book that begins as this one, read before
+        shared = leader.restore(tmp_path / "start.pt", len(doc), doc)  # every rank keeps the chunk both share
+        assert leader.call(tokens_of_every_rank, shared.sid) == [doc[:16], doc[:16]]
+        shared.read(doc[16:])
+        events = shared.ask(random_ids(4, 128, 4), SamplingConfig(max_new_tokens=16))
+        from_shared = [t for e in events for t in e.tokens]
     finally:
         leader.close()
     assert not dist.is_initialized()
@@ -109,6 +115,7 @@ def test_two_gloo_ranks_match_one_process(family, gamma):
     assert two.get("sampled") == one.get("sampled") and two["tokens"] == one["tokens"]
     assert (two_logits - one_logits).abs().max() <= 1e-5
     assert read_in_parts == one["plain"][0] and parted_tokens[0] == parted_tokens[1]
+    assert from_shared == one["plain"][0]
 
 
 @pytest.mark.timeout(180)

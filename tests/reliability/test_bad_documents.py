@@ -207,7 +207,8 @@ def test_a_book_far_beyond_the_context_is_not_prefilled_and_the_user_chooses(app
 
     status = last(app, run(app.load_selection(1024, [], req)), "status")  # the user keeps the beginning
     assert "first 1,024 tokens" in status and "Ready" in status, status
-    assert app.users["reader"].book is not book and engine.n_prefills == n_prefills + 1
+    assert app.users["reader"].book is not book  # read from the chunks it shares with the book read before
+    assert app.users["reader"].book.n_read_before and engine.n_prefills == n_prefills
 
 
 def test_the_load_button_says_what_the_chosen_chapters_hold_and_refuses_too_many(app, engine, tmp_path):
@@ -242,6 +243,25 @@ def test_the_model_table_shows_the_speed_this_machine_just_measured(engine, tmp_
     assert re.search(rf"`{re.escape(model)}` \*\*\(loaded\)\*\* \| \| 4K \| [\d,]+ tokens/s prefill \([\d,]+ tokens\)",
                      table), table
     assert app.model_table() == table  # and a page opened later shows it too (demo.load)
+
+
+def test_more_of_a_long_book_reads_only_what_is_new(engine, tmp_path):
+    """A reader keeps the first 1,024 tokens of a novel, then asks for its first 2,048: the app says
+    the first part was read before and reads only the rest."""
+    app, req = make_app(engine, tmp_path / "library", limits=LIMITS), request("more")
+    path = tmp_path / "novel.txt"
+    path.write_text(book_text(470_000), encoding="utf-8")
+    run(app.load_book(str(path), "", req))
+    assert "Ready" in last(app, run(app.load_selection(1024, [], req)), "status")
+    n_before, chunk = engine.n_prefill_tokens, engine.prefill_chunk_tokens
+
+    run(app.load_book(str(path), "", req))
+    status = last(app, run(app.load_selection(2048, [], req)), "status")
+    book = app.users["more"].book
+    assert book.n_read_before % chunk == 0 and book.n_read_before >= 1024 - chunk  # the first part, not read again
+    assert book.doc_len - book.n_read_before == engine.n_prefill_tokens - n_before
+    assert f"{book.n_read_before / book.doc_len:.0%} was read before" in status, status  # said before reading
+    assert f"after the {book.n_read_before:,} read before in *novel (first 1,024 tokens)*" in status, status
 
 
 @pytest.mark.parametrize(("raw", "expected", "note"), [

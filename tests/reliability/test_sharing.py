@@ -36,8 +36,8 @@ from tests.reliability.conftest import (
 )
 
 # app/ui.py's `loading` and `answering` outputs as the API returns them (buttons and groups left out)
-LOADING = ["status", "upload", "first_n", "pick", "chatbot", "metrics", "plot", "reading", "chapter", "title", "books",
-           "chats"]
+LOADING = ["status", "upload", "first_n", "pick", "chatbot", "metrics", "plot", "reading", "chapter", "title", "models",
+           "books", "chats"]
 ANSWERING = ["msg", "chatbot", "metrics", "plot", "reading", "books", "chats"]
 
 
@@ -290,6 +290,23 @@ def test_in_private_mode_a_reader_never_sees_another_readers_title_for_the_same_
     assert last(app, reopened, "title") == "### bob-book" and "confidential" not in str(reopened)
     assert last(app, run(app.show_library(request("ann"))), "books")["choices"] == [
         ("Ann's confidential notes", book_id)]
+
+
+def test_in_private_mode_a_reading_starts_only_from_the_readers_own_books(engine, tmp_path):
+    """Ann's book and Bob's longer one begin alike: Bob's is read whole, never from Ann's reading
+    (whose title he would see), and his own longer one then starts from his first."""
+    app = make_app(engine, tmp_path / "lib", private=True)
+    ann = write_book(tmp_path, "Ann's confidential notes.txt", n_chars=3_000)
+    bob = write_book(tmp_path, "bob-book.txt", n_chars=4_500)
+    assert "Ready" in last(app, run(app.load_book(str(ann), "", request("ann"))), "status")
+    status = last(app, run(app.load_book(str(bob), "", request("bob"))), "status")
+    assert app.users["bob"].book.n_read_before == 0 and "confidential" not in status, status
+    longer = write_book(tmp_path, "bob-longer.txt", n_chars=6_000)
+    status = last(app, run(app.load_book(str(longer), "", request("bob"))), "status")
+    assert app.users["bob"].book.n_read_before > 0 and "read before in *bob-book*" in status, status
+    ann_longer = write_book(tmp_path, "ann-longer.txt", n_chars=5_000)  # Ann: from hers, never from Bob's
+    status = last(app, run(app.load_book(str(ann_longer), "", request("ann"))), "status")
+    assert app.users["ann"].book.read_before_in == "Ann's confidential notes" and "bob" not in status, status
 
 
 @pytest.mark.parametrize("typed", ["../../etc", "/etc/passwd", "00000000000000zz", " "])
