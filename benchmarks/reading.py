@@ -7,7 +7,9 @@ process, and checks what the reader relies on: the KV cache and a greedy answer 
   2. a stopped reading: `Library.open_session` with Cancel set after `--stop-at` tokens, which
      saves the reading so far (partial.pt), then a second opening that restores it and reads on;
   3. one uninterrupted `Engine.open` of the same tokens;
-  4. the same greedy answer from both sessions; their KV compared bit for bit.
+  4. the same greedy answer from both sessions; their KV compared bit for bit;
+  5. more of a book: its first `--stop-at` tokens read as a book of their own (the part a reader
+     kept first), then the whole text, which starts from the chunks the two share; KV compared.
 Then the cost of what a long book adds: `stack.reset` (each part commits its tokens) and saving
 the reading, over random caches of each `--save-sizes` length (no prefill needed).
 
@@ -49,6 +51,22 @@ def stopped_and_read_on(engine: Engine, doc: Document, doc_ids: list[int], stop_
     t1 = time.perf_counter()
     _, session, _, _ = library.open_session(engine, doc, doc_ids)
     return {"session": session, "n_read": n_read, "stopped_s": t1 - t0, "read_on_s": time.perf_counter() - t1}
+
+
+def more_of_the_book(engine: Engine, doc: Document, doc_ids: list[int], first: int, root: Path) -> dict:
+    library, shared = Library(root), []
+    part = Document("Persuasion (first part)", doc.text[:len(doc.text) * first // len(doc_ids)], "txt", [])
+    t0 = time.perf_counter()
+    library.open_session(engine, part, doc_ids[:first])
+    t1 = time.perf_counter()
+    _, session, _, _ = library.open_session(engine, doc, doc_ids, on_resume=lambda n, source: shared.append(n))
+    return {"session": session, "n_shared": shared[0] if shared else 0, "first_s": t1 - t0,
+            "more_s": time.perf_counter() - t1}
+
+
+def kv_equal(a: Session, b: Session, n: int) -> bool:
+    return bool(torch.equal(a.full.k[..., :n, :], b.full.k[..., :n, :])
+                and torch.equal(a.full.v[..., :n, :], b.full.v[..., :n, :]))
 
 
 def greedy(session: Session, question_ids: list[int], stop_ids: set[int]) -> list[int]:
@@ -95,26 +113,30 @@ def main(argv=None) -> None:
     engine.open(doc_ids[:512])  # warm-up
     with tempfile.TemporaryDirectory() as root:
         parted = stopped_and_read_on(engine, doc, doc_ids, args.stop_at, Path(root))
+    with tempfile.TemporaryDirectory() as root:
+        more = more_of_the_book(engine, doc, doc_ids, args.stop_at, Path(root))
     t0 = time.perf_counter()
     whole = engine.open(doc_ids)
     whole_s, n = time.perf_counter() - t0, len(doc_ids)
-    a, b = parted.pop("session"), whole
+    a, c, b = parted.pop("session"), more.pop("session"), whole
     row = {"model": args.model, "dtype": str(engine.dtype), "threads": args.threads, "tokens": n, **parted,
-           "whole_s": whole_s,
-           "kv_equal": bool(torch.equal(a.full.k[..., :n, :], b.full.k[..., :n, :])
-                            and torch.equal(a.full.v[..., :n, :], b.full.v[..., :n, :])),
+           "whole_s": whole_s, "kv_equal": kv_equal(a, b, n),
            "answers_equal": greedy(a, question, chat.stop_ids) == greedy(b, question, chat.stop_ids)}
+    more["kv_equal"] = kv_equal(c, b, n)
     costs = [long_book_costs(engine, int(s)) for s in args.save_sizes.split(",") if s]
     print(f"| model | tokens | whole read s | stopped at | stopped reading s | read on s | parts / whole | KV equal "
           f"| answer equal |\n|---|---:|---:|---:|---:|---:|---:|---|---|\n| {args.model} | {n:,} | {whole_s:.1f} "
           f"| {row['n_read']:,} | {row['stopped_s']:.1f} | {row['read_on_s']:.1f} "
           f"| {(row['stopped_s'] + row['read_on_s']) / whole_s:.3f} | {row['kv_equal']} | {row['answers_equal']} |")
+    print(f"\n| first part read s | then the whole: shared tokens | read s | read / whole | KV equal |\n"
+          f"|---:|---:|---:|---:|---|\n| {more['first_s']:.1f} | {more['n_shared']:,} | {more['more_s']:.1f} "
+          f"| {more['more_s'] / whole_s:.3f} | {more['kv_equal']} |")
     if costs:
         print("\n| cache tokens | stack.reset s | save s | sha256 s | file GB |\n|---:|---:|---:|---:|---:|")
         for c in costs:
             print(f"| {c['tokens']:,} | {c['reset_s']:.2f} | {c['save_s']:.2f} | {c['sha256_s']:.2f} | {c['gb']:.2f} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"reading": row, "long_book_costs": costs}, indent=1))
+    args.out.write_text(json.dumps({"reading": row, "more_of_the_book": more, "long_book_costs": costs}, indent=1))
 
 
 if __name__ == "__main__":

@@ -17,4 +17,6 @@ def test_a_quick_run_reads_on_to_the_same_cache_and_answer(tmp_path, monkeypatch
     row = report["reading"]
     assert row["n_read"] == 1024 and row["tokens"] == 1400  # stopped after the chunk that passed 600
     assert row["kv_equal"] and row["answers_equal"]
+    more = report["more_of_the_book"]  # its first 600 tokens read before: the whole chunk they share kept
+    assert more["n_shared"] == 512 and more["kv_equal"]
     assert [c["tokens"] for c in report["long_book_costs"]] == [300]
