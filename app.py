@@ -2,7 +2,6 @@
 
 import argparse
 import os
-import signal
 import sys
 import time
 
@@ -58,6 +57,7 @@ def remote_engine(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from api.server import interrupt_on_termination
     from app.server import launch, login
 
     auth = login(args)
@@ -90,16 +90,15 @@ def main(argv: list[str] | None = None) -> int:
                     max_chars=args.max_chars)  # the upload itself is capped in launch()
     app = App(engine, Library(args.library), limits, args.max_tokens, args.max_new_tokens,
               private=args.share or args.private, max_open_books=args.max_open_books)
-    routes = None
+    api = None
     if args.api:
         from app.api import api_key, chat_api
-        routes = chat_api(app, api_key(args.api_key, bool(args.auth or args.share))).routes()
-    for name in ("SIGTERM", "SIGHUP"):  # a kill or a closed terminal shuts down as Ctrl-C does: readings save
-        sig = getattr(signal, name, None)  # (not where ignored: `nohup python app.py` outlives its terminal)
-        if sig is not None and signal.getsignal(sig) is signal.SIG_DFL:
-            signal.signal(sig, signal.default_int_handler)
-    launch(app.build(), args.port, args.share, auth, args.max_file_mb, args.share_timeout, routes)
-    app.close()
+        api = chat_api(app, api_key(args.api_key, bool(args.auth or args.share)))
+    interrupt_on_termination()
+    launch(app.build(), args.port, args.share, auth, args.max_file_mb, args.share_timeout, api and api.routes())
+    app.close()  # readings under way save what they read
+    if api is not None:
+        api.close()
     return 0
 
 

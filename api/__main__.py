@@ -7,6 +7,7 @@ serves `/v1` under uvicorn, with the app's library of prefill snapshots when the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from engine.config import add_engine_args
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
     from starlette.applications import Starlette
 
-    from api.server import ChatAPI, Fixed
+    from api.server import ChatAPI, Fixed, interrupt_on_termination
     from engine.batch import Batcher
     from engine.chat import ChatFormat
     from engine.config import EngineError, engine_config
@@ -57,7 +58,14 @@ def main(argv: list[str] | None = None) -> int:
                   args.max_tokens, keep_sessions=args.max_active)
     print(f"Serving {api.model_id} at http://{args.host}:{args.port}/v1 "
           f"({'API key required' if args.api_key else 'no API key: 127.0.0.1 only'})", flush=True)
-    uvicorn.run(Starlette(routes=api.routes()), host=args.host, port=args.port, log_level="warning")
+    # Ctrl-C, SIGTERM or SIGHUP: uvicorn stops serving, cancels what still streams after 5 s and
+    # raises the signal again (KeyboardInterrupt); then the answers under way stop, and a document
+    # being read saves what it read (Ctrl-C again: quit now)
+    interrupt_on_termination()
+    with contextlib.suppress(KeyboardInterrupt):
+        uvicorn.run(Starlette(routes=api.routes()), host=args.host, port=args.port, log_level="warning",
+                    timeout_graceful_shutdown=5)
+    api.close()
     return 0
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import signal
 import threading
 import time
 import uuid
@@ -83,6 +84,15 @@ class Outcome:
     finish_reason: str | None = None
 
 
+def interrupt_on_termination() -> None:
+    """A kill (SIGTERM) or a closed terminal (SIGHUP) shuts down as Ctrl-C does, so what is being
+    read saves; not where they are ignored (`nohup` keeps a server running after its terminal)."""
+    for name in ("SIGTERM", "SIGHUP"):
+        sig = getattr(signal, name, None)
+        if sig is not None and signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, signal.default_int_handler)
+
+
 class ChatAPI:
     def __init__(self, served: Served, batcher: Batcher, documents: Documents | None = None,
                  api_key: str | None = None, default_max_tokens: int = 512, keep_sessions: int = 4,
@@ -96,6 +106,21 @@ class ChatAPI:
         self.prefill_lock = threading.Lock()  # one document prefill at a time, as the UI loads books
         self.n_requests = 0
         self.recent: deque[Outcome] = deque(maxlen=64)
+        self.answering: set[Answer] = set()  # under way (guarded by `lock`): `close` stops them
+
+    def close(self, timeout_s: float = 120.0) -> None:
+        """The server is shutting down: stop every answer under way and wait for it, so a document
+        being read saves what it read (app/reading.py) and reads on from there next time."""
+        with self.lock:
+            answers = list(self.answering)
+        if answers:
+            print(f"Stopping {len(answers)} answer(s) under way; a document being read saves what it read "
+                  "(Ctrl-C again: quit now) …", flush=True)
+        deadline = time.monotonic() + timeout_s
+        for answer in answers:
+            answer.cancel.set()
+        for answer in answers:
+            answer.thread.join(max(0.0, deadline - time.monotonic()))
 
     @property
     def engine(self) -> Engine:
@@ -198,10 +223,11 @@ class ChatAPI:
             self.idle.append((session, n_doc))
             del self.idle[:max(0, len(self.idle) - self.keep_sessions)]
 
-    def done(self, outcome: Outcome) -> None:
+    def done(self, outcome: Outcome, answer: Answer) -> None:
         with self.lock:
             self.n_requests -= 1
             self.recent.append(outcome)
+            self.answering.discard(answer)
 
 
 class Answer:
@@ -215,7 +241,10 @@ class Answer:
         self.stats: Stats | None = None
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
-        threading.Thread(target=self._run, name=f"answer-{self.id[-6:]}", daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name=f"answer-{self.id[-6:]}", daemon=True)
+        with api.lock:
+            api.answering.add(self)
+        self.thread.start()
 
     def _put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -251,7 +280,7 @@ class Answer:
         finally:
             if events is not None:
                 events.close()
-            api.done(outcome)
+            api.done(outcome, self)
             self._put(_END)
 
     async def next(self, request: Request | None):

@@ -115,3 +115,38 @@ def test_stop_in_the_app_stops_the_answer_on_the_server(opened, server):
         assert time.time() < deadline, "the server's answer did not end"
         time.sleep(0.5)
     assert records[-1]["finish_reason"] == "cancelled" and records[-1]["completion_tokens"] < 400
+
+
+def test_the_api_server_shut_down_mid_reading_saves_it(tmp_path):
+    """`python -m api` killed (SIGTERM) while it reads a document: it stops serving, and the reading
+    so far is saved in the library before it exits, as the app does. The document begins as one read
+    before, so its reading starts from that one's chunks and has something to keep at once."""
+    import os
+    import signal
+    import threading
+
+    from app.library import Library, text_sha256
+
+    packaged_or_skip(MODEL)
+    port, library = child.free_port(), tmp_path / "library"
+    proc = child.start([sys.executable, "-m", "api", "--model", MODEL, "--threads", "1", "--port", str(port),
+                        "--library", str(library)], f"http://127.0.0.1:{port}/v1/models",
+                       ART / "api-shutdown.log", {"OMP_NUM_THREADS": "1"}, timeout_s=180)
+    text = (ROOT / "assets" / "persuasion.txt").read_text(encoding="utf-8")
+    first, longer = text[:8_000], text[:30_000]  # about 2,000 and 7,500 tokens
+
+    def ask(document: str) -> httpx.Response:
+        messages = [{"role": "user", "content": document}, {"role": "user", "content": "Who is Sir Walter?"}]
+        return httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=300,
+                          json={"model": MODEL, "messages": messages, "max_tokens": 4})
+    try:
+        assert ask(first).status_code == 200
+        threading.Thread(target=lambda: ask(longer), daemon=True).start()
+        time.sleep(1.5)  # reading the 5,500 tokens after the first 2,000 takes several seconds here
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(120) == 0
+    finally:
+        child.stop(proc)
+    log = (ART / "api-shutdown.log").read_text()
+    assert "a document being read saves what it read" in log
+    assert Library(library).n_read(text_sha256(longer)[:16]) >= 1024, log
