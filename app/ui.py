@@ -1,14 +1,14 @@
-"""The Gradio app: layout and event wiring (DESIGN.md "What a user sees").
+"""The Gradio app's handlers: what each button, upload and question does (DESIGN.md "What a user sees").
 
-Left: upload with staged progress, then the library; centre: the chat; right: live metrics and
-"where the model is reading". Each browser session (`request.session_hash`) has its own `User`:
-open book, pending document, stop flag, counters. Stop sets that flag (UI-TESTING.md: never
-`cancels=`). Handlers catch every typed error and show it, so no Gradio error pill appears, and
-the open book and chat stay until a new book is fully ready. Engine jobs share one queue (its
-position shows on the status or metrics panel). With `private` (--share), a user's library lists
-only the books and chats of their own session. At most `max_open_books` books stay in memory:
-opening one more closes the least recently used other one (it reopens from its snapshot).
-Book logic lives in app/session.py, panel rendering in app/views.py, serving in app/server.py.
+The page and which event calls which handler are in app/layout.py. Each browser session
+(`request.session_hash`) has its own `User`: open book, pending document, stop flag, counters.
+Stop sets that flag (UI-TESTING.md: never `cancels=`). Handlers catch every typed error and show
+it, so no Gradio error pill appears, and the open book and chat stay until a new book is fully
+ready. Engine jobs share one queue (its position shows on the status or metrics panel). With
+`private` (--share), a user's library lists only the books and chats of their own session. At
+most `max_open_books` books stay in memory: opening one more closes the least recently used other
+one (it reopens from its snapshot). Book logic lives in app/session.py, panel rendering in
+app/views.py, serving in app/server.py.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ import time
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from types import SimpleNamespace
 
 import gradio as gr
 
+from app import layout
 from app.cpu import CpuWatch, cpu_note
 from app.documents import Document, Limits, PasswordRequired, WrongPassword, chapters
+from app.layout import LONG_BOOKS_NOTE, LONG_BOOKS_YARN
 from app.library import Library, book_id_of, chat_export_json, chat_markdown, model_fingerprint, write_export
 from app.reading import ReadingStopped
 from app.server import say
@@ -38,14 +39,6 @@ from engine.batch import Batcher
 from engine.config import LEVEL_STACKS, Cancelled, Levels, SamplingConfig
 from engine.session import Engine
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
-FILE_TYPES = [".pdf", ".epub", ".txt", ".md", ".markdown", ".html", ".htm", ".docx"]
-LONG_BOOKS_YARN = 4.0  # Qwen2.5's documented YaRN factor: 4 x 32,768 = 131,072 tokens
-LONG_BOOKS_NOTE = ("up to 4× the model's native context (131,072 tokens for Qwen2.5). Answers may get less "
-                   "precise, also on short books (on a 112K-token novel the 1.5B got 4 of 14 facts right, "
-                   "7 of 14 at 32K), and reading a 112K-token book took 66 minutes on a 2-core CPU.")
-QUICK = {"Summarize the book": "Summarize the book in a few paragraphs.",
-         "Who are the main characters?": "Who are the main characters? Describe each in one sentence."}
 LONG_PREFILL_S = 120  # past this, a prefill's estimate names the faster model
 # An answer's view (chat, metrics, plot) is redrawn at most this often, the tokens in between shown
 # with the next redraw: the browser's work at every token took a core from decoding on 2 cores
@@ -525,102 +518,7 @@ class App:
 
     # ---- layout ----------------------------------------------------------------------------
     def build(self) -> gr.Blocks:
-        c, e = SimpleNamespace(), self.engine  # c: the components handlers update, by name
-        self.c = c
-        info = f"{e.device.type} {str(e.dtype).split('.')[-1]} · context {e.max_context:,} tokens"
-        with gr.Blocks(title="BookChat") as demo:
-            with gr.Row(elem_id="header", equal_height=True):
-                gr.HTML(f"<div class='brand'>{(ASSETS / 'icon.svg').read_text()}<span>BookChat</span></div>",
-                        elem_id="brand")
-                gr.Markdown(info, elem_id="model-info")
-            with gr.Accordion("Model", open=False, elem_id="model-picker"):
-                c.models = gr.Markdown(self.model_table(), elem_id="models")
-                with gr.Row():
-                    c.model = gr.Dropdown(list(models.PACKAGED_MODELS), value=e.config.target, show_label=False,
-                                          container=False, elem_id="model", scale=3, allow_custom_value=True,
-                                          info="or type a local folder, a .gguf file or a hub id")
-                    c.load_model = gr.Button("Load model", size="sm", elem_id="load-model", scale=1)
-                c.long_books = gr.Checkbox(self._yarn() != 1, label=f"Long books: YaRN ×{LONG_BOOKS_YARN:g}",
-                                           elem_id="long-books", info=LONG_BOOKS_NOTE,
-                                           visible=not getattr(e, "is_remote", False))  # the server decides
-                c.model_status = gr.Markdown("", elem_id="model-status")
-            with gr.Row(equal_height=False):
-                with gr.Column(scale=1, min_width=240, elem_id="left"):
-                    c.upload = gr.File(label="Add a book", file_types=FILE_TYPES, elem_id="upload", height=110)
-                    c.status = gr.Markdown("PDF, EPUB, TXT, Markdown, HTML or DOCX.", elem_id="doc-status")
-                    c.cancel = gr.Button("Cancel loading", elem_id="cancel-prefill", size="sm", visible=False)
-                    with gr.Group(visible=False) as c.password_row:
-                        c.password = gr.Textbox(label="Password", type="password", elem_id="password")
-                        c.unlock = gr.Button("Unlock", size="sm", elem_id="unlock")
-                    with gr.Group(visible=False, elem_id="fit") as c.fit_row:
-                        c.first_n = gr.Slider(256, 4096, step=256, label="Keep the first N tokens", elem_id="first-n")
-                        c.pick = gr.CheckboxGroup(label="…or pick chapters", elem_id="pick-chapters")
-                        c.load_selection = gr.Button("Load this part", size="sm", elem_id="load-selection")
-                    gr.Markdown("#### Library", elem_classes="section-title")
-                    c.books = gr.Dropdown(label="Books read", elem_id="books", allow_custom_value=True)
-                    with gr.Row():
-                        c.open_book = gr.Button("Open book", size="sm", elem_id="open-book")
-                        c.remove_book = gr.Button("Remove…", size="sm", elem_id="remove-book", visible=not self.private)
-                    with gr.Group(visible=False, elem_id="remove-confirm") as c.confirm_row:
-                        c.confirm_note = gr.Markdown("", elem_id="confirm-note")
-                        with gr.Row():
-                            c.confirm_remove = gr.Button("Remove", size="sm", variant="stop", elem_id="confirm-remove")
-                            c.keep_book = gr.Button("Keep", size="sm", elem_id="keep-book")
-                    c.chats = gr.Dropdown(label="Chats about this book", elem_id="chats", allow_custom_value=True)
-                with gr.Column(scale=3, min_width=480, elem_id="centre"):
-                    self._centre(c)
-                with gr.Column(scale=1, min_width=330, elem_id="right"):
-                    gr.Markdown("#### Live metrics", elem_classes="section-title")
-                    c.metrics = gr.Markdown(render_metrics("idle", None, None, Counters()), elem_id="metrics")
-                    c.plot = gr.HTML(render_plot([]), elem_id="plot")
-                    gr.Markdown("#### Where the model is reading", elem_classes="section-title")
-                    c.reading = gr.Markdown(render_reading(None, None), elem_id="reading")
-            self._wire(demo, c)
-        return demo
-
-    def _centre(self, c: SimpleNamespace) -> None:
-        c.title = gr.Markdown("### No book open", elem_id="book-title")
-        c.chatbot = gr.Chatbot(elem_id="chatbot", height=430, show_label=False, buttons=["copy", "copy_all"],
-                               feedback_options=None, placeholder="Upload a book, then ask about it.")
-        with gr.Row(elem_id="ask-row"):
-            c.msg = gr.Textbox(placeholder="Ask about the book…", show_label=False, elem_id="msg", scale=6,
-                               max_lines=6)
-            c.send = gr.Button("Send", variant="primary", elem_id="send", scale=1, min_width=70)
-            c.stop = gr.Button("Stop", variant="stop", elem_id="stop", scale=1, min_width=70)
-        with gr.Row(elem_id="quick-row"):
-            c.quick = [gr.Button(label, size="sm", elem_classes="quick") for label in QUICK]
-            c.chapter = gr.Dropdown(show_label=False, container=False, elem_id="chapter", scale=2, min_width=140,
-                                    visible=False)
-            c.summarize_chapter = gr.Button("Summarize chapter", size="sm", elem_id="summarize-chapter",
-                                            visible=False)
-        with gr.Row(elem_id="tools-row"):
-            c.regenerate = gr.Button("↻ Regenerate", size="sm", elem_id="regenerate")
-            c.edit = gr.Button("✎ Edit last", size="sm", elem_id="edit")
-            c.clear = gr.Button("New chat", size="sm", elem_id="clear")
-            c.export_md = gr.Button("Export .md", size="sm", elem_id="export-md")
-            c.export_json = gr.Button("Export .json", size="sm", elem_id="export-json")
-        c.export_file = gr.File(label="Exported chat", visible=False, elem_id="export-file", interactive=False)
-        d, levels = self.engine.default_sampling, self._levels()
-        with gr.Accordion("Settings", open=False, elem_id="settings"):
-            c.sampling_note = gr.Markdown(self._sampling_note(), elem_id="sampling-note")
-            with gr.Row():
-                temperature = gr.Slider(0, 1.5, value=d.temperature, step=0.05, label="Temperature (0: greedy)")
-                top_p = gr.Slider(0.05, 1.0, value=d.top_p, step=0.05, label="Top-p")
-                top_k = gr.Slider(0, 100, value=d.top_k, step=1, label="Top-k (0: off)")
-                min_p = gr.Slider(0, 0.5, value=d.min_p, step=0.01, label="Min-p (0: off)")
-            with gr.Row():
-                repetition = gr.Slider(1.0, 1.5, value=d.repetition_penalty, step=0.01,
-                                       label="Repetition penalty (1: off)")
-                presence = gr.Slider(-2, 2, value=d.presence_penalty, step=0.05, label="Presence penalty")
-                frequency = gr.Slider(-2, 2, value=d.frequency_penalty, step=0.05, label="Frequency penalty")
-            with gr.Row():
-                max_new = gr.Slider(1, 2048, value=self.max_new_tokens, step=1, label="Max new tokens",
-                                    elem_id="max-new")
-                seed = gr.Number(value=0, precision=0, label="Seed")
-                level = gr.Dropdown(levels, value=self.engine.config.levels, label="Level stack", elem_id="levels")
-                c.defaults = gr.Button("Model's defaults", size="sm", elem_id="defaults")
-        c.sampling, c.level = [temperature, top_p, top_k, min_p, repetition, presence, frequency], level
-        c.settings = [temperature, top_p, max_new, seed, level, top_k, min_p, repetition, presence, frequency]
+        return layout.build(self)
 
     def _levels(self) -> list[str]:
         if getattr(self.engine, "is_remote", False):  # the server's own decoding (app/remote.py)
@@ -692,54 +590,3 @@ class App:
                                f"model).", c.models: self.model_table(), c.title: "### No book open",
                c.chatbot: [], c.sampling_note: self._sampling_note(), c.status: "Ready for a book.",
                **self.reset_settings()}
-
-    def _wire(self, demo: gr.Blocks, c: SimpleNamespace) -> None:
-        loading = [c.status, c.upload, c.cancel, c.password_row, c.fit_row, c.first_n, c.pick, c.chatbot, c.metrics,
-                   c.plot, c.reading, c.chapter, c.summarize_chapter, c.title, c.models, c.books, c.chats]
-        answering = [c.msg, c.chatbot, c.metrics, c.plot, c.reading, c.books, c.chats]
-        # Loading is one at a time: while another user's load runs, "queue: 2/3" shows on the status
-        # (loading) or the metrics (answering) panel; "minimal" adds no overlay to streamed outputs.
-        engine = dict(concurrency_id="engine", concurrency_limit=1, show_progress="minimal")
-        load, job = dict(engine, show_progress_on=[c.status]), dict(engine, show_progress_on=[c.metrics])
-        # Answers run side by side, batched by the engine (engine/batch.py); loading stays one at a time.
-        answer = dict(job, concurrency_id="answer", concurrency_limit=self.batcher.max_active)
-        # New chat and opening a saved chat only truncate the reader's own cache: they never wait
-        # behind another reader's prefill, which on a busy desktop can take minutes.
-        instant = dict(show_progress="minimal", show_progress_on=[c.metrics], concurrency_limit=None)
-        c.upload.upload(self.load_book, [c.upload, c.password], loading, api_name="load_book", **load)
-        gr.on([c.unlock.click, c.password.submit], self.unlock, [c.password], loading, api_name="unlock", **load)
-        c.load_selection.click(self.load_selection, [c.first_n, c.pick], loading, api_name="load_selection", **load)
-        gr.on([c.first_n.change, c.pick.change], self.selection_note, [c.first_n, c.pick], c.load_selection,
-              api_name=False, show_progress="hidden", concurrency_limit=None)
-        c.open_book.click(self.open_saved, [c.books], loading, api_name="open_book", **load)
-        c.remove_book.click(self.ask_remove, [c.books], [c.status, c.confirm_note, c.confirm_row],
-                            api_name="ask_remove_book", **instant)
-        removed = [c.status, c.confirm_row, c.chatbot, c.title, c.metrics, c.plot, c.reading, c.chapter,
-                   c.summarize_chapter, c.books, c.chats]
-        c.confirm_remove.click(self.remove_saved, [c.books], removed, api_name="remove_book", **instant)
-        c.keep_book.click(lambda: gr.update(visible=False), None, c.confirm_row, api_name=False)
-        switched = [c.model_status, c.models, c.title, c.chatbot, c.sampling_note, c.status, *c.sampling, c.level]
-        c.load_model.click(self.switch_model, [c.model, c.long_books], switched, api_name="load_model", **load)
-        c.defaults.click(self.reset_settings, None, [*c.sampling, c.level], api_name=False)
-        c.cancel.click(self.request_stop, None, None, api_name="cancel_prefill", concurrency_limit=None)
-        gr.on([c.send.click, c.msg.submit], self.ask, [c.msg, c.chatbot, *c.settings], answering, api_name="ask",
-              **answer)
-        c.stop.click(self.request_stop, None, None, api_name="stop", concurrency_limit=None)
-        c.regenerate.click(self.regenerate, c.settings, answering, api_name="regenerate", **answer)
-        quick = [(b, lambda q=q: q, None) for b, q in zip(c.quick, QUICK.values(), strict=True)]
-        quick.append((c.summarize_chapter, lambda chapter: f"Summarize {chapter}." if chapter else "", c.chapter))
-        for button, question, source in quick:  # fill the box, then ask as if typed
-            button.click(question, source, c.msg, api_name=False).then(
-                self.ask, [c.msg, c.chatbot, *c.settings], answering, api_name=False, **answer)
-        c.edit.click(self.edit_last, None, [c.msg], api_name="edit_last")
-        gr.on([c.clear.click, c.chatbot.clear], self.clear, None, [c.chatbot, c.metrics, c.plot, c.books, c.chats],
-              api_name="clear", **instant)  # the chatbot's own trash button starts a new chat too
-        for button, fmt in ((c.export_md, "md"), (c.export_json, "json")):
-            button.click(self.export_file, gr.State(fmt), c.export_file, api_name=False)
-        c.chats.input(self.open_chat, [c.chats], [c.chatbot, c.metrics], api_name="open_chat", **instant)
-        gr.api(self.export, api_name="export")
-        gr.api(self.engine_counters, api_name="engine_counters")
-        demo.load(self.show_library, None, [c.books, c.chats], api_name=False)
-        demo.load(self.model_table, None, c.models, api_name=False)  # what this machine measured since the start
-        demo.unload(self.forget)
-
