@@ -100,3 +100,36 @@ def test_a_stopped_reading_reads_on_and_a_book_is_removed(app_url, page, tmp_pat
     expect(status).to_contain_text(re.compile(r"Removed persuasion-opening from the library: \d+ MB freed"))
     expect(page.locator("#book-title")).to_contain_text("No book open")
     assert page.locator(ERROR_PILLS).count() == 0
+
+
+def test_a_too_long_book_reads_chosen_chapters_and_then_only_what_is_new(app_url, page):
+    """The whole novel, far beyond the context: ticking chapters makes the load button say what it
+    will read (and refuse too many); chapter 1 read, then chapters 1-2 start from it."""
+    page.goto(app_url)
+    page.locator("#upload input[type=file]").set_input_files(str(ROOT / "assets" / "persuasion.txt"))
+    status, load = page.locator("#doc-status"), page.locator("#load-selection")
+    chapters = page.locator("#pick-chapters")
+    expect(status).to_contain_text("too long by", timeout=60_000)
+    expect(load).to_have_text(re.compile(r"Read the first [\d,]+ tokens"))
+    for n in range(1, 25):
+        chapters.get_by_text(f"Chapter {n} (").click()
+    expect(load).to_have_text(re.compile(r"24 chapters, [\d,]+ tokens: [\d,]+ too many"))
+    expect(load).to_be_disabled()
+    load.scroll_into_view_if_needed()  # the list scrolls: the button stays under it
+    page.screenshot(path=str(ART / "chapters.png"))
+    for n in range(2, 25):
+        chapters.get_by_text(f"Chapter {n} (").click()
+    expect(load).to_have_text(re.compile(r"Read 1 chapter, [\d,]+ tokens"))
+    load.click()
+    expect(status).to_contain_text("Ready", timeout=120_000)
+
+    page.locator("#upload input[type=file]").set_input_files(str(ROOT / "assets" / "persuasion.txt"))
+    expect(status).to_contain_text("too long by", timeout=60_000)
+    for n in range(1, 3):
+        chapters.get_by_text(f"Chapter {n} (").click()
+    expect(load).to_have_text(re.compile(r"Read 2 chapters, [\d,]+ tokens"))
+    load.click()
+    expect(status).to_contain_text(re.compile(r"after the [\d,]+ read before in persuasion \(Chapter 1\)"),
+                                   timeout=120_000)
+    expect(status).to_contain_text("Ready")
+    assert page.locator(ERROR_PILLS).count() == 0
