@@ -1,6 +1,6 @@
 """Books and their chats on disk, written so that a crash never leaves a half-written file.
 
-    <root>/<book_id>/meta.json              title, doc_sha256, model, n_tokens, created, opened, snapshot
+    <root>/<book_id>/meta.json              title, doc_sha256, model, n_tokens, created, opened, head, snapshot
     <root>/<book_id>/document.json          the Document (text + sections): a book reopens without its file
     <root>/<book_id>/chats/<chat_id>.json   messages, token boundaries and token ids of every turn (export: .md / .json)
     <root>/<book_id>/snapshot.pt            the prefill snapshot (engine `Session.save`)
@@ -127,7 +127,7 @@ class Library:
                                                    "created": time.time()}
         if read_json(folder / "document.json") is None:
             write_json(folder / "document.json", document_to_json(document))
-        meta.update(model=model, n_tokens=n_tokens, opened=time.time())
+        meta.update(model=model, n_tokens=n_tokens, opened=time.time(), head=_head(document.text))
         write_json(folder / "meta.json", meta)
         return book_id
 
@@ -249,13 +249,13 @@ class Library:
         book (of `among`, a private library's, if given) whose text begins as `text` does, sharing
         the most: the first 16K tokens of a book read before its first 32K, chapters 1-6 before 1-12,
         or the other way round."""
-        best, book_id = None, book_id_of(text)
+        best, book_id, head = None, book_id_of(text), _head(text)
         for meta in self.books():
             for key, name in (("snapshot", SNAPSHOT), ("partial", PARTIAL)):
                 record = meta.get(key) or {}
-                if (meta["id"] == book_id or (among is not None and meta["id"] not in among)
+                if (meta["id"] == book_id or meta.get("head") != head or (among is not None and meta["id"] not in among)
                         or record.get("model") != model or record.get("chunk_tokens") != chunk_tokens):
-                    continue
+                    continue  # the head: only a text that begins alike is loaded to compare
                 other = self.document(meta["id"])
                 n_chars = len(os.path.commonprefix([text, other.text])) if other else 0
                 if n_chars >= MIN_SHARED_CHARS and (best is None or n_chars > best.n_chars):
@@ -307,6 +307,11 @@ class Library:
             return book_id, session, restored, (f"The book could not be saved to the library ({write_failure(error)}). "
                                                 "It is open and answers normally; next time it is read again.")
         return book_id, session, restored, None
+
+
+def _head(text: str) -> str:
+    """The hash of a text's first `MIN_SHARED_CHARS` characters: texts that may share a reading."""
+    return text_sha256(text[:MIN_SHARED_CHARS])[:16]
 
 
 def _n_read(meta: dict, model: str | None = None) -> int:
