@@ -190,7 +190,8 @@ class App:
             yield {self.c.status: "Upload a book first."}
             return
         document = _picked(user.pending, picked) if picked else keep_first(user.pending, int(n_tokens))
-        yield from self._fit_then_open(user, prepare(self.engine, self.chat, document, self.max_tokens))
+        yield from self._fit_then_open(user, prepare(self.engine, self.chat, document, self.max_tokens),
+                                       part_of=user.pending)
 
     def selection_note(self, n_tokens: float, picked: list[str], request: gr.Request):
         """The load button says what it will read, and refuses chapters that do not fit."""
@@ -262,12 +263,14 @@ class App:
             return f"*{meta['title']}* is open in another window: close that window first."
         return meta
 
-    def _fit_then_open(self, user: User, prepared: Prepared, stages: Stages | None = None):
+    def _fit_then_open(self, user: User, prepared: Prepared, stages: Stages | None = None,
+                       part_of: Prepared | None = None):
+        """Read a book that fits (`part_of`: a part of that too-long one), else offer its parts."""
         c, stages = self.c, stages or Stages(prepared.document.title)
         estimate = self.prefill_estimate(len(prepared.doc_ids), self._n_read(user, prepared)) if prepared.fits else ""
         stages.set("Tokenize", prepared.fit_message() + estimate, is_done=prepared.fits)
         if prepared.fits:
-            yield from self._open(user, prepared, stages)
+            yield from self._open(user, prepared, stages, part_of)
             return
         user.pending, found = prepared, chapters(prepared.document)
         choices = [(f"{s.title} ({prepared.tokens.n_tokens_between(*prepared.document.span(s)):,} tokens)", str(i))
@@ -279,8 +282,9 @@ class App:
         yield {**self._kept(user, f"{stages.render()}\n\n{note}"), c.first_n: gr.update(maximum=most, value=most),
                c.fit_row: gr.update(visible=True), c.pick: gr.update(choices=choices, value=[], visible=bool(choices))}
 
-    def _open(self, user: User, prepared: Prepared, stages: Stages):
+    def _open(self, user: User, prepared: Prepared, stages: Stages, part_of: Prepared | None = None):
         c, started = self.c, time.perf_counter()
+        more = {c.fit_row: gr.update(visible=True)} if part_of else {}  # its parts stay on offer
         yield {c.status: stages.set("Prefill", "starting …"), c.cancel: gr.update(visible=True),
                c.fit_row: gr.update(visible=False)}
         self._make_room(user)
@@ -296,13 +300,13 @@ class App:
                 user.book_ids.add(error.book_id)
                 user.titles[error.book_id] = prepared.document.title
             kept = error.book_id if error.is_saved else None  # picked in the library: "Open book" reads on
-            yield {**self._kept(user, str(error)), **self._library_view(user, kept)}
+            yield {**self._kept(user, str(error)), **self._library_view(user, kept), **more}
             return
         except Cancelled:
-            yield self._kept(user, "Loading cancelled.")
+            yield {**self._kept(user, "Loading cancelled."), **more}
             return
         except Exception as error:  # EngineError (too long...) or e.g. out of memory: the open book stays
-            yield self._kept(user, f"⚠ {error}")
+            yield {**self._kept(user, f"⚠ {error}"), **more}
             return
         finally:
             self.reading_ids.discard(reading)
@@ -321,18 +325,21 @@ class App:
         if book.n_read_before:
             how += f", after the {book.n_read_before:,} " + (f"read before in *{book.read_before_in}*"
                                                             if book.read_before_in else "a stopped reading had kept")
-        user.book, user.pending, user.editing, user.notice = book, None, False, None
+        user.book, user.pending, user.editing, user.notice = book, part_of, False, None
         user.book_ids.add(book.book_id)
         user.titles[book.book_id] = book.document.title
         titles = [s.title for s in chapters(book.document)]
         note = "".join(f"\n\n⚠ {n}" for n in (*book.document.notes, book.save_error) if n)
+        if part_of:
+            note += (f"\n\nTo read more of *{part_of.document.title}*, tick more chapters below (or keep more "
+                     "tokens): what is read already is not read again.")
         yield {c.status: stages.set("Prefill", how, True) + "\n\nReady: ask a question." + note,
                c.cancel: gr.update(visible=False), c.password_row: gr.update(visible=False), c.chatbot: [],
                c.metrics: render_metrics("ready", None, book, user.counters), c.plot: render_plot([]),
                c.reading: render_reading(book, None), c.title: f"### {book.document.title}",
                c.chapter: gr.update(choices=titles, value=titles[0] if titles else None, visible=bool(titles)),
                c.summarize_chapter: gr.update(visible=bool(titles)), c.models: self.model_table(),  # its speeds
-               **self._library_view(user)}
+               **self._library_view(user), **more}
 
     def _n_read(self, user: User, prepared: Prepared) -> int:
         """Tokens of this book the library holds by this model: a stopped reading of it, or about

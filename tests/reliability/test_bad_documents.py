@@ -232,7 +232,8 @@ def test_the_load_button_says_what_the_chosen_chapters_hold_and_refuses_too_many
     assert found and two["interactive"], two
     assert "Ready" in last(app, run(app.load_selection(1024, ["2", "0"], req)), "status")
     assert app.users["picker"].book.doc_len == int(found[1].replace(",", ""))  # the label counted what was read
-    assert app.selection_note(1024, ["1"], req) == {"__type__": "update"}  # nothing pending: the button is left alone
+    assert app.selection_note(1024, ["2", "0", "1"], req)["value"].startswith("Read 3 chapters")  # more of it
+    assert app.selection_note(1024, ["1"], request("nobody")) == {"__type__": "update"}  # no book: left alone
 
 
 def test_the_model_table_shows_the_speed_this_machine_just_measured(engine, tmp_path):
@@ -252,16 +253,19 @@ def test_more_of_a_long_book_reads_only_what_is_new(engine, tmp_path):
     path = tmp_path / "novel.txt"
     path.write_text(book_text(470_000), encoding="utf-8")
     run(app.load_book(str(path), "", req))
-    assert "Ready" in last(app, run(app.load_selection(1024, [], req)), "status")
+    updates = run(app.load_selection(1024, [], req))
+    assert "To read more of *novel*, tick more chapters below" in last(app, updates, "status")
+    assert last(app, updates, "fit_row")["visible"]  # the choice of parts stays, no upload again
     n_before, chunk = engine.n_prefill_tokens, engine.prefill_chunk_tokens
 
-    run(app.load_book(str(path), "", req))
     status = last(app, run(app.load_selection(2048, [], req)), "status")
     book = app.users["more"].book
     assert book.n_read_before % chunk == 0 and book.n_read_before >= 1024 - chunk  # the first part, not read again
     assert book.doc_len - book.n_read_before == engine.n_prefill_tokens - n_before
     assert f"{book.n_read_before / book.doc_len:.0%} was read before" in status, status  # said before reading
     assert f"after the {book.n_read_before:,} read before in *novel (first 1,024 tokens)*" in status, status
+    run(app.load_book(str(write_book(tmp_path, "short.txt")), "", req))  # a book that fits: no parts on offer
+    assert app.users["more"].pending is None
 
 
 @pytest.mark.parametrize(("raw", "expected", "note"), [
