@@ -43,6 +43,10 @@ class Counters:
     n_prefill_tokens: int = 0
 
 
+LEVELS_LEGEND = ("<small>accepted: the drafted tokens this level kept (every kept token is the full model's "
+                 "own); –: it checked no drafts, drafting for the level above</small>")
+
+
 def render_metrics(state: str, stats: Stats | None, book: BookSession | None, counters: Counters,
                    cpu_note: str = "") -> str:
     """State pill, speed, TBT, speedup vs plain decoding, a row per checking level, a note when other
@@ -63,6 +67,7 @@ def render_metrics(state: str, stats: Stats | None, book: BookSession | None, co
                 f"{f'{s.tokens_per_check:.2f}' if s.n_checks else '–'} | {s.n_checks} |" for s in stats.levels]
         if rows:
             blocks.append("\n".join(["| level | accepted | tokens/check | checks |", "|:--|--:|--:|--:|", *rows]))
+            blocks.append(LEVELS_LEGEND)
     if cpu_note:
         blocks.append(cpu_note)
     if book is not None and book.save_error:
