@@ -97,9 +97,9 @@ class SharedStart:
 
     book_id: str
     name: str  # SNAPSHOT or PARTIAL
+    record: dict  # its meta.json record
     title: str
     n_chars: int  # characters the two texts share from the start
-    n_tokens: int  # tokens the reading holds
 
 
 class Library:
@@ -259,16 +259,15 @@ class Library:
                 other = self.document(meta["id"])
                 n_chars = len(os.path.commonprefix([text, other.text])) if other else 0
                 if n_chars >= MIN_SHARED_CHARS and (best is None or n_chars > best.n_chars):
-                    best = SharedStart(meta["id"], name, meta["title"], n_chars, record["n_tokens"])
+                    best = SharedStart(meta["id"], name, record, meta["title"], n_chars)
         return best
 
     def restore_shared_start(self, engine: Engine, identity: dict, found: SharedStart,
                              doc_ids: list[int]) -> Session | None:
         """`found`'s reading cut to the whole prefill chunks it shares with `doc_ids`, in a cache
         for all of them; None when anything does not match (then the reading starts at 0)."""
-        record = (self.meta(found.book_id) or {}).get("snapshot" if found.name == SNAPSHOT else "partial") or {}
         expected = {**identity, "chunk_tokens": engine.prefill_chunk_tokens}
-        return load_snapshot(self.book_dir(found.book_id), engine, record, expected, doc_ids, found.name,
+        return load_snapshot(self.book_dir(found.book_id), engine, found.record, expected, doc_ids, found.name,
                              len(doc_ids), shared_start=True)
 
     def n_read(self, book_id: str, model: str | None = None) -> int:

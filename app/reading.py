@@ -69,18 +69,17 @@ class Reading:
 
         def progress(start: int):  # a part's progress as the whole book's
             return on_progress and (lambda done, _total: on_progress(start + done, n_total))
-        session, source = self.library.restore_reading(self.book_id, self.engine, self.identity, self.sha,
-                                                       doc_ids), None
-        if session is None and (found := self.library.read_before(self.document.text, self.identity["model"],
-                                                                   self.chunk, self.among)):
-            session = self.library.restore_shared_start(self.engine, self.identity, found, doc_ids)
-            source = found.title
+        library, model = self.library, self.identity["model"]
+        session = library.restore_reading(self.book_id, self.engine, self.identity, self.sha, doc_ids)
+        source = None if session is not None else library.read_before(self.document.text, model, self.chunk, self.among)
+        if source:  # another book this one begins as
+            session = library.restore_shared_start(self.engine, self.identity, source, doc_ids)
         if session is None:  # stopped in this first part: nothing is kept
             session = self.engine.open(doc_ids, progress(0), cancel, n_first=self.part)
         else:
             self.n_saved = 0 if source else session.length  # another book's reading: nothing of this one saved
             if on_resume:
-                on_resume(session.length, source)
+                on_resume(session.length, source and source.title)
         try:
             while (start := session.length) < n_total:
                 session.read(doc_ids[start:start + self.part], progress(start), cancel)

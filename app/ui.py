@@ -351,7 +351,7 @@ class App:
             return n
         if not (found := self.library.read_before(text, model, chunk, user.book_ids if self.private else None)):
             return 0
-        n = min(found.n_tokens, len(prepared.doc_ids) - 1, prepared.tokens.char_to_token(found.n_chars))
+        n = min(found.record["n_tokens"], len(prepared.doc_ids) - 1, prepared.tokens.char_to_token(found.n_chars))
         return n - n % chunk
 
     def prefill_estimate(self, n_tokens: int, n_read: int = 0) -> str:
