@@ -311,20 +311,7 @@ class App:
         finally:
             self.reading_ids.discard(reading)
         book.batcher = self.batcher
-        seconds, n = time.perf_counter() - started, len(prepared.doc_ids)
-        n_now = n - book.n_read_before  # the tokens read now (a restored book read none)
-        if not restored:  # counted here, not from the engine's totals: other readers' work goes on meanwhile
-            user.counters.n_prefills += 1
-            user.counters.n_prefill_tokens += n_now
-            model = self.engine.config.target
-            self.speeds.record_prefill(model, n, seconds - 8 * (book.plain_ms or 0) / 1000,  # less the probe
-                                       self._attention_share(), start=book.n_read_before)  # read on: as a whole
-            self.speeds.record_decode(model, n, book.plain_ms or 0)
-        how = (f"restored from the saved snapshot in {seconds:.1f} s" if restored
-               else f"{n_now:,} tokens in {seconds:.1f} s ({n_now / seconds:,.0f} tokens/s)")
-        if book.n_read_before:
-            how += f", after the {book.n_read_before:,} " + (f"read before in *{book.read_before_in}*"
-                                                            if book.read_before_in else "a stopped reading had kept")
+        how = self._timed(user, book, restored, time.perf_counter() - started)
         user.book, user.pending, user.editing, user.notice = book, part_of, False, None
         user.book_ids.add(book.book_id)
         user.titles[book.book_id] = book.document.title
@@ -340,6 +327,24 @@ class App:
                c.chapter: gr.update(choices=titles, value=titles[0] if titles else None, visible=bool(titles)),
                c.summarize_chapter: gr.update(visible=bool(titles)), c.models: self.model_table(),  # its speeds
                **self._library_view(user), **more}
+
+    def _timed(self, user: User, book: BookSession, restored: bool, seconds: float) -> str:
+        """Count a reading in the user's counters and this machine's speeds; what the Prefill line says."""
+        n = book.doc_len
+        n_now = n - book.n_read_before  # the tokens read now (a restored book read none)
+        if not restored:  # counted here, not from the engine's totals: other readers' work goes on meanwhile
+            user.counters.n_prefills += 1
+            user.counters.n_prefill_tokens += n_now
+            model = self.engine.config.target
+            self.speeds.record_prefill(model, n, seconds - 8 * (book.plain_ms or 0) / 1000,  # less the probe
+                                       self._attention_share(), start=book.n_read_before)  # read on: as a whole
+            self.speeds.record_decode(model, n, book.plain_ms or 0)
+        how = (f"restored from the saved snapshot in {seconds:.1f} s" if restored
+               else f"{n_now:,} tokens in {seconds:.1f} s ({n_now / seconds:,.0f} tokens/s)")
+        if book.n_read_before:
+            how += f", after the {book.n_read_before:,} " + (f"read before in *{book.read_before_in}*"
+                                                            if book.read_before_in else "a stopped reading had kept")
+        return how
 
     def _n_read(self, user: User, prepared: Prepared) -> int:
         """Tokens of this book the library holds by this model: a stopped reading of it, or about
