@@ -43,8 +43,8 @@ class Counters:
     n_prefill_tokens: int = 0
 
 
-LEVELS_LEGEND = ("<small>accepted: the drafted tokens this level kept (every kept token is the full model's "
-                 "own); –: it checked no drafts, drafting for the level above</small>")
+LEVELS_LEGEND = ("<small>accepted: the drafted tokens this level kept (each is the full model's own) · "
+                 "–: it checked no drafts, it drafted</small>")
 
 
 def render_metrics(state: str, stats: Stats | None, book: BookSession | None, counters: Counters,

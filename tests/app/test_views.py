@@ -12,7 +12,7 @@ def test_a_level_that_tested_nothing_shows_a_dash_not_zero_percent():
     stats = Stats([LevelStats("retrieval"), top], n_tokens=19, tbt_ms_mean=50.0)
     html = render_metrics("answering", stats, None, Counters())
     assert "| retrieval | – | – | 0 |" in html and "| full | 75% | 1.90 | 10 |" in html
-    assert "–: it checked no drafts" in html  # the dash explained under the table
+    assert "–: it checked no drafts, it drafted" in html  # the dash explained under the table
     assert "checked no drafts" not in render_metrics("idle", None, None, Counters())  # no table, no legend
 
 
