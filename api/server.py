@@ -37,7 +37,7 @@ from api.openai_chat import MIN_DOCUMENT_CHARS, ApiError, ChatRequest, StopText,
 from engine.batch import Batcher
 from engine.chat import ChatFormat
 from engine.config import EngineError
-from engine.session import Engine, Session, Stats
+from engine.session import Engine, Session, Stats, shared_prefix
 
 LOCAL_HOSTS = ("127.0.0.1", "::1", "localhost")
 MAX_REQUESTS = 64  # answering or waiting; more get 429 at once rather than waiting for minutes
@@ -199,7 +199,7 @@ class ChatAPI:
             self.idle = [(s, n) for s, n in self.idle if s.engine is engine]  # another model was loaded
             best, n_shared = None, 0
             for session, n_doc in self.idle:
-                n = _shared_prefix(session.tokens, req.ids)
+                n = shared_prefix(session.tokens, req.ids)
                 if n > n_shared and n >= max(n_doc, req.n_document_tokens, 1):
                     best, n_shared = (session, n_doc), n
             if best is not None:
@@ -346,11 +346,3 @@ class Answer:
         return {"id": self.id, "object": "chat.completion", "created": int(time.time()), "model": self.api.model_id,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
                              "finish_reason": reason}], "usage": self.usage(), "bookchat": self.metrics()}
-
-
-def _shared_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

@@ -504,14 +504,19 @@ class Session:
         return session
 
 
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens `a` and `b` share from the start."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
 def shared_start(state: dict, doc_ids: list[int], chunk_tokens: int) -> dict:
     """A snapshot's state cut to the whole prefill chunks its tokens share with `doc_ids`, leaving
     at least one token of `doc_ids` to read: the first 16K tokens of a book read before its first
     32K. Their KV is what reading `doc_ids` gives, bit for bit (the same tokens in the same
     forwards). The retrieval queries belong to later tokens, so they go."""
-    saved, n = state["tokens"], 0
-    while n < min(len(saved), len(doc_ids) - 1) and saved[n] == doc_ids[n]:
-        n += 1
+    saved = state["tokens"]
+    n = shared_prefix(saved, doc_ids[:-1])
     n -= n % chunk_tokens
     if n == 0:
         raise ValueError("the snapshot and the document share no whole prefill chunk")
