@@ -27,8 +27,14 @@ LONG_BOOKS_YARN = 4.0  # Qwen2.5's documented YaRN factor: 4 x 32,768 = 131,072 
 LONG_BOOKS_NOTE = ("up to 4× the model's native context (131,072 tokens for Qwen2.5). Answers may get less "
                    "precise, also on short books (on a 112K-token novel the 1.5B got 4 of 14 facts right, "
                    "7 of 14 at 32K), and reading a 112K-token book took 66 minutes on a 2-core CPU.")
+NO_BOOK = "Upload a book, then ask about it."  # the empty chat's placeholder; with a book: `asking`
 QUICK = {"Summarize the book": "Summarize the book in a few paragraphs.",
          "Who are the main characters?": "Who are the main characters? Describe each in one sentence."}
+
+
+def asking(title: str) -> dict:
+    """The empty chat of an open book: a placeholder that names it."""
+    return gr.update(value=[], placeholder=f"*{title}* is read. Ask about it below, or try a quick question.")
 
 
 def build(app: App) -> gr.Blocks:
@@ -89,7 +95,7 @@ def build(app: App) -> gr.Blocks:
 def _centre(app: App, c: SimpleNamespace) -> None:
     c.title = gr.Markdown("### No book open", elem_id="book-title")
     c.chatbot = gr.Chatbot(elem_id="chatbot", height=430, show_label=False, buttons=["copy", "copy_all"],
-                           feedback_options=None, placeholder="Upload a book, then ask about it.")
+                           feedback_options=None, placeholder=NO_BOOK)
     with gr.Row(elem_id="ask-row"):
         c.msg = gr.Textbox(placeholder="Ask about the book…", show_label=False, elem_id="msg", scale=6,
                            max_lines=6)

@@ -25,7 +25,7 @@ import gradio as gr
 from app import layout
 from app.cpu import CpuWatch, cpu_note
 from app.documents import Document, Limits, PasswordRequired, WrongPassword, chapters
-from app.layout import LONG_BOOKS_NOTE, LONG_BOOKS_YARN
+from app.layout import LONG_BOOKS_NOTE, LONG_BOOKS_YARN, NO_BOOK, asking
 from app.library import Library, book_id_of, chat_export_json, chat_markdown, model_fingerprint, write_export
 from app.reading import ReadingStopped
 from app.server import say
@@ -239,7 +239,8 @@ class App:
         closed = {}
         if user.book is not None and user.book.book_id == book_id:
             user.book, user.editing = None, False
-            closed = {c.chatbot: [], c.title: "### No book open", c.plot: render_plot([]),
+            closed = {c.chatbot: gr.update(value=[], placeholder=NO_BOOK), c.title: "### No book open",
+                      c.plot: render_plot([]),
                       c.chapter: gr.update(choices=[], value=None, visible=False), c.summarize_chapter: hidden,
                       c.metrics: render_metrics("idle", None, None, user.counters),
                       c.reading: render_reading(None, None)}
@@ -321,8 +322,9 @@ class App:
             note += (f"\n\nTo read more of *{part_of.document.title}*, tick more chapters below (or keep more "
                      "tokens): what is read already is not read again.")
         yield {c.status: stages.set("Prefill", how, True) + "\n\nReady: ask a question." + note,
-               c.cancel: gr.update(visible=False), c.password_row: gr.update(visible=False), c.chatbot: [],
-               c.metrics: render_metrics("ready", None, book, user.counters), c.plot: render_plot([]),
+               c.cancel: gr.update(visible=False), c.password_row: gr.update(visible=False),
+               c.chatbot: asking(book.document.title), c.plot: render_plot([]),
+               c.metrics: render_metrics("ready", None, book, user.counters),
                c.reading: render_reading(book, None), c.title: f"### {book.document.title}",
                c.chapter: gr.update(choices=titles, value=titles[0] if titles else None, visible=bool(titles)),
                c.summarize_chapter: gr.update(visible=bool(titles)), c.models: self.model_table(),  # its speeds
@@ -600,5 +602,6 @@ class App:
             other.notice = f"The model changed to {name}: open your book again from the library."
         yield {c.model_status: f"`{name}` is loaded. Open a book from the library (it is read again with the new "
                                f"model).", c.models: self.model_table(), c.title: "### No book open",
-               c.chatbot: [], c.sampling_note: self._sampling_note(), c.status: "Ready for a book.",
+               c.chatbot: gr.update(value=[], placeholder=NO_BOOK), c.sampling_note: self._sampling_note(),
+               c.status: "Ready for a book.",
                **self.reset_settings()}

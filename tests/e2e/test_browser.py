@@ -21,6 +21,7 @@ def test_upload_pdf_ask_stream_and_stop(app_url, pdf_path, page):
     status = page.locator("#doc-status")
     expect(status).to_contain_text("of 7,168 — fits", timeout=60_000)
     expect(status).to_contain_text("Ready", timeout=90_000)
+    expect(page.locator("#chatbot")).to_contain_text("is read. Ask about it below")  # not "Upload a book"
 
     msg.fill("What is R?")
     msg.press("Enter")
@@ -99,6 +100,7 @@ def test_a_stopped_reading_reads_on_and_a_book_is_removed(app_url, page, tmp_pat
     page.locator("#confirm-remove").click()
     expect(status).to_contain_text(re.compile(r"Removed persuasion-opening from the library: \d+ MB freed"))
     expect(page.locator("#book-title")).to_contain_text("No book open")
+    expect(page.locator("#chatbot")).to_contain_text("Upload a book, then ask about it.")
     assert page.locator(ERROR_PILLS).count() == 0
 
 
