@@ -2,10 +2,12 @@
 activations (a bf16 model's, widened) with the file's blocks (engine/csrc/quant_cpu.cpp), each
 weight unpacked in registers to exactly the float32 value gguf's dequantize gives. The linears
 are "the model in the file", dequantized in float32, with no dequantized copy on disk and about
-a quarter of bf16's bytes read per token. On CPUs with AVX512-BF16 a bf16 model's Q4_K and Q6_K
-linears multiply the bf16 activations with the integer codes in exact bf16 products and apply
-each group's float32 scale to the group's sum: the same exact products, summed in float32 in
-another grouping, in 0.6x the time.
+a quarter of bf16's bytes read per token. On AVX2 without AVX-512, Q4_K's linears take each
+sub-block's scale out of its sum (x times the codes, summed, then scaled once): the same real
+sum in another float32 grouping, one FMA per 8 weights instead of two. On CPUs with AVX512-BF16
+a bf16 model's Q4_K and Q6_K linears multiply the bf16 activations with the integer codes in
+exact bf16 products and apply each group's float32 scale to the group's sum: the same exact
+products, summed in float32 in another grouping, in 0.6x the time.
 
 `load_quantized_model` builds our Transformer straight from a .gguf (CPU, float32 or bf16, kernel
 built); tokenizer and Hugging Face config come from transformers' GGUF reader, cached as a small

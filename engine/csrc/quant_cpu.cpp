@@ -6,6 +6,9 @@
 // to the exact float32 values gguf's dequantize (numpy) gives: the products d * q are exact in
 // float32 (an 11-bit float16 mantissa times a scale of at most 8 bits times a q of at most 6 bits,
 // except Q6_K's (d * scale) * q, rounded once as numpy does), so fused or not they round the same.
+// `dequantize` always gives those values; AVX2's Q4_K linear multiplies x with the codes instead
+// and scales each sub-block's sum once (below "Grouped scales"): the same real sum, rounded in
+// another grouping.
 //
 // Each output (m, n) sums x[m, k] * w[n, k] in kAcc accumulators of kWidth lanes (AVX2: 4 x 8,
 // AVX-512: 2 x 16), accumulator a lane l holding k = 32 c + kWidth a + l over c in order, then
@@ -197,6 +200,20 @@ struct Q4_K {
       }
     }
   }
+  // The linears take each sub-block's scale out of its sum (below "Grouped scales"); `block` above
+  // serves `dequantize` (and the BLAS path).
+  static constexpr bool kGroupedScales = true;
+  // the 8 sub-blocks' d * sc_s to ds (exact), their dmin * m_s returned (exact)
+  static ALWAYS_INLINE __m256 scales(const uint8_t* b, float ds[8]) {
+    uint8_t sm[16];
+    q4k_scales_mins(b + 4, sm);
+    _mm256_storeu_ps(ds, _mm256_mul_ps(_mm256_cvtepi32_ps(bytes8(sm)), _mm256_set1_ps(half(b))));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(bytes8(sm + 8)), _mm256_set1_ps(half(b + 2)));
+  }
+  // vector v of sub-blocks s (low nibbles) and s + 1 (high), s even: the codes 0..15 as float32
+  static ALWAYS_INLINE void codes(const uint8_t* b, int s, int v, __m256& low, __m256& high) {
+    nibbles8(b + 16 + 16 * s + 8 * v, low, high);
+  }
 };
 
 struct Q6_K {  // value 128 h + 32 t + l: (d * scales[8 h + 2 t + l / 16]) * (6-bit q - 32)
@@ -245,9 +262,12 @@ struct Isa {
   static inline V load(const float* p) { return _mm256_loadu_ps(p); }
   static inline void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static inline V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static inline float reduce(const V* acc) {
-    return sum_lanes(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-  }
+  static inline V fnma(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a b
+  static inline V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static inline V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static inline V set1(float a) { return _mm256_set1_ps(a); }
+  static inline float sum(V a) { return sum_lanes(a); }
+  static inline float reduce(const V* acc) { return sum(add(add(acc[0], acc[1]), add(acc[2], acc[3]))); }
 };
 
 #define BOOKCHAT_QUANT_GENERIC
@@ -412,7 +432,12 @@ struct Isa {
   static inline V load(const float* p) { return _mm512_loadu_ps(p); }
   static inline void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static inline V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static inline float reduce(const V* acc) { return sum16(_mm512_add_ps(acc[0], acc[1])); }
+  static inline V fnma(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+  static inline V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static inline V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static inline V set1(float a) { return _mm512_set1_ps(a); }
+  static inline float sum(V a) { return sum16(a); }
+  static inline float reduce(const V* acc) { return sum(add(acc[0], acc[1])); }
 };
 
 #define BOOKCHAT_QUANT_GENERIC
@@ -1147,6 +1172,98 @@ inline void unpacked_tile(const float* x, int64_t M, int64_t n_rows, int64_t K, 
   tile_unpacked<NN, NM>(x, K, w, y, N);
 }
 
+// ---- Grouped scales (types with kGroupedScales: AVX2's Q4_K) --------------------------------------
+//
+// y = sum_s (d sc_s) (sum_j x_j q_j) - sum_s (dmin m_s) (sum_j x_j), sub-blocks s of 32: each
+// sub-block's codes multiplied with x and summed (4 vectors in order), then scaled once, and the
+// mins applied once per block against the row's sums of 32 values (`xsums`). d sc_s and dmin m_s
+// are exact, so this is the real sum of x times the file's weights, rounded in float32 in another
+// grouping (as the bf16 dot products: products with codes, partial sums and scalings each round
+// once), with one FMA per 8 weights instead of two (see benchmarks/RESULTS.md, "Q4_K's scales out
+// of the sums"). A row's operations are the same in any call, with any rows beside it.
+template <class Q, class = void> struct GroupedScales : std::false_type {};
+template <class Q> struct GroupedScales<Q, std::void_t<decltype(Q::kGroupedScales)>> : std::true_type {};
+
+// each row's sums of 32 values: the 32 / kWidth vectors added in order, then the lanes
+inline std::vector<float> sums32(const float* x, int64_t M, int64_t K) {
+  std::vector<float> out(M * K / 32);
+  for (size_t i = 0; i < out.size(); ++i) {
+    V s = Isa::load(x + 32 * i);
+    for (int v = 1; v < 32 / kWidth; ++v) s = Isa::add(s, Isa::load(x + 32 * i + kWidth * v));
+    out[i] = Isa::sum(s);
+  }
+  return out;
+}
+
+// NM rows of x (row stride K; xsums theirs, stride K / 32) against one weight row unpacked in
+// registers; its own function for each NM (inlined into `grouped_rows`, Q4_K 35840 x 1536, one
+// row, 1 thread, took 4.7-5.2 ms where the same loop alone took 4.2-4.4)
+template <class Q, int NM>
+__attribute__((noinline)) void dot_rows_grouped(const float* x, const float* xsums, int64_t K, const uint8_t* w,
+                                                float* y, int64_t N) {
+  static_assert(Q::kValues == 256 && Isa::kWidth == 8, "8 sub-blocks of 32, 4 vectors each");
+  V acc[NM][2];  // even and odd sub-blocks
+  for (int m = 0; m < NM; ++m) acc[m][0] = acc[m][1] = Isa::zero();
+  for (int64_t blk = 0; blk < K / 256; ++blk) {
+    const uint8_t* b = w + blk * Q::kBytes;
+    const float* xb = x + 256 * blk;
+    float ds[8];
+    const V dm = Q::scales(b, ds);
+    for (int m = 0; m < NM; ++m) acc[m][0] = Isa::fnma(dm, Isa::load(xsums + m * (K / 32) + 8 * blk), acc[m][0]);
+    for (int s = 0; s < 8; s += 2) {
+      V t[NM][2], low, high;
+      Q::codes(b, s, 0, low, high);
+      for (int m = 0; m < NM; ++m) {
+        t[m][0] = Isa::mul(low, Isa::load(xb + m * K + 32 * s));
+        t[m][1] = Isa::mul(high, Isa::load(xb + m * K + 32 * s + 32));
+      }
+      for (int v = 1; v < 4; ++v) {
+        Q::codes(b, s, v, low, high);
+        for (int m = 0; m < NM; ++m) {
+          const float* xv = xb + m * K + 32 * s + 8 * v;
+          t[m][0] = Isa::fma(low, Isa::load(xv), t[m][0]);
+          t[m][1] = Isa::fma(high, Isa::load(xv + 32), t[m][1]);
+        }
+      }
+      for (int m = 0; m < NM; ++m) {
+        acc[m][0] = Isa::fma(Isa::set1(ds[s]), t[m][0], acc[m][0]);
+        acc[m][1] = Isa::fma(Isa::set1(ds[s + 1]), t[m][1], acc[m][1]);
+      }
+    }
+  }
+  for (int m = 0; m < NM; ++m) y[m * N] = Isa::sum(Isa::add(acc[m][0], acc[m][1]));
+}
+
+template <class Q, int R>
+inline void grouped_in_registers(const float* x, const float* xsums, int64_t M, int64_t K, const uint8_t* w, float* y,
+                                 int64_t N) {
+  if constexpr (R > 1) {
+    if (M < R) return grouped_in_registers<Q, R - 1>(x, xsums, M, K, w, y, N);
+  }
+  dot_rows_grouped<Q, R>(x, xsums, K, w, y, N);
+}
+
+// `rows` for a grouped type: weight rows in groups of 16, each unpacked in registers once per chunk
+// of at most kRegisterRows x rows, at every M (Q4_K 35840 x 1536, 1 thread, against the float
+// weights' path: 1 row 0.8x the time, 5 rows 0.83x, 8 rows as fast, 16 rows 1.1x, 33 rows 1.1-1.3x;
+// a buffer of unpacked codes read back 3 rows at a time was slower still)
+template <class Q>
+void grouped_rows(const float* x, const float* xsums, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
+                  float* y, int64_t N, int64_t n0, int64_t n1) {
+  constexpr int R = Isa::kRegisterRows;
+  constexpr int64_t kGroup = 16;
+  const int64_t chunks = (M + R - 1) / R;
+  for (int64_t g = n0; g < n1; g += kGroup) {
+    const int64_t g1 = std::min(g + kGroup, n1);
+    for (int64_t c = 0, m = 0; c < chunks; ++c) {
+      const int64_t size = (M - m) / (chunks - c);
+      for (int64_t n = g; n < g1; ++n)
+        grouped_in_registers<Q, R>(x + m * K, xsums + m * (K / 32), size, K, w + n * row_bytes, y + m * N + n, N);
+      m += size;
+    }
+  }
+}
+
 // All M rows of x against weight rows [n0, n1), in chunks of at most kRegisterRows x rows (as
 // even as possible). Up to kUnpackOnceAbove rows, each weight row is unpacked in registers once per
 // chunk and each weight vector serves the chunk's rows; weight rows go in groups of 16, chunk
@@ -1163,8 +1280,9 @@ inline void unpacked_tile(const float* x, int64_t M, int64_t n_rows, int64_t K, 
 // (Q6_K, K = 1536: 8 rows 5.1 ms, 7 rows 3.5, 4 rows 2.4; Q4_K 4.8, 3.3, 1.7). A chunk's size
 // changes no output bit: each row's accumulators take the same operations in any chunk.
 template <class Q>
-void rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* y, int64_t N,
-          int64_t n0, int64_t n1) {
+void rows(const float* x, const float* xsums, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* y,
+          int64_t N, int64_t n0, int64_t n1) {
+  if constexpr (GroupedScales<Q>::value) return grouped_rows<Q>(x, xsums, M, K, w, row_bytes, y, N, n0, n1);
   constexpr int R = Isa::kRegisterRows;
   constexpr int64_t kGroup = 16;
   const int64_t most = std::min<int64_t>(R, std::is_same_v<Q, Q4_K> || K > 1024 ? 7 : 8);
@@ -1215,7 +1333,8 @@ void quant_linear(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_
                   int64_t qtype) {
   dispatch(qtype, [&](auto q) {
     using Q = decltype(q);
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { rows<Q>(x, M, K, w, row_bytes, y, N, n0, n1); });
+    const std::vector<float> xsums = GroupedScales<Q>::value ? sums32(x, M, K) : std::vector<float>();
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { rows<Q>(x, xsums.data(), M, K, w, row_bytes, y, N, n0, n1); });
   });
 }
 

@@ -1,8 +1,9 @@
 """GGUF blocks kept as in the file (engine/quant.py, engine/csrc/quant_cpu.cpp): each block type
 unpacks to exactly gguf's numpy dequantize; the linear equals float32 x @ deq(W).T up to
-summation order; a row's output does not depend on the rows beside it, bit for bit, in float32
-and bf16 models; packaged GGUFs keep their blocks in bf16 and with YaRN; on the real files,
-greedy decoding with the blocks equals the dequantized float32 model's."""
+float32 rounding in its summation order (AVX2 Q4_K: each sub-block's scale applied to its sum);
+a row's output does not depend on the rows beside it, bit for bit, in float32 and bf16 models;
+packaged GGUFs keep their blocks in bf16 and with YaRN; on the real files, greedy decoding with
+the blocks equals the dequantized float32 model's."""
 
 from __future__ import annotations
 
