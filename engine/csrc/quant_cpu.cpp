@@ -218,9 +218,20 @@ struct Q4_K {
 
 struct Q6_K {  // value 128 h + 32 t + l: (d * scales[8 h + 2 t + l / 16]) * (6-bit q - 32)
   static constexpr int kValues = 256, kBytes = 210;
+  static ALWAYS_INLINE void group_scales(const uint8_t* b, float ds[16]) {
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    const __m256 d = _mm256_set1_ps(half(b + 208));
+    _mm256_store_ps(ds, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d));
+    _mm256_store_ps(ds + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d));
+  }
   template <int NM, class F> static ALWAYS_INLINE void block(const uint8_t* b, F&& f) {
+    // d * scales[g]: the same products either way; for one row, 16 at once up front (the 1.5B's
+    // Q6_K linears, 1 thread, AVX2 EPYC: 1.09-1.13x faster), for more rows where they are used
+    // (0.8-0.9x the time of up front at 2 to 5 rows)
     const float d = half(b + 208);
     const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
+    alignas(32) float ds[16];
+    if constexpr (NM == 1) group_scales(b, ds);
     const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), thirty_two = _mm256_set1_epi8(32);
     for (int h = 0; h < 2; ++h) {
       const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
@@ -234,8 +245,9 @@ struct Q6_K {  // value 128 h + 32 t + l: (d * scales[8 h + 2 t + l / 16]) * (6-
         __m256 w[4];
         bytes_to_floats(_mm256_sub_epi8(_mm256_or_si256(low, high), thirty_two), w);
         for (int v = 0; v < 4; ++v) {
-          const __m256 ds = _mm256_set1_ps(d * static_cast<float>(scales[8 * h + 2 * t + v / 2]));
-          f(16 * h + 4 * t + v, _mm256_mul_ps(ds, w[v]));
+          const int g = 8 * h + 2 * t + v / 2;
+          const __m256 dg = NM == 1 ? _mm256_broadcast_ss(ds + g) : _mm256_set1_ps(d * static_cast<float>(scales[g]));
+          f(16 * h + 4 * t + v, _mm256_mul_ps(dg, w[v]));
         }
       }
     }
