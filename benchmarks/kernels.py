@@ -41,6 +41,13 @@ random keys and values at the context length (costs do not depend on the values)
   on the same core (the build cache is keyed by the source's hash).
 
     taskset -c 0 python -m benchmarks.kernels --model qwen2.5-coder-1.5b --only exact-rows --threads 1 --repeats 3
+
+  or, in one process, interleaved, with `--quant-source OLD.cpp` (another version of
+  engine/csrc/quant_cpu.cpp): both builds' `quant_linear` on every linear, their outputs compared
+  bit for bit.
+
+    git show 8be6e36:engine/csrc/quant_cpu.cpp > /tmp/old_quant.cpp
+    python -m benchmarks.kernels --model qwen2.5-coder-1.5b --only exact-rows --quant-source /tmp/old_quant.cpp
 - compiled: the same matmuls (T = 1, 2, 5, 9, 16), input-major under MKL (the engine's fallback)
   vs `torch.compile` with freezing and Inductor's C++ GEMM template (weights prepacked at compile
   time; needs a C++ compiler). Not used by the engine yet: this measures what it would give.
@@ -416,19 +423,36 @@ def bench_quick(source: str, repeats: int) -> dict:
     return out
 
 
-def bench_exact_rows(source: str, repeats: int) -> dict:
-    """Every exact linear of the GGUF model (`quant_linear`) at T rows: {T: {"median_ms", "min_ms"}}."""
-    from engine.quant import QuantLinear
+def bench_exact_rows(source: str, repeats: int, other_source: Path | None = None) -> dict:
+    """Every exact linear of the GGUF model (`quant_linear`) at T rows: {T: {"median_ms", "min_ms"}};
+    with `other_source`, {T: {"this": ..., OLD.cpp: ..., "same_bits": bool}}, the kernels alone
+    (no bias, no module call), interleaved."""
+    from engine.quant import CFLAGS, QuantLinear
 
     model, _ = load_model(source, torch.float32, torch.device("cpu"))
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if not linears:
         return {"skipped": f"{source} did not load as GGUF blocks"}
+    other = other_source and build_cpu_extension("bookchat_quant_cpu_other", other_source, "no comparison",
+                                                 extra_cflags=CFLAGS)
     out = {}
     with torch.inference_mode():
         for T in (1, 2, 3, 4, 5, 6, 8, 9):
             x = {n: torch.randn(T, n) for n in {m.in_features for m in linears}}
-            out[T] = side_by_side({"exact": lambda x=x: [m(x[m.in_features]) for m in linears]}, repeats)["exact"]
+            if not other:
+                out[T] = side_by_side({"exact": lambda x=x: [m(x[m.in_features]) for m in linears]}, repeats)["exact"]
+                continue
+            kernels = {"this": cpu_quant_kernel(), other_source.name: other}
+            calls = {name: lambda k=k, x=x: [k.quant_linear(x[m.in_features], m.weight, m.qtype) for m in linears]
+                     for name, k in kernels.items()}
+            out[T] = side_by_side(calls, repeats)
+            out[T]["same_bits"] = all(map(torch.equal, *(f() for f in calls.values())))
+    if other:
+        print(f"| rows | this min ms | {other_source.name} min ms | speed-up | same bits |\n|---:|---:|---:|---:|---|")
+        for T, r in out.items():
+            mine, theirs = r["this"]["min_ms"], r[other_source.name]["min_ms"]
+            print(f"| {T} | {mine:.1f} | {theirs:.1f} | {theirs / mine:.2f}x | {r['same_bits']} |")
+        return out
     print("| rows | min ms | vs 1 row |\n|---:|---:|---:|")
     for T, r in out.items():
         print(f"| {T} | {r['min_ms']:.1f} | {r['min_ms'] / out[1]['min_ms']:.2f}x |")
@@ -508,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="model dtype; auto = the engine's choice (bf16 with AMX or AVX512-BF16, else float32)")
     p.add_argument("--attention-source", type=Path, default=None,
                    help="cpu-attention: another version of engine/csrc/attention_cpu.cpp to time beside this one")
+    p.add_argument("--quant-source", type=Path, default=None,
+                   help="exact-rows: another version of engine/csrc/quant_cpu.cpp to time beside this one")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kernels.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -536,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     if "quick" in only:
         report["results"]["quick"] = bench_quick(args.model, args.repeats)
     if "exact-rows" in only:
-        report["results"]["exact-rows"] = bench_exact_rows(args.model, args.repeats)
+        report["results"]["exact-rows"] = bench_exact_rows(args.model, args.repeats, args.quant_source)
     if "compiled" in only:  # not in the default set: it compiles for a minute or two
         report["results"]["compiled"] = bench_compiled(args.model, dtype, args.repeats)
     if "sampling" in only:

@@ -40,14 +40,17 @@ _SOURCE = Path(__file__).parent / "csrc" / "quant_cpu.cpp"
 _scratch = threading.local()  # QuantLinear._dequantized: one float32 (and one bf16) buffer per thread
 
 
+# F16C for the block scales; no contraction, so d * q - m rounds as numpy's two operations do
+CFLAGS = ("-mf16c", "-ffp-contract=off")
+
+
 @functools.cache
 def cpu_quant_kernel():
     """engine/csrc/quant_cpu.cpp, or None (no AVX2 / compiler): GGUFs then load dequantized."""
     from engine.device import build_cpu_extension
 
-    # F16C for the block scales; no contraction, so d * q - m rounds as numpy's two operations do
     return build_cpu_extension("bookchat_quant_cpu", _SOURCE, "GGUF weights are dequantized at load",
-                               extra_cflags=("-mf16c", "-ffp-contract=off"))
+                               extra_cflags=CFLAGS)
 
 
 def unusable(scratch: torch.Tensor) -> bool:
