@@ -48,6 +48,11 @@ random keys and values at the context length (costs do not depend on the values)
 
     git show 8be6e36:engine/csrc/quant_cpu.cpp > /tmp/old_quant.cpp
     python -m benchmarks.kernels --model qwen2.5-coder-1.5b --only exact-rows --quant-source /tmp/old_quant.cpp
+- row-ops: a float32 decoding step of `--model` (T = 1, and a check of 1 + 4 tokens) over every
+  layer's cache of S random keys, its RMSNorms and RoPE in our kernel (engine/csrc/attention_cpu.cpp,
+  what a float32 model on CPU runs) vs torch's ops, the step otherwise the same; the logits compared.
+
+    python -m benchmarks.kernels --model qwen2.5-coder-1.5b --only row-ops --contexts 8192 --threads 2 --repeats 30
 - compiled: the same matmuls (T = 1, 2, 5, 9, 16), input-major under MKL (the engine's fallback)
   vs `torch.compile` with freezing and Inductor's C++ GEMM template (weights prepacked at compile
   time; needs a C++ compiler). Not used by the engine yet: this measures what it would give.
@@ -76,6 +81,7 @@ from engine.device import build_cpu_extension, can_pack_linear_weights, cpu_line
 from engine.kv.full import FullCache
 from engine.layouts import Bf16Linear, PackedLinear
 from engine.loading import load_hf_config, load_model, resolve_model
+from engine.model import Attention, RMSNorm
 from engine.quant import cpu_quant_kernel, is_quantized
 from engine.sampling import Draft, sampling_probs
 
@@ -266,6 +272,36 @@ def tree(n_candidates: int, depth: int) -> Draft:
             parents.append(-1 if d == 0 else len(tokens) - 1)
             tokens.append(100 + 10 * c + d)
     return Draft(torch.tensor(tokens), torch.tensor(parents), None)
+
+
+def bench_row_ops(source: str, S: int, repeats: int) -> dict:
+    """A float32 step of `source` over S random keys with the norms and RoPE in our kernel vs in
+    torch's ops: {name: {"median_ms", "min_ms"}}, and "logits_max_abs_diff" between the two."""
+    model, _ = engine_model(source, torch.float32)
+    modules = [m for m in model.modules() if isinstance(m, RMSNorm | Attention)]
+    if cpu_kernel() is None or any(m.kernel is None for m in modules):
+        return {"skipped": "no CPU kernel here, or a model shape it does not take"}
+
+    def set_kernel(on: bool) -> None:
+        for m in modules:
+            m.kernel = cpu_kernel() if on else None
+    full = random_full_cache(model.config, S, S + 16, torch.float32)
+    fns = {}
+    for label, draft in (("T=1", None), ("check 1+4 chain", tree(1, 4))):
+        step = ours_step(model, full, S, draft, 1)
+        fns |= {f"kernel {label}": with_setting(set_kernel, True, True, step),
+                f"torch {label}": with_setting(set_kernel, False, True, step)}
+    with torch.inference_mode():
+        out = side_by_side(fns, repeats)
+        ids, pos = torch.tensor([[11]]), torch.tensor([S])
+        logits = []
+        for on in (True, False):
+            set_kernel(on)
+            full.truncate(S)
+            logits.append(model(ids, pos, full))
+        set_kernel(True)
+    out["logits_max_abs_diff"] = (logits[0] - logits[1]).abs().max().item()
+    return out
 
 
 def bench_prefill(models: Models, S: int, repeats: int, chunk: int = 512) -> dict:
@@ -527,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--only", default="attention,cpu-attention,prefill,decode,sampling,weights",
-                   help="comma-separated; also: compiled, quant, quick, exact-rows")
+                   help="comma-separated; also: compiled, quant, quick, exact-rows, row-ops")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="model dtype; auto = the engine's choice (bf16 with AMX or AVX512-BF16, else float32)")
     p.add_argument("--attention-source", type=Path, default=None,
@@ -550,7 +586,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, bench in (("attention", lambda S: bench_attention(S, args.repeats)),
                             ("cpu-attention", lambda S: bench_cpu_attention(S, args.repeats, dtype, cfg, other)),
                             ("prefill", lambda S: bench_prefill(models, S, args.repeats)),
-                            ("decode", lambda S: bench_decode(models, S, args.repeats))):
+                            ("decode", lambda S: bench_decode(models, S, args.repeats)),
+                            ("row-ops", lambda S: bench_row_ops(args.model, S, args.repeats))):
             if name in only:
                 report["results"][f"{name} S={S}"] = result = bench(S)
                 print(f"{name} S={S}: {json.dumps(result, indent=None, default=lambda x: round(x, 2))}", flush=True)

@@ -1,7 +1,8 @@
 """One lean decoder forward for the Llama and Qwen2 families, over a pluggable KV cache.
 
 Submodules keep Hugging Face's names, so HF weights load 1:1 with `load_state_dict`; RoPE
-(default, llama3, yarn, linear, dynamic) is transformers' own rotary module. The forward knows
+(default, llama3, yarn, linear, dynamic) is transformers' own rotary module (applied in one
+call of our CPU kernel in a float32 model there, bit for bit the same). The forward knows
 nothing of speculation, offloading or tensor parallelism: it takes token ids, their absolute
 positions and a cache (engine/kv), and returns logits. Token trees are verified by passing the
 tail mask (engine/attention.py). `QueryLog` records recent queries for retrieval scoring.
@@ -22,7 +23,7 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
-from engine.attention import is_tree_mask, masked_attention, sdpa_attention
+from engine.attention import cpu_attention, cpu_kernel, is_tree_mask, masked_attention, sdpa_attention
 from engine.config import ModelConfig
 from engine.kv import KVCache
 
@@ -112,8 +113,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernel = None  # engine/csrc/attention_cpu.cpp, for a float32 model on CPU (set_attention)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:  # one call for torch's 6 ops (~2 vs 35-70 us a row)
+            return self.kernel.rms_norm(x.contiguous(), self.weight, self.eps)
         # in float32 whatever x is (as HF: float64 models too), cast back, then the weight; torch's
         # rms_norm is bitwise equal to the pow/mean/rsqrt chain on torch 2.13, in fewer passes
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
@@ -129,13 +133,19 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.attend = sdpa_attention  # replaced once by Transformer.set_attention
+        self.kernel = None  # engine/csrc/attention_cpu.cpp's RoPE, for a float32 model on CPU (set_attention)
 
     def forward(self, x, cos, sin, segments: list[Segment], bounds: list[int], layer_idx: int):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        if self.kernel is not None:  # in place, bit for bit apply_rotary_pos_emb's
+            q, k = q.contiguous(), k.contiguous()
+            self.kernel.rope_(q, k, cos.contiguous(), sin.contiguous())
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, D]
+        else:
+            q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         outs = []  # each segment attends over its own cache: [B, H, T_i, D]
         for seg, a, b in zip(segments, bounds, bounds[1:]):
             if seg.query_log is not None:
@@ -195,8 +205,16 @@ class Transformer(nn.Module):
         return self.model.norm.weight.dtype
 
     def set_attention(self, attend) -> None:
+        """`attend` in every layer; with our CPU kernel, a float32 model's norms and RoPE take its
+        kernels too, on every path alike (a row's output is the same in any call)."""
         for layer in self.model.layers:
             layer.self_attn.attend = attend
+        kernel = cpu_kernel() if attend is cpu_attention and self.dtype == torch.float32 else None
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.kernel = kernel if module.weight.shape[0] % 32 == 0 else None
+            elif isinstance(module, Attention):
+                module.kernel = kernel if module.head_dim % 16 == 0 else None
 
     @torch.inference_mode()
     def forward(

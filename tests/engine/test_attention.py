@@ -2,7 +2,8 @@
 has AVX2 (CI installs a compiler and ninja), equals float64 SDPA to float32 rounding for every
 shape the engine gives it (GQA and MHA, one token, chains, token trees, chunk edges, batches,
 cache views with spare slots, extreme scores), routes what it does not handle to SDPA unchanged,
-and a float32 engine using it decodes as one that does not."""
+and a float32 engine using it decodes as one that does not. Its RoPE is transformers' bit for bit,
+its RMSNorm torch's to float32 rounding, each row's the same whatever rows share the call."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from engine import attention
 from engine.attention import FEW_ROWS, cpu_attention, cpu_kernel, pick_attention, sdpa_attention
 from engine.config import SamplingConfig
+from engine.model import Attention, RMSNorm
 from tests.conftest import tiny_engine
 from tests.engine.test_speculative import random_ids
 
@@ -227,8 +229,37 @@ def test_a_float32_engine_on_the_kernel_decodes_as_on_sdpa(levels):
             engine = tiny_engine(stack, dtype="float32", use_cpu_kernel=use_cpu_kernel)
             attend = engine.target.model.layers[0].self_attn.attend
             assert attend is (cpu_attention if use_cpu_kernel else sdpa_attention)
+            kernels = {m.kernel for m in engine.target.modules() if isinstance(m, RMSNorm | Attention)}
+            assert kernels == {cpu_kernel() if use_cpu_kernel else None}  # norms and RoPE with it
             session = engine.open(doc)
             events = session.ask(question, SamplingConfig(max_new_tokens=24))
             answers[use_cpu_kernel, stack] = [t for e in events for t in e.tokens]
     assert len(answers[True, "plain"]) == 24
     assert len(set(map(tuple, answers.values()))) == 1, answers
+
+
+@needs_kernel
+@pytest.mark.parametrize(("T", "H", "Hkv", "D"), [(1, 12, 2, 128), (7, 9, 3, 64), (300, 4, 2, 16)])
+def test_the_kernels_rope_is_transformers_bit_for_bit(T, H, Hkv, D):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(T)
+    q, k = torch.randn(1, T, H, D, generator=g), torch.randn(1, T, Hkv, D, generator=g)
+    angles = torch.randn(1, T, D // 2, generator=g) * 1000  # far positions
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos() * 1.2, emb.sin() * 1.2  # a YaRN-like attention scaling
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    cpu_kernel().rope_(q, k, cos, sin)  # in place
+    assert torch.equal(q.transpose(1, 2), want_q) and torch.equal(k.transpose(1, 2), want_k)
+
+
+@needs_kernel
+@pytest.mark.parametrize("D", [64, 576, 1536])
+def test_the_kernels_rms_norm_is_torchs_to_float32_rounding_and_each_rows_own(D):
+    g = torch.Generator().manual_seed(D)
+    x, w = torch.randn(3, 70, D, generator=g) * 5, torch.randn(D, generator=g)
+    got = cpu_kernel().rms_norm(x, w, 1e-6)
+    want = w.double() * torch.nn.functional.rms_norm(x.double(), (D,), eps=1e-6)
+    torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=1e-6)
+    for b, t in [(0, 0), (1, 33), (2, 69)]:  # a row alone (decoding) gives what it gives among many (prefill)
+        assert torch.equal(cpu_kernel().rms_norm(x[b, t:t + 1].clone(), w, 1e-6)[0], got[b, t])
