@@ -116,7 +116,7 @@ class RMSNorm(nn.Module):
         self.kernel = None  # engine/csrc/attention_cpu.cpp, for a float32 model on CPU (set_attention)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:  # one call for torch's 6 ops (~2 vs 35-70 us a row)
+        if self.kernel is not None:  # one call for torch's 6 ops (~3 vs 35-70 us a row)
             return self.kernel.rms_norm(x.contiguous(), self.weight, self.eps)
         # in float32 whatever x is (as HF: float64 models too), cast back, then the weight; torch's
         # rms_norm is bitwise equal to the pow/mean/rsqrt chain on torch 2.13, in fewer passes

@@ -625,7 +625,7 @@ std::vector<torch::Tensor> few_row_attention(const torch::Tensor& q, const torch
 // The RMSNorm before each layer's attention and MLP (and the last), as Qwen's and Llama's, in
 // float32: y = w * (x / sqrt(mean(x^2) + eps)). Its place is here, beside attention, as one kernel
 // of a float32 decoding step on CPU: torch's composite norm is 6 ops and ~35-70 us a call, 57 calls
-// a token for the 1.5B (4 ms of a 2-thread step at 8K), against ~2 us here. Each row's sum of
+// a token for the 1.5B (4 ms of a 2-thread step at 8K), against ~3 us here. Each row's sum of
 // squares in 4 x 8 lanes in order of k, then the lanes added in a fixed order: a row's output does
 // not depend on the rows beside it (float32 rounding, not torch's order: every path of a model
 // goes through one of the two, engine/model.py RMSNorm).
