@@ -48,9 +48,9 @@ random keys and values at the context length (costs do not depend on the values)
 
     git show 8be6e36:engine/csrc/quant_cpu.cpp > /tmp/old_quant.cpp
     python -m benchmarks.kernels --model qwen2.5-coder-1.5b --only exact-rows --quant-source /tmp/old_quant.cpp
-- row-ops: a float32 decoding step of `--model` (T = 1, and a check of 1 + 4 tokens) over every
+- row-ops: a decoding step of `--model` in `--dtype` (T = 1, and a check of 1 + 4 tokens) over every
   layer's cache of S random keys, its RMSNorms and RoPE in our kernel (engine/csrc/attention_cpu.cpp,
-  what a float32 model on CPU runs) vs torch's ops, the step otherwise the same; the logits compared.
+  what a float32 or bf16 model on CPU runs) vs torch's ops, the step otherwise the same; the logits compared.
 
     python -m benchmarks.kernels --model qwen2.5-coder-1.5b --only row-ops --contexts 8192 --threads 2 --repeats 30
 - compiled: the same matmuls (T = 1, 2, 5, 9, 16), input-major under MKL (the engine's fallback)
@@ -274,10 +274,10 @@ def tree(n_candidates: int, depth: int) -> Draft:
     return Draft(torch.tensor(tokens), torch.tensor(parents), None)
 
 
-def bench_row_ops(source: str, S: int, repeats: int) -> dict:
-    """A float32 step of `source` over S random keys with the norms and RoPE in our kernel vs in
+def bench_row_ops(source: str, S: int, repeats: int, dtype: torch.dtype) -> dict:
+    """A step of `source` in `dtype` over S random keys with the norms and RoPE in our kernel vs in
     torch's ops: {name: {"median_ms", "min_ms"}}, and "logits_max_abs_diff" between the two."""
-    model, _ = engine_model(source, torch.float32)
+    model, _ = engine_model(source, dtype)
     modules = [m for m in model.modules() if isinstance(m, RMSNorm | Attention)]
     if cpu_kernel() is None or any(m.kernel is None for m in modules):
         return {"skipped": "no CPU kernel here, or a model shape it does not take"}
@@ -285,7 +285,7 @@ def bench_row_ops(source: str, S: int, repeats: int) -> dict:
     def set_kernel(on: bool) -> None:
         for m in modules:
             m.kernel = cpu_kernel() if on else None
-    full = random_full_cache(model.config, S, S + 16, torch.float32)
+    full = random_full_cache(model.config, S, S + 16, dtype)
     fns = {}
     for label, draft in (("T=1", None), ("check 1+4 chain", tree(1, 4))):
         step = ours_step(model, full, S, draft, 1)
@@ -587,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
                             ("cpu-attention", lambda S: bench_cpu_attention(S, args.repeats, dtype, cfg, other)),
                             ("prefill", lambda S: bench_prefill(models, S, args.repeats)),
                             ("decode", lambda S: bench_decode(models, S, args.repeats)),
-                            ("row-ops", lambda S: bench_row_ops(args.model, S, args.repeats))):
+                            ("row-ops", lambda S: bench_row_ops(args.model, S, args.repeats, dtype))):
             if name in only:
                 report["results"][f"{name} S={S}"] = result = bench(S)
                 print(f"{name} S={S}: {json.dumps(result, indent=None, default=lambda x: round(x, 2))}", flush=True)

@@ -113,7 +113,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.kernel = None  # engine/csrc/attention_cpu.cpp, for a float32 model on CPU (set_attention)
+        self.kernel = None  # engine/csrc/attention_cpu.cpp, for a float32 or bf16 model on CPU (set_attention)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:  # one call for torch's 6 ops (~3 vs 35-70 us a row)
@@ -133,7 +133,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.attend = sdpa_attention  # replaced once by Transformer.set_attention
-        self.kernel = None  # engine/csrc/attention_cpu.cpp's RoPE, for a float32 model on CPU (set_attention)
+        self.kernel = None  # engine/csrc/attention_cpu.cpp's RoPE, for a float32 or bf16 model on CPU (set_attention)
 
     def forward(self, x, cos, sin, segments: list[Segment], bounds: list[int], layer_idx: int):
         B, T, _ = x.shape
@@ -205,11 +205,11 @@ class Transformer(nn.Module):
         return self.model.norm.weight.dtype
 
     def set_attention(self, attend) -> None:
-        """`attend` in every layer; with our CPU kernel, a float32 model's norms and RoPE take its
-        kernels too, on every path alike (a row's output is the same in any call)."""
+        """`attend` in every layer; with our CPU kernel, a float32 or bf16 model's norms and RoPE
+        take its kernels too, on every path alike (a row's output is the same in any call)."""
         for layer in self.model.layers:
             layer.self_attn.attend = attend
-        kernel = cpu_kernel() if attend is cpu_attention and self.dtype == torch.float32 else None
+        kernel = cpu_kernel() if attend is cpu_attention and self.dtype in (torch.float32, torch.bfloat16) else None
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernel = kernel if module.weight.shape[0] % 32 == 0 else None

@@ -10,8 +10,8 @@
 // on a CPU with AVX512-BF16 takes its scores, and P.V with P rounded to bf16, in bf16 dot products
 // (`bf16dots`, exact products); its calls of many rows (prefill chunks) take `attend_many`, which
 // packs K and V once per chunk so that every instruction is a product.
-// Beside it, the two other row-wise ops of a float32 model's layer, RoPE and RMSNorm (at the end):
-// in torch they are ~20 small ops a layer, 9% of a decoding step of the 1.5B.
+// Beside it, the two other row-wise ops of a float32 or bf16 model's layer, RoPE and RMSNorm (at the
+// end): in torch they are ~20 small ops a layer, 9% of a float32 decoding step of the 1.5B.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -622,70 +622,119 @@ std::vector<torch::Tensor> few_row_attention(const torch::Tensor& q, const torch
   return k.scalar_type() == torch::kFloat ? attend_dim<float>(q, k, v, keys) : attend_dim<at::BFloat16>(q, k, v, keys);
 }
 
-// The RMSNorm before each layer's attention and MLP (and the last), as Qwen's and Llama's, in
-// float32: y = w * (x / sqrt(mean(x^2) + eps)). Its place is here, beside attention, as one kernel
-// of a float32 decoding step on CPU: torch's composite norm is 6 ops and ~35-70 us a call, 57 calls
-// a token for the 1.5B (4 ms of a 2-thread step at 8K), against ~3 us here. Each row's sum of
-// squares in 4 x 8 lanes in order of k, then the lanes added in a fixed order: a row's output does
-// not depend on the rows beside it (float32 rounding, not torch's order: every path of a model
-// goes through one of the two, engine/model.py RMSNorm).
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat && x.is_contiguous() &&
-              w.is_contiguous() && w.dim() == 1 && x.size(-1) == w.size(0) && w.size(0) % 32 == 0,
-              "rms_norm: contiguous float32 rows whose length is the weight's, a multiple of 32");
-  const int64_t D = w.size(0), M = x.numel() / D;
-  auto y = torch::empty_like(x);
-  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+// A float32 or bf16 row as 8 float32 lanes. A bf16 value widens exactly, and `round` narrows a
+// float32 result to bf16 (to nearest even, NaN to 0x7FC0, as c10::BFloat16), kept in float32 lanes:
+// torch computes each op of a bf16 tensor in float32 and rounds its result so, and the row ops below
+// round where its ops do. For float32 rows `round` is nothing.
+template <typename T>
+struct Lanes {
+  static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+  static __m256 round(__m256 x) { return x; }
+};
+template <>
+struct Lanes<at::BFloat16> {
+  static __m256 load(const at::BFloat16* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static void store(at::BFloat16* p, __m256 x) {  // x already a bf16 value: its high halves
+    const __m256i u = _mm256_srli_epi32(_mm256_castps_si256(x), 16);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
+  }
+  static __m256 round(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x), one = _mm256_set1_epi32(1);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+    const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+    const __m256 y = _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    return _mm256_blendv_ps(y, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  }
+};
+
+// The RMSNorm before each layer's attention and MLP (and the last), as Qwen's and Llama's:
+// y = w * (x / sqrt(mean(x^2) + eps)), the normalized row in float32 (rounded to the model's dtype
+// before the weight, as transformers does). Its place is here, beside attention, as one kernel of a
+// decoding step on CPU: torch's composite norm is 6 ops and ~35-70 us a call, 57 calls a token for
+// the 1.5B (4 ms of a 2-thread step at 8K), against ~3 us here. Each row's sum of squares in 4 x 8
+// lanes in order of k, then the lanes added in a fixed order: a row's output does not depend on the
+// rows beside it (float32 rounding, not torch's order: every path of a model goes through one of
+// the two, engine/model.py RMSNorm).
+template <typename T>
+void norm_rows(const T* xp, const T* wp, T* yp, int64_t M, int64_t D, float eps) {
+  using L = Lanes<T>;
   at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
-      const float* xr = xp + m * D;
+      const T* xr = xp + m * D;
       __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
       for (int64_t k = 0; k < D; k += 32)
         for (int a = 0; a < 4; ++a) {
-          const __m256 v = _mm256_loadu_ps(xr + k + 8 * a);
+          const __m256 v = L::load(xr + k + 8 * a);
           acc[a] = _mm256_fmadd_ps(v, v, acc[a]);
         }
       const float ss = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-      const __m256 r = _mm256_set1_ps(1.0f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps)));
+      const __m256 r = _mm256_set1_ps(1.0f / std::sqrt(ss / static_cast<float>(D) + eps));
       for (int64_t k = 0; k < D; k += 8)
-        _mm256_storeu_ps(yp + m * D + k, _mm256_mul_ps(_mm256_loadu_ps(wp + k), _mm256_mul_ps(_mm256_loadu_ps(xr + k), r)));
+        L::store(yp + m * D + k, L::round(_mm256_mul_ps(L::load(wp + k), L::round(_mm256_mul_ps(L::load(xr + k), r)))));
     }
   });
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  const auto dt = x.scalar_type();
+  TORCH_CHECK((dt == torch::kFloat || dt == torch::kBFloat16) && w.scalar_type() == dt && x.is_contiguous() &&
+              w.is_contiguous() && w.dim() == 1 && x.size(-1) == w.size(0) && w.size(0) % 32 == 0,
+              "rms_norm: contiguous float32 or bfloat16 rows whose length is the weight's, a multiple of 32, and a weight of their dtype");
+  const int64_t D = w.size(0), M = x.numel() / D;
+  auto y = torch::empty_like(x);
+  if (dt == torch::kFloat)
+    norm_rows(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, D, static_cast<float>(eps));
+  else
+    norm_rows(x.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), M, D, static_cast<float>(eps));
   return y;
 }
 
 // RoPE in place on a projection's output by heads, x [B, T, H, D] (q or k before the transpose),
-// cos and sin [B, T, D] float32 as transformers' rotary embedding gives them (any scaling in
-// them): x * cos + rotate_half(x) * sin, each product and the sum rounded once as torch's ops
-// are (no FMA), so bit for bit transformers' `apply_rotary_pos_emb`, in one call for q and k
-// instead of 14 ops a layer (~1.6 ms of a 1.5B step).
-__attribute__((optimize("fp-contract=off"))) void rotate_rows(float* x, int64_t H, int64_t D, const float* c, const float* s) {
+// cos and sin [B, T, D] of x's dtype as transformers' rotary embedding gives them (any scaling in
+// them): x * cos + rotate_half(x) * sin, each product and the sum rounded once as torch's ops are
+// (no FMA; in a bf16 model, each to bf16), so bit for bit transformers' `apply_rotary_pos_emb`, in
+// one call for q and k instead of 14 ops a layer (~1.6 ms of a float32 1.5B step).
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void rotate_rows(T* x, int64_t H, int64_t D, const T* c, const T* s) {
+  using L = Lanes<T>;
   const int64_t half = D / 2;
   for (int64_t h = 0; h < H; ++h, x += D)
     for (int64_t i = 0; i < half; i += 8) {
-      const __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
-      _mm256_storeu_ps(x + i, _mm256_sub_ps(_mm256_mul_ps(x1, _mm256_loadu_ps(c + i)), _mm256_mul_ps(x2, _mm256_loadu_ps(s + i))));
-      _mm256_storeu_ps(x + half + i, _mm256_add_ps(_mm256_mul_ps(x2, _mm256_loadu_ps(c + half + i)),
-                                                   _mm256_mul_ps(x1, _mm256_loadu_ps(s + half + i))));
+      const __m256 x1 = L::load(x + i), x2 = L::load(x + half + i);
+      const __m256 a1 = L::round(_mm256_mul_ps(x1, L::load(c + i))), b1 = L::round(_mm256_mul_ps(x2, L::load(s + i)));
+      const __m256 a2 = L::round(_mm256_mul_ps(x2, L::load(c + half + i))), b2 = L::round(_mm256_mul_ps(x1, L::load(s + half + i)));
+      L::store(x + i, L::round(_mm256_sub_ps(a1, b1)));
+      L::store(x + half + i, L::round(_mm256_add_ps(a2, b2)));
     }
 }
 
-void rope_(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& cos, const torch::Tensor& sin) {
-  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&q, &k, &cos, &sin})
-    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous(), "rope_: contiguous float32 tensors");
-  const int64_t B = q.size(0), T = q.size(1), D = q.size(3);
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.size(0) == B && k.size(1) == T && k.size(3) == D && D % 16 == 0 &&
-              cos.numel() == B * T * D && sin.numel() == B * T * D, "rope_: q, k [B, T, H, D], D % 16 == 0; cos, sin [B, T, D]");
-  const int64_t Hq = q.size(2), Hk = k.size(2);
-  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>();
-  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  at::parallel_for(0, B * T, 64, [&](int64_t r0, int64_t r1) {
+template <typename T>
+void rope_rows(T* qp, T* kp, const T* cp, const T* sp, int64_t BT, int64_t Hq, int64_t Hk, int64_t D) {
+  at::parallel_for(0, BT, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       rotate_rows(qp + r * Hq * D, Hq, D, cp + r * D, sp + r * D);
       rotate_rows(kp + r * Hk * D, Hk, D, cp + r * D, sp + r * D);
     }
   });
+}
+
+void rope_(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const auto dt = q.scalar_type();
+  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&q, &k, &cos, &sin})
+    TORCH_CHECK((dt == torch::kFloat || dt == torch::kBFloat16) && t->scalar_type() == dt && t->is_contiguous(),
+                "rope_: contiguous tensors, all float32 or all bfloat16");
+  const int64_t B = q.size(0), T = q.size(1), D = q.size(3);
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.size(0) == B && k.size(1) == T && k.size(3) == D && D % 16 == 0 &&
+              cos.numel() == B * T * D && sin.numel() == B * T * D, "rope_: q, k [B, T, H, D], D % 16 == 0; cos, sin [B, T, D]");
+  if (dt == torch::kFloat)
+    rope_rows(q.data_ptr<float>(), k.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), B * T, q.size(2), k.size(2), D);
+  else
+    rope_rows(q.data_ptr<at::BFloat16>(), k.data_ptr<at::BFloat16>(), cos.data_ptr<at::BFloat16>(),
+              sin.data_ptr<at::BFloat16>(), B * T, q.size(2), k.size(2), D);
 }
 
 }  // namespace

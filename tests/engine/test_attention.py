@@ -2,8 +2,9 @@
 has AVX2 (CI installs a compiler and ninja), equals float64 SDPA to float32 rounding for every
 shape the engine gives it (GQA and MHA, one token, chains, token trees, chunk edges, batches,
 cache views with spare slots, extreme scores), routes what it does not handle to SDPA unchanged,
-and a float32 engine using it decodes as one that does not. Its RoPE is transformers' bit for bit,
-its RMSNorm torch's to float32 rounding, each row's the same whatever rows share the call."""
+and a float32 engine using it decodes as one that does not. Its RoPE is transformers' bit for bit
+(float32 and bf16), its RMSNorm torch's to float32 rounding (in bf16, rounded where the model's
+norm rounds), each row's the same whatever rows share the call."""
 
 from __future__ import annotations
 
@@ -239,15 +240,16 @@ def test_a_float32_engine_on_the_kernel_decodes_as_on_sdpa(levels):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("T", "H", "Hkv", "D"), [(1, 12, 2, 128), (7, 9, 3, 64), (300, 4, 2, 16)])
-def test_the_kernels_rope_is_transformers_bit_for_bit(T, H, Hkv, D):
+def test_the_kernels_rope_is_transformers_bit_for_bit(T, H, Hkv, D, dtype):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     g = torch.Generator().manual_seed(T)
-    q, k = torch.randn(1, T, H, D, generator=g), torch.randn(1, T, Hkv, D, generator=g)
+    q, k = torch.randn(1, T, H, D, generator=g).to(dtype), torch.randn(1, T, Hkv, D, generator=g).to(dtype)
     angles = torch.randn(1, T, D // 2, generator=g) * 1000  # far positions
     emb = torch.cat([angles, angles], dim=-1)
-    cos, sin = emb.cos() * 1.2, emb.sin() * 1.2  # a YaRN-like attention scaling
+    cos, sin = (emb.cos() * 1.2).to(dtype), (emb.sin() * 1.2).to(dtype)  # a YaRN-like attention scaling
     want_q, want_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     cpu_kernel().rope_(q, k, cos, sin)  # in place
     assert torch.equal(q.transpose(1, 2), want_q) and torch.equal(k.transpose(1, 2), want_k)
@@ -263,3 +265,48 @@ def test_the_kernels_rms_norm_is_torchs_to_float32_rounding_and_each_rows_own(D)
     torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=1e-6)
     for b, t in [(0, 0), (1, 33), (2, 69)]:  # a row alone (decoding) gives what it gives among many (prefill)
         assert torch.equal(cpu_kernel().rms_norm(x[b, t:t + 1].clone(), w, 1e-6)[0], got[b, t])
+
+
+@needs_kernel
+@pytest.mark.parametrize("D", [64, 1536])
+def test_the_kernels_bf16_rms_norm_rounds_where_the_models_norm_does(D):
+    """A bf16 model's norm (engine/model.py): the row in float32, rounded to bf16, times the bf16
+    weight, rounded. Given the same float32 row, every bit is torch's; the row itself may differ from
+    torch's in its last float32 bit, which moves a bf16 rounding at a near-tie (rarely)."""
+    g = torch.Generator().manual_seed(D)
+    x, w = (torch.randn(3, 70, D, generator=g) * 5).bfloat16(), torch.randn(D, generator=g).bfloat16()
+    got = cpu_kernel().rms_norm(x, w, 1e-6)
+    torchs = w * torch.nn.functional.rms_norm(x.float(), (D,), eps=1e-6).bfloat16()
+    assert got.dtype == torch.bfloat16 and (got == torchs).float().mean() > 0.995
+    torch.testing.assert_close(got.float(), torchs.float(), rtol=2 ** -6, atol=0)
+    row = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)
+    exact = w * row.float().bfloat16()  # the same rounding from the float64 row: all but near-ties
+    assert (got == exact).float().mean() > 0.995
+    for b, t in [(0, 0), (1, 33), (2, 69)]:
+        assert torch.equal(cpu_kernel().rms_norm(x[b, t:t + 1].clone(), w, 1e-6)[0], got[b, t])
+
+
+@needs_kernel
+def test_a_bf16_model_takes_the_kernels_norms_and_rope_and_keeps_its_logits():
+    """set_attention gives a bf16 model the kernel's norms and RoPE (RoPE bit for bit, the norm at
+    rare near-ties a bf16 ulp off): its logits over a prompt and a continuation stay torch's."""
+    from engine.kv.full import FullCache
+    from tests.conftest import ours, tiny_hf
+
+    model = ours(tiny_hf("llama", seed=5)).bfloat16()
+    ids, c = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(2)), model.config
+
+    def logits():
+        cache = FullCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, 64, torch.bfloat16, torch.device("cpu"))
+        return torch.cat([model(ids[:, :33], torch.arange(33), cache),
+                          model(ids[:, 33:], torch.arange(33, 40), cache)], 1)
+
+    model.set_attention(cpu_attention)
+    assert {m.kernel for m in model.modules() if isinstance(m, RMSNorm | Attention)} == {cpu_kernel()}
+    got = logits()
+    for m in model.modules():
+        if isinstance(m, RMSNorm | Attention):
+            m.kernel = None  # torch's ops, the same attention
+    want = logits()
+    assert torch.allclose(got, want, atol=2e-2, rtol=2e-2)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
