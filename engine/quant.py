@@ -107,11 +107,13 @@ class QuantLinear(nn.Module):
         if rows.shape[0] <= self.KERNEL_MAX_ROWS:
             if self.lossy:
                 out = self.kernel.quick_linear(rows.float().contiguous(), self.weight, self.qtype)
-            else:  # bf16 rows as they are: the kernel's BF16 dot products, or widened in it
+                if self.bias is not None:
+                    out.add_(self.bias)
+            else:  # bf16 rows as they are: the kernel's BF16 dot products, or widened in it; its
+                # epilogue adds the bias and rounds to bf16 as add_ and .to would
                 rows = rows if rows.dtype == torch.bfloat16 else rows.float()
-                out = self.kernel.quant_linear(rows.contiguous(), self.weight, self.qtype)  # float32
-            if self.bias is not None:
-                out.add_(self.bias)
+                out = self.kernel.quant_linear(rows.contiguous(), self.weight, self.qtype, self.bias,
+                                               out_dtype == torch.bfloat16)
             out = out.to(out_dtype)
         else:
             tile_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32

@@ -190,6 +190,8 @@ def test_bf16_activations_return_bf16_and_rows_stay_independent(name, isa):
     x = torch.randn(QuantLinear.KERNEL_MAX_ROWS, 512).bfloat16()
     got = linear(x)
     assert got.dtype == torch.bfloat16
+    float32_sums = cpu_quant_kernel().quant_linear(x, linear.weight, linear.qtype)  # no bias, float32 out
+    assert torch.equal(got, (float32_sums + linear.bias).bfloat16())  # the kernel's epilogue: torch's ops
     if not (isa == "avx512-bf16" and name in BF16_DOT_TYPES):
         assert torch.equal(got, linear(x.float()).bfloat16())
     alone = torch.cat([linear(x[i:i + 1]) for i in range(x.shape[0])])
