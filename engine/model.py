@@ -2,7 +2,7 @@
 
 Submodules keep Hugging Face's names, so HF weights load 1:1 with `load_state_dict`; RoPE
 (default, llama3, yarn, linear, dynamic) is transformers' own rotary module (applied in one
-call of our CPU kernel in a float32 model there, bit for bit the same). The forward knows
+call of our CPU kernel in a float32 or bf16 model there, bit for bit the same). The forward knows
 nothing of speculation, offloading or tensor parallelism: it takes token ids, their absolute
 positions and a cache (engine/kv), and returns logits. Token trees are verified by passing the
 tail mask (engine/attention.py). `QueryLog` records recent queries for retrieval scoring.

@@ -996,8 +996,6 @@ void check_weight(const torch::Tensor& w, int64_t K) {
               "quant_cpu: a row of ", K, " values is ", K / Q::kValues * Q::kBytes, " bytes of this type, not ", w.size(1));
 }
 
-// x [M, K] float32 or bf16 contiguous, w [N, K / B * block bytes] uint8 (the file's rows). y [M, N]
-// float32. bf16 x: the BF16 dot products where the CPU and the type have them, else widened.
 // y + bias, rounded once to bf16 (to nearest even, as torch's `.to`) when asked: what a layer did
 // after the call in three small torch ops (~6 us a linear, ~1.4 ms of the 1.5B's bf16 step).
 torch::Tensor epilogue(torch::Tensor y, const c10::optional<torch::Tensor>& bias, bool bf16_out) {
@@ -1019,6 +1017,9 @@ torch::Tensor epilogue(torch::Tensor y, const c10::optional<torch::Tensor>& bias
   return out;
 }
 
+// x [M, K] float32 or bf16 contiguous, w [N, K / B * block bytes] uint8 (the file's rows), bias
+// float32 [N] or none. y [M, N] float32, or bf16 with `bf16_out`. bf16 x: the BF16 dot products
+// where the CPU and the type have them, else widened.
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype,
                            const c10::optional<torch::Tensor>& bias, bool bf16_out) {
   if (x.scalar_type() == torch::kBFloat16 && !(use_bf16_dots() && avx512bf::supports(qtype)))
