@@ -1,0 +1,108 @@
+"""The same answers from two checkouts of the engine, interleaved: is a change within noise?
+
+A refactoring must not slow decoding (issue 26), and this host moves 10-20% between runs, so
+the old and the new code are measured side by side, alternating, each round a fresh process per
+checkout (`--trees OLD,NEW`, e.g. a `git worktree` of the old commit). Every process restores
+the same prefill snapshot (made once, by the first checkout, with `Session.save`), then answers
+the benchmark's question greedily with each `--stacks` entry (`peers.answer`: decode ms/token,
+first event excluded). The table gives each checkout's median over the rounds, the ratio new/old,
+and whether both gave the same tokens.
+
+    git worktree add /tmp/old HEAD~3
+    python -m benchmarks.ab --trees /tmp/old,. --context 8192 --rounds 3 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+QUESTION = "Summarize the story so far in one paragraph."
+
+
+def child(args) -> None:
+    """One checkout's answers (its own `engine` first on sys.path), as JSON on stdout."""
+    here = Path(__file__).resolve().parent  # run as a file: benchmarks/ would shadow packages (kernels)
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+    import torch
+
+    from benchmarks.longctx import BOOK, book_doc_ids
+    from benchmarks.peers import answer
+    from engine.chat import ChatFormat
+    from engine.config import EngineConfig
+    from engine.session import Engine
+
+    torch.set_num_threads(args.threads)
+    engine = Engine.load(EngineConfig(target=args.model))
+    chat = ChatFormat(engine.tokenizer, end_ids=engine.end_ids)
+    book_ids = chat._user_text(BOOK.read_text(encoding="utf-8-sig").strip())  # as benchmarks/peers.py
+    doc_ids = book_doc_ids(chat, book_ids, args.context)
+    if args.snapshot.exists():
+        session = engine.restore(args.snapshot)
+    else:
+        session = engine.open(doc_ids)
+        session.save(args.snapshot)
+    q_ids = chat.question_ids(QUESTION, is_first=True, previous_answer_ended=False)
+    runs = {stack: answer(engine, session, q_ids, session.length, args.new_tokens, stack, stop_ids=chat.stop_ids)
+            for stack in args.stacks.split(",")}
+    print(json.dumps({"levels_auto": engine.config.levels, "runs": runs}))
+
+
+def table(trees: list[str], results: dict) -> str:
+    stacks = list(results[trees[0]][0]["runs"])
+    rows = [f"| stack | {trees[0]} ms/token | {trees[1]} ms/token | new/old time | same tokens |",
+            "|---|---:|---:|---:|---|"]
+    for stack in stacks:
+        ms = [statistics.median(r["runs"][stack]["ms_per_token"] for r in results[t]) for t in trees]
+        same = all(r["runs"][stack]["tokens"] == results[trees[0]][0]["runs"][stack]["tokens"]
+                   for t in trees for r in results[t])
+        rows.append(f"| {stack} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[1] / ms[0]:.3f} | {same} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trees", default="", help="OLD,NEW: two checkouts of this repository")
+    p.add_argument("--model", default="qwen2.5-coder-1.5b")
+    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--stacks", default="plain,retrieval>full", help="retrieval>full: the CPU default")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--snapshot", type=Path, default=Path("/tmp/ab_snapshot.pt"))
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ab.json")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        child(args)
+        return 0
+    trees = [str(Path(t).resolve()) for t in args.trees.split(",")]
+    assert len(trees) == 2, "--trees OLD,NEW"
+    results: dict[str, list] = {t: [] for t in trees}
+    for i in range(args.rounds):
+        for tree in trees if i % 2 == 0 else trees[::-1]:  # alternate who goes first
+            load = os.getloadavg()[0]
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", args.model,
+                   "--context", str(args.context), "--stacks", args.stacks, "--new-tokens", str(args.new_tokens),
+                   "--threads", str(args.threads), "--snapshot", str(args.snapshot)]
+            env = os.environ | {"PYTHONPATH": tree, "HF_HUB_OFFLINE": "1"}
+            out = subprocess.run(cmd, cwd=tree, env=env, check=True, capture_output=True, text=True).stdout
+            result = json.loads(out.strip().splitlines()[-1]) | {"load_before": load}
+            results[tree].append(result)
+            print(f"round {i} {tree}: " + ", ".join(f"{s} {r['ms_per_token']:.1f} ms" for s, r in
+                                                   result["runs"].items()) + f" (load {load:.1f})", file=sys.stderr)
+    print(table(trees, results))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
