@@ -11,6 +11,7 @@ import argparse
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -31,7 +32,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g = sub.add_parser("generate", help="answer questions about a text file")
     add_engine_args(g)
     g.add_argument("--file", required=True, help="the document (UTF-8 text)")
-    g.add_argument("--max-doc-tokens", type=int, default=None, help="keep only the first N tokens")
+    g.add_argument("--max-doc-tokens", type=int, help="keep only the first N tokens")
     g.add_argument("--question", action="append", required=True, help="repeat for a multi-turn chat")
     g.add_argument("--max-new-tokens", type=int, default=SamplingConfig.max_new_tokens)
     g.add_argument("--seed", type=int, default=SamplingConfig.seed)
@@ -40,7 +41,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     t = sub.add_parser("selftest", help="compare each GPU path with its reference here (a few minutes)")
     t.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     t.add_argument("--out", default="bookchat-selftest.json", help="the report to attach to a bug report")
-    t.add_argument("--only", action="append", default=None, help="run only this check (repeat)")
+    t.add_argument("--only", action="append", help="run only this check (repeat)")
     return p.parse_args(argv)
 
 
@@ -64,8 +65,7 @@ def selftest(args: argparse.Namespace) -> int:
     results = selftest.run_checks(device, args.only)
     print("\n".join(selftest.table(results)))
     report = selftest.report(results, device)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
+    Path(args.out).write_text(json.dumps(report, indent=2), encoding="utf-8")
     skipped = [r.name for r in results if r.status == "skipped"]
     if skipped:
         print(f"not checked here: {', '.join(skipped)}", file=sys.stderr)
@@ -80,13 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        config = engine_config(args)
-        engine = Engine.load(config)
+        engine = Engine.load(engine_config(args))
         given = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
         sampling = replace(engine.default_sampling, max_new_tokens=args.max_new_tokens, seed=args.seed, **given)
         chat = ChatFormat(engine.tokenizer, end_ids=engine.end_ids)
-        with open(args.file, encoding="utf-8-sig") as f:
-            doc_ids = chat.document_ids(f.read())[: args.max_doc_tokens]
+        doc_ids = chat.document_ids(Path(args.file).read_text(encoding="utf-8-sig"))[: args.max_doc_tokens]
         t0 = time.perf_counter()
         session = engine.open(doc_ids, on_progress=lambda done, total: print(
             f"\rprefill {done:,}/{total:,} tokens", end="", file=sys.stderr, flush=True))

@@ -83,8 +83,7 @@ class ChatFormat:
         return self._user_text(answer) + stop
 
     def _cut_after_last_added(self, text: str) -> tuple[str, str]:
-        ends = [text.rfind(token) + len(token) for token in self._added if token in text]
-        cut = max(ends, default=0)
+        cut = max((text.rfind(token) + len(token) for token in self._added if token in text), default=0)
         return text[:cut], text[cut:]
 
     def _cut_before_first_added(self, text: str) -> tuple[str, str]:

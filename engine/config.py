@@ -132,7 +132,6 @@ class ModelConfig:
         n_kv_heads = getattr(hf, "num_key_value_heads", None) or n_heads
         if n_heads % n_kv_heads:
             raise ValueError(f"{n_heads} query heads are not a multiple of {n_kv_heads} KV heads")
-        is_qwen2 = hf.model_type == "qwen2"
         return cls(
             n_layers=hf.num_hidden_layers,
             dim=hf.hidden_size,
@@ -142,7 +141,7 @@ class ModelConfig:
             intermediate=hf.intermediate_size,
             vocab_size=hf.vocab_size,
             rms_eps=hf.rms_norm_eps,
-            has_qkv_bias=is_qwen2 or bool(getattr(hf, "attention_bias", False)),
+            has_qkv_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
             has_tied_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             max_positions=hf.max_position_embeddings,
         )
@@ -234,7 +233,6 @@ class EngineConfig:
                              f"{self.resident_kv_layers} at least 0")
 
 
-
 @dataclass(frozen=True)
 class SamplingConfig:
     temperature: float = 0.0  # 0 = greedy (its own argmax branch, never max(T, eps))
@@ -288,7 +286,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=c.dtype, help="auto, float32, bfloat16, float16")
     p.add_argument("--gpus", type=int, default=c.n_gpus, help="tensor parallel over N GPUs")
     p.add_argument("--offload", action="store_true", help="full KV cache in host memory, streamed per layer")
-    p.add_argument("--resident-kv-layers", type=int, default=None, help="with --offload: layers kept on the GPU")
+    p.add_argument("--resident-kv-layers", type=int, default=c.resident_kv_layers,
+                   help="with --offload: layers kept on the GPU")
     p.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=c.use_flash_attn)
     p.add_argument("--cpu-kernel", action=argparse.BooleanOptionalAction, default=c.use_cpu_kernel,
                    help="compiled AVX2 attention on CPU (SDPA when off or it cannot build)")

@@ -5,6 +5,7 @@ Nothing else in the engine names "cuda" or synchronises (STYLE.md section 5).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -30,13 +31,10 @@ def pick_device(name: str) -> torch.device:
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (/proc/cpuinfo), empty where that cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
     return frozenset()
 
 
@@ -98,13 +96,11 @@ def build_cpu_extension(name: str, source: Path, fallback: str, wait_s: float = 
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         log.warning("this CPU has no AVX2: %s", fallback)
         return None
-    try:
+    with contextlib.suppress(ImportError):  # without the pip package, a system ninja may still be on PATH
         import ninja  # the pip package (requirements.txt): torch runs `ninja` from PATH
 
         if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    except ImportError:
-        pass  # a system ninja may still be on PATH
     try:
         flags = ["-O3", "-mavx2", "-mfma", "-fopenmp", *extra_cflags]
         return extensions.load_extension(name, source, flags, wait_s)

@@ -87,7 +87,8 @@ def _builder_lock(path: Path, name: str, wait_s: float) -> Iterator[None]:
                 fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                holder = _holder(file)
+                file.seek(0)
+                holder = file.read().strip() or "?"  # the PID the holder wrote
                 if time.monotonic() >= deadline:
                     raise BuildBusy(f"process {holder} has been building {name} for more than {wait_s:.0f} s "
                                     f"(lock {path})") from None
@@ -103,8 +104,3 @@ def _builder_lock(path: Path, name: str, wait_s: float) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(file, fcntl.LOCK_UN)
-
-
-def _holder(file) -> str:
-    file.seek(0)
-    return file.read().strip() or "?"

@@ -23,13 +23,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineError
-from engine.loading import (
-    cache_root,
-    convert_gguf,
-    is_complete,
-    load_state_dict,
-    load_tokenizer,
-)
+from engine.loading import cache_root, convert_gguf, is_complete, load_state_dict, load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -46,8 +40,8 @@ class PackagedModel:
     parts: tuple[WheelMember, ...]  # concatenated in this order
     n_bytes: int
     sha256: str  # of the assembled GGUF; the Qwen parts come from an unknown packager
-    # the generation_config.json settings its GGUF drops (loading.generation_defaults adds them)
     n_context: int = 0  # native context, tokens (the model picker shows it before the model is converted)
+    # the generation_config.json settings its GGUF drops (loading.generation_defaults adds them)
     generation: dict | None = None
     note: str = ""  # one line on what the model is good for (the app's model picker)
 
@@ -105,9 +99,8 @@ def gguf_path(name: str, root: Path | None = None) -> Path:
     return (root or cache_root()) / "gguf" / f"{name}.gguf"
 
 
-def packaged_model_dir(
-    name: str, assemble: bool = True, root: Path | None = None, on_progress: Progress = _quiet
-) -> Path | None:
+def packaged_model_dir(name: str, assemble: bool = True, root: Path | None = None,
+                       on_progress: Progress = _quiet) -> Path | None:
     """The converted folder of a packaged model; None when absent and `assemble` is False."""
     model = PACKAGED_MODELS[name]
     out_dir = model_dir(name, root)
@@ -221,11 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     root = args.root or cache_root()
     names = args.only or list(PACKAGED_MODELS)
-    if args.list:
-        for name in names:
-            print(f"{name:20} {_status(name, root)}")
-        return 0
-    for name in names:
+    for name in [] if args.list else names:  # --list: only the states below
         started = time.perf_counter()
         try:
             if args.no_convert:
