@@ -27,7 +27,7 @@ from engine.config import EngineConfig, ModelConfig, RetrievalConfig, SamplingCo
 from engine.kv.offload import OffloadCache
 from engine.memory import DeviceBudget, free_memory_bytes, plan_memory
 from engine.model import Transformer
-from engine.session import Engine
+from engine.session import CHAT_ROOM_TOKENS, Engine
 
 N_DOC_TOKENS, N_NEW_TOKENS, VOCAB = 400, 16, 256
 RETRIEVAL = RetrievalConfig(budget_tokens=128, sink_tokens=4, window_tokens=32, chunk_tokens=8,
@@ -169,11 +169,11 @@ def check_planner(device, dtype) -> tuple[str, str]:
     torch.cuda.reset_peak_memory_stats(device)
     answer(engine)
     measured = torch.cuda.max_memory_allocated(device) - before
-    c = engine.target.config
-    n_tokens = N_DOC_TOKENS + 2048  # the capacity Engine.open allocates (engine.CHAT_ROOM_TOKENS)
+    n_tokens = N_DOC_TOKENS + CHAT_ROOM_TOKENS  # the capacity Engine.open allocates
     budget = [DeviceBudget(str(device), free_memory_bytes(device) + weights, "cuda")]
-    planned = plan_memory(c, n_tokens, budget, dtype.itemsize, retrieval_budget_tokens=RETRIEVAL.budget_tokens,
-                          prefill_chunk_tokens=128).devices[0].total_bytes
+    planned = plan_memory(engine.target.config, n_tokens, budget, dtype.itemsize,
+                          retrieval_budget_tokens=RETRIEVAL.budget_tokens,
+                          prefill_chunk_tokens=engine.prefill_chunk_tokens).devices[0].total_bytes
     ok = measured <= planned
     return ("pass" if ok else "fail"), (f"peak {measured / 2**20:.1f} MiB measured, {planned / 2**20:.1f} MiB "
                                         "planned (weights + caches + activations)")
