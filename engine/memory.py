@@ -178,8 +178,7 @@ def _plan(target: ModelConfig, n_tokens: int, devices: list[DeviceBudget],
     buffers = N_KV_BUFFERS * layer_kv
     room = min(p.usable_bytes for p in on_chip) - fixed.total_bytes - buffers
     n_resident = min(n_layers - 1, room // max(layer_kv, 1))
-    plans = [replace(p, full_kv_bytes=max(n_resident, 0) * layer_kv, kv_buffer_bytes=buffers)
-             for p in on_chip]
+    plans = [replace(p, full_kv_bytes=max(n_resident, 0) * layer_kv, kv_buffer_bytes=buffers) for p in on_chip]
     if n_resident < 0:
         return next(_fits(p) for p in plans if _fits(p)) + " (even with the KV offloaded)"
     # the host holds every layer of every rank (engine/kv/offload.py): the resident layers too,
@@ -245,4 +244,4 @@ def resident_kv_layers(target: ModelConfig, n_tokens: int, gpu_free_bytes: list[
     for all ranks' KV together."""
     devices = [DeviceBudget(f"cuda:{i}", free, "cuda") for i, free in enumerate(gpu_free_bytes)]
     devices.append(DeviceBudget("cpu", host_free_bytes, "cpu"))
-    return plan_memory(target, n_tokens, devices, **vars(work)).n_resident_kv_layers  # Workload's fields
+    return plan_memory(target, n_tokens, devices, **vars(work)).n_resident_kv_layers  # its fields: the keywords
