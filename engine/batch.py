@@ -39,36 +39,33 @@ class Job:
         self.abandoned = False  # the consumer went away: close at the next event boundary ...
         self.is_closing = False  # ... of the next round (rank 0 decides it for every rank)
 
-    def advance(self, in_step: bool = False) -> Forward | None:
+    def advance(self, in_step: bool) -> Forward | None:
         """Run until the next forward request; None when the answer is over. `in_step` (tensor
         parallel): an untyped error means the ranks are out of step; it ends the round, not the answer."""
         while True:
             try:
                 item = self.steps.send(self.result)
             except StopIteration:
-                return self._end(_DONE)
+                return self.end()
             except Exception as error:  # a typed engine error: the consumer gets it, the batch goes on
                 if in_step and not isinstance(error, (EngineError, ValueError)):
                     raise
-                return self._end(error)
+                return self.end(error)
             self.result = None
             if isinstance(item, Forward):
                 self.request = item
                 return item
             self.out.put(item)
             if self.is_closing:  # between two steps the session's caches are consistent
-                self.steps.close()
-                return self._end(_DONE)
+                return self.end()
 
-    def fail(self, error: Exception) -> None:
+    def end(self, last=_DONE) -> None:
+        """Close the answer (a no-op once it returned or raised) and give its consumer `last`: the
+        end, or the error."""
         self.steps.close()
-        self._end(error)
-
-    def _end(self, last) -> None:
         self.request = None
         self.out.put(last)
         self.ended.set()
-        return None
 
     def stream(self) -> Iterator:
         """The items the answer yields, in order; re-raises its error."""
@@ -132,10 +129,7 @@ class Batcher:
             try:
                 self.leader.call(round_on_every_rank, *plan, batcher=self)
             except Exception as error:  # noqa: BLE001 (parallel.RankFailed: every answer is told)
-                with self.cond:
-                    jobs, self.active = self.active, []
-                for job in jobs:
-                    job.fail(error)
+                self._drop(self.active, error)
 
     def _admit(self) -> list[Job]:
         with self.cond:
@@ -143,8 +137,7 @@ class Batcher:
             while self.waiting and len(self.active) < self.max_active:
                 job = self.waiting.popleft()
                 if job.abandoned:  # stopped before it started
-                    job.steps.close()
-                    job._end(_DONE)
+                    job.end()
                     continue
                 admitted.append(job)
             self.active += admitted
@@ -154,9 +147,9 @@ class Batcher:
 
     def step(self) -> None:
         """Advance every active answer to its next forward and serve the forwards packed by model."""
-        ready = [job for job in list(self.active) if job.advance(self.in_step) is not None]
+        ready = [job for job in self.active if job.advance(self.in_step) is not None]
         with self.cond:
-            self.active = [job for job in self.active if job in ready]
+            self.active = ready
         by_model: dict[int, list[Job]] = {}
         for job in ready:
             by_model.setdefault(id(job.request.model), []).append(job)
@@ -170,15 +163,19 @@ class Batcher:
         except Exception as error:  # e.g. out of memory: every answer in this forward is told
             if self.in_step:
                 raise
-            with self.cond:
-                self.active = [job for job in self.active if job not in group]
-            for job in group:
-                job.fail(error)
+            self._drop(group, error)
             return
         for job, logits in zip(group, outs):
             job.result = logits
         self.n_forwards += 1
         self.n_segments += len(group)
+
+    def _drop(self, jobs: list[Job], error: Exception) -> None:
+        """End `jobs` with `error` (each consumer gets it); the other answers go on."""
+        with self.cond:
+            self.active = [job for job in self.active if job not in jobs]
+        for job in jobs:
+            job.end(error)
 
 
 def round_on_every_rank(ranks, admitted: list[tuple], closing: list[int], batcher: Batcher | None = None) -> None:

@@ -58,19 +58,16 @@ class CudaGraphStep:
         # streams, capture and replay belong to the current device: make it the step's (cuda:1
         # under cuda:0 as current would capture on the wrong device and replay stale outputs)
         with torch.cuda.device(self.device):
-            return self._run(inputs)
-
-    def _run(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        key = tuple((t.shape, t.dtype) for t in inputs)
-        if key not in self.graphs:
-            if len(self.graphs) >= self.max_graphs:  # too many shapes: this call runs eager
-                return self.step(*inputs)
-            self.graphs[key] = self._capture(inputs)
-        graph, static_inputs, static_output = self.graphs[key]
-        for buffer, t in zip(static_inputs, inputs):
-            buffer.copy_(t)
-        graph.replay()
-        return static_output.clone()  # the static buffer is overwritten by the next replay
+            key = tuple((t.shape, t.dtype) for t in inputs)
+            if key not in self.graphs:
+                if len(self.graphs) >= self.max_graphs:  # too many shapes: this call runs eager
+                    return self.step(*inputs)
+                self.graphs[key] = self._capture(inputs)
+            graph, static_inputs, static_output = self.graphs[key]
+            for buffer, t in zip(static_inputs, inputs):
+                buffer.copy_(t)
+            graph.replay()
+            return static_output.clone()  # the static buffer is overwritten by the next replay
 
     def _capture(self, inputs):
         static_inputs = [t.clone() for t in inputs]

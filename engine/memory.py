@@ -97,7 +97,6 @@ class Workload:
     draft: ModelConfig | None = None  # the small drafter, or the target for self-speculation
     retrieval_budget_tokens: int = RetrievalConfig.budget_tokens  # 0: no middle level
     prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens
-    batch: int = 1
     offload_allowed: bool = True
     draft_cache_tokens: int = DRAFT_CACHE_TOKENS
     has_tail_masks: bool = True  # prefill builds [T, S] masks (SDPA); flash-attn's causal chains do not
@@ -116,7 +115,7 @@ def weight_bytes(cfg: ModelConfig, dtype_bytes: int, n_ranks: int = 1) -> int:
 
 
 def activation_bytes(cfg: ModelConfig, chunk_tokens: int, n_tokens: int, dtype_bytes: int,
-                     batch: int = 1, n_ranks: int = 1, has_tail_masks: bool = True) -> int:
+                     n_ranks: int = 1, has_tail_masks: bool = True) -> int:
     """Upper bound of one prefill chunk's live tensors on one rank (their sum, not their peak)."""
     q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     hidden = 2 * cfg.dim + 2 * (q_dim + kv_dim) // n_ranks  # residual, normed, q, k, v, attn out
@@ -126,8 +125,8 @@ def activation_bytes(cfg: ModelConfig, chunk_tokens: int, n_tokens: int, dtype_b
     # memory-efficient kernel pads that to a multiple of 16 keys: (1 + G * (1 + 2 * dtype)) T S
     G = cfg.n_heads // cfg.n_kv_heads
     mask = chunk_tokens * n_tokens * (1 + G * (1 + 2 * dtype_bytes)) if has_tail_masks else 0
-    logits = batch * chunk_tokens * cfg.vocab_size * 4  # float32 [T, V]
-    return batch * chunk_tokens * (hidden + mlp) * dtype_bytes + mask + logits
+    logits = chunk_tokens * cfg.vocab_size * 4  # float32 [T, V]
+    return chunk_tokens * (hidden + mlp) * dtype_bytes + mask + logits
 
 
 def rebuild_bytes(cfg: ModelConfig, n_tokens: int, dtype_bytes: int, n_ranks: int = 1,
@@ -146,14 +145,12 @@ def _fixed_parts(target: ModelConfig, n_tokens: int, n_ranks: int, work: Workloa
     has_own_weights = draft not in (None, target)  # self-speculation shares the target's weights
     return DevicePlan(
         "", 0, weights_bytes=weight_bytes(target, dtype_bytes, n_ranks),
-        retrieval_kv_bytes=(work.retrieval_budget_tokens * work.batch
-                            * target.kv_bytes_per_token(dtype_bytes) // n_ranks),
+        retrieval_kv_bytes=work.retrieval_budget_tokens * target.kv_bytes_per_token(dtype_bytes) // n_ranks,
         drafter_weights_bytes=weight_bytes(draft, dtype_bytes) if has_own_weights else 0,
-        drafter_cache_bytes=(work.draft_cache_tokens * work.batch
-                             * draft.kv_bytes_per_token(dtype_bytes) if draft else 0),
+        drafter_cache_bytes=work.draft_cache_tokens * draft.kv_bytes_per_token(dtype_bytes) if draft else 0,
         # a prefill chunk's, or (while decoding, after prefill) a retrieval rebuild's
         activation_bytes=max(activation_bytes(target, work.prefill_chunk_tokens, n_tokens, dtype_bytes,
-                                              work.batch, n_ranks, work.has_tail_masks),
+                                              n_ranks, work.has_tail_masks),
                              rebuild_bytes(target, n_tokens, dtype_bytes, n_ranks) if work.retrieval_budget_tokens
                              else 0))
 
@@ -167,11 +164,10 @@ def _plan(target: ModelConfig, n_tokens: int, devices: list[DeviceBudget],
     if target.n_kv_heads % n_ranks or target.n_heads % n_ranks:
         raise ValueError(f"tensor parallel over {n_ranks} GPUs needs the {target.n_heads} query "
                          f"and {target.n_kv_heads} KV heads to divide evenly; use fewer GPUs")
-    kv_token = work.batch * target.kv_bytes_per_token(work.dtype_bytes) // n_ranks  # one rank
+    kv_token = target.kv_bytes_per_token(work.dtype_bytes) // n_ranks  # one rank
     layer_kv = n_tokens * kv_token // n_layers  # one layer of one rank's full cache
     fixed = _fixed_parts(target, n_tokens, n_ranks, work)
-    on_chip = [replace(fixed, name=d.name, free_bytes=d.free_bytes,
-                       full_kv_bytes=n_layers * layer_kv)
+    on_chip = [replace(fixed, name=d.name, free_bytes=d.free_bytes, full_kv_bytes=n_layers * layer_kv)
                for d in gpus or hosts]  # CPU only: everything in host memory, nothing to offload
     why = [_fits(p) for p in on_chip if _fits(p)]
     if not why:
@@ -182,8 +178,7 @@ def _plan(target: ModelConfig, n_tokens: int, devices: list[DeviceBudget],
     buffers = N_KV_BUFFERS * layer_kv
     room = min(p.usable_bytes for p in on_chip) - fixed.total_bytes - buffers
     n_resident = min(n_layers - 1, room // max(layer_kv, 1))
-    plans = [replace(p, full_kv_bytes=max(n_resident, 0) * layer_kv, kv_buffer_bytes=buffers)
-             for p in on_chip]
+    plans = [replace(p, full_kv_bytes=max(n_resident, 0) * layer_kv, kv_buffer_bytes=buffers) for p in on_chip]
     if n_resident < 0:
         return next(_fits(p) for p in plans if _fits(p)) + " (even with the KV offloaded)"
     # the host holds every layer of every rank (engine/kv/offload.py): the resident layers too,
@@ -202,8 +197,7 @@ def _fits(plan: DevicePlan) -> str:
 def plan_memory(target: ModelConfig, n_tokens: int, devices: list[DeviceBudget],
                 dtype_bytes: int = 2, draft: ModelConfig | None = None,
                 retrieval_budget_tokens: int = RetrievalConfig.budget_tokens,
-                prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens, batch: int = 1,
-                offload_allowed: bool = True,
+                prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens, offload_allowed: bool = True,
                 draft_cache_tokens: int = DRAFT_CACHE_TOKENS, has_tail_masks: bool = True) -> MemoryPlan:
     """Where each part lives for a document of `n_tokens`; raises `OutOfMemoryPlan` if nowhere.
 
@@ -211,8 +205,8 @@ def plan_memory(target: ModelConfig, n_tokens: int, devices: list[DeviceBudget],
     GPU is given. `draft`: the small drafter, or `target` itself for self-speculation (only its
     StreamingLLM cache is counted). `retrieval_budget_tokens=0` when the stack has no middle level.
     """
-    work = Workload(dtype_bytes, draft, retrieval_budget_tokens, prefill_chunk_tokens, batch,
-                    offload_allowed, draft_cache_tokens, has_tail_masks)
+    work = Workload(dtype_bytes, draft, retrieval_budget_tokens, prefill_chunk_tokens, offload_allowed,
+                    draft_cache_tokens, has_tail_masks)
     plan = _plan(target, n_tokens, devices, work)
     if isinstance(plan, MemoryPlan):
         return plan
@@ -226,12 +220,9 @@ def plan_memory(target: ModelConfig, n_tokens: int, devices: list[DeviceBudget],
 def max_tokens_that_fit(target: ModelConfig, devices: list[DeviceBudget],
                         work: Workload = Workload(), limit: int = 1 << 40) -> int:
     """Largest length up to `limit` that `plan_memory` accepts (0: none); 2**40 exceeds any RAM."""
-
-    def is_too_long(n_tokens: int) -> bool:
-        return not isinstance(_plan(target, n_tokens, devices, work), MemoryPlan)
-
     # memory grows with the length, so the lengths that fit are a prefix of 1..limit: bisect it
-    return bisect.bisect_left(range(1, limit + 1), True, key=is_too_long)
+    return bisect.bisect_left(range(1, limit + 1), True,
+                              key=lambda n_tokens: not isinstance(_plan(target, n_tokens, devices, work), MemoryPlan))
 
 
 def free_memory_bytes(device: str | torch.device) -> int:
@@ -240,8 +231,7 @@ def free_memory_bytes(device: str | torch.device) -> int:
     if device.type == "cpu":
         return psutil.virtual_memory().available
     if device.type == "cuda" and torch.cuda.is_available():
-        free_bytes, _total_bytes = torch.cuda.mem_get_info(device)
-        return free_bytes
+        return torch.cuda.mem_get_info(device)[0]  # (free, total)
     raise ValueError(f"cannot measure free memory on {device}: no such device here")
 
 
@@ -254,6 +244,4 @@ def resident_kv_layers(target: ModelConfig, n_tokens: int, gpu_free_bytes: list[
     for all ranks' KV together."""
     devices = [DeviceBudget(f"cuda:{i}", free, "cuda") for i, free in enumerate(gpu_free_bytes)]
     devices.append(DeviceBudget("cpu", host_free_bytes, "cpu"))
-    return plan_memory(target, n_tokens, devices, work.dtype_bytes, work.draft, work.retrieval_budget_tokens,
-                       work.prefill_chunk_tokens, work.batch, work.offload_allowed, work.draft_cache_tokens,
-                       work.has_tail_masks).n_resident_kv_layers
+    return plan_memory(target, n_tokens, devices, **vars(work)).n_resident_kv_layers  # its fields: the keywords

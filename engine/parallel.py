@@ -39,6 +39,17 @@ from engine.sampling import Coins
 
 log = logging.getLogger(__name__)
 
+# Every collective ends within this; ranks > 0 wait inside one for rank 0's next call, so rank 0
+# sends a no-op call when idle (`HEARTBEAT_S`). A rank that fails or hangs is noticed then.
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+HEARTBEAT_S = 60.0
+START_TIMEOUT = timedelta(minutes=5)  # the ranks meet this soon after spawning, or one failed
+LOAD_TIMEOUT = timedelta(hours=2)  # spawned ranks wait this long for rank 0's model (a GGUF converts once)
+READY_KEY = "bookchat/ready"
+FAILURE_KEY = "bookchat/failed"  # in the spawned ranks' store: why a rank left
+# How a call ended on a rank; after each call the ranks compare (`_agree`).
+COMPLETED, TYPED_ERROR = 0, 1  # a typed error (bad input) is raised alike on every rank
+
 
 class RankFailed(EngineError):
     def __init__(self, detail: str):
@@ -48,17 +59,16 @@ class RankFailed(EngineError):
 
 class HeadsNotDivisible(EngineError):
     def __init__(self, what: str, n: int, n_ranks: int):
-        fits = [d for d in range(1, n + 1) if n % d == 0 and d <= 8]
+        fits = [d for d in range(1, min(n, 8) + 1) if n % d == 0]
         super().__init__(f"Tensor parallel over {n_ranks} GPUs needs the model's {n} {what} to divide "
                          f"evenly; use one of {fits} GPUs.")
 
 
-def _slice(linear: nn.Linear, part: slice, dim: int) -> None:
-    """Keep `part` of the output rows (dim 0) or input columns (dim 1), as new tensors."""
-    linear.weight = nn.Parameter(linear.weight.narrow(dim, part.start, part.stop - part.start).clone(),
-                                 requires_grad=False)
+def _slice(linear: nn.Linear, dim: int, start: int, n: int) -> None:
+    """Keep output rows (dim 0) or input columns (dim 1) start..start+n-1, as new tensors."""
+    linear.weight = nn.Parameter(linear.weight.narrow(dim, start, n).clone(), requires_grad=False)
     if dim == 0 and linear.bias is not None:
-        linear.bias = nn.Parameter(linear.bias[part].clone(), requires_grad=False)
+        linear.bias = nn.Parameter(linear.bias.narrow(0, start, n).clone(), requires_grad=False)
     linear.out_features, linear.in_features = linear.weight.shape
 
 
@@ -75,14 +85,13 @@ def shard(model: Transformer, rank: int, n_ranks: int) -> Transformer:
         if n % n_ranks:
             raise HeadsNotDivisible(what, n, n_ranks)
     H, Hkv, F, D = c.n_heads // n_ranks, c.n_kv_heads // n_ranks, c.intermediate // n_ranks, c.head_dim
-    q, kv = slice(rank * H * D, (rank + 1) * H * D), slice(rank * Hkv * D, (rank + 1) * Hkv * D)
-    f = slice(rank * F, (rank + 1) * F)  # HF layout: a KV head's query heads are adjacent, so q and kv align
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for linear, part, dim in ((attn.q_proj, q, 0), (attn.k_proj, kv, 0), (attn.v_proj, kv, 0),
-                                  (attn.o_proj, q, 1), (mlp.gate_proj, f, 0), (mlp.up_proj, f, 0),
-                                  (mlp.down_proj, f, 1)):
-            _slice(linear, part, dim)
+        # each rank keeps its n-wide part; HF layout: a KV head's query heads are adjacent, so q and kv align
+        for linear, dim, n in ((attn.q_proj, 0, H * D), (attn.k_proj, 0, Hkv * D), (attn.v_proj, 0, Hkv * D),
+                               (attn.o_proj, 1, H * D), (mlp.gate_proj, 0, F), (mlp.up_proj, 0, F),
+                               (mlp.down_proj, 1, F)):
+            _slice(linear, dim, rank * n, n)
         attn.n_heads, attn.n_kv_heads = H, Hkv
         # on the blocks, not on o_proj/down_proj (their outputs are the blocks'): the engine may
         # swap the linears for packed ones afterwards (engine/layouts.py)
@@ -96,16 +105,12 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def _share(value: int | float, dtype: torch.dtype = torch.long) -> int | float:
-    """Rank 0's `value`, on every rank (the others' `value` is ignored)."""
+def shared(value: int | float, dtype: torch.dtype = torch.float64) -> int | float:
+    """Rank 0's `value` on every rank, exactly (the others' `value` is ignored); float64 by default:
+    the tuners' `share` under tensor parallel."""
     t = torch.tensor([value], dtype=dtype, device=_device())
     dist.broadcast(t, src=0)
     return t.item()
-
-
-def shared(value: float) -> float:
-    """Rank 0's `value` on every rank, exactly (float64): the tuners' `share` under tensor parallel."""
-    return _share(value, torch.float64)
 
 
 def gathered(value):
@@ -117,15 +122,12 @@ def gathered(value):
     return values
 
 
-# How a call ended on a rank; after each call the ranks compare (`_agree`).
-COMPLETED, TYPED_ERROR = 0, 1  # a typed error (bad input) is raised alike on every rank
-
-
-def _agree(status: int) -> bool:
-    """Whether every rank ended the last call the same way (a collective)."""
+def _agree(status: int) -> None:
+    """Raise unless every rank ended the last call the same way (a collective)."""
     t = torch.tensor([status, -status], device=_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t[0]) == -int(t[1])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # [max, -min] of the ranks' statuses
+    if int(t[0]) != -int(t[1]):
+        raise RuntimeError("the ranks ended a call differently")
 
 
 class SharedCoins:
@@ -135,20 +137,20 @@ class SharedCoins:
         self.coins = coins if dist.get_rank() == 0 else None
 
     def accept(self, p: float) -> bool:
-        return bool(_share(int(self.coins.accept(p)) if self.coins else 0))
+        return bool(shared(int(self.coins.accept(p)) if self.coins else 0, torch.long))
 
     def sample(self, probs: torch.Tensor) -> int:
-        return _share(self.coins.sample(probs) if self.coins else 0)
+        return shared(self.coins.sample(probs) if self.coins else 0, torch.long)
 
 
 class SharedFlag:
     """Rank 0's cancel flag, read at the same points on every rank."""
 
-    def __init__(self, flag=None):
+    def __init__(self, flag):
         self.flag = flag if dist.get_rank() == 0 else None
 
     def is_set(self) -> bool:
-        return bool(_share(int(self.flag is not None and self.flag.is_set())))
+        return bool(shared(int(self.flag is not None and self.flag.is_set()), torch.long))
 
 
 @dataclass
@@ -203,17 +205,17 @@ def _register(ranks: Ranks, sid: int, session, leader) -> None:
     ranks.sessions[sid] = session
 
 
-def _gathered_heads(t: torch.Tensor, dim: int) -> torch.Tensor | None:
-    """Every rank's `t` ([L, ...], host) joined along its heads `dim`, on rank 0 (None elsewhere); one
-    layer at a time through this rank's device, so no device holds more than one layer."""
+def _gathered_heads(t: torch.Tensor) -> torch.Tensor | None:
+    """Every rank's `t` ([L, B, H, ...], host) joined along its heads, on rank 0 (None elsewhere);
+    one layer at a time through this rank's device, so no device holds more than one layer."""
     device, is_root = _device(), dist.get_rank() == 0
     layers = []
-    for part in t.unbind(0):  # t: [L, ...]
+    for part in t.unbind(0):  # [B, H, ...]
         part = part.contiguous().to(device)
         parts = [torch.empty_like(part) for _ in range(dist.get_world_size())] if is_root else None
         dist.gather(part, parts, dst=0)
         if is_root:
-            layers.append(torch.cat(parts, dim=dim - 1).cpu())
+            layers.append(torch.cat(parts, dim=1).cpu())
     return torch.stack(layers) if is_root else None
 
 
@@ -221,9 +223,9 @@ def whole_state(state: dict) -> dict | None:
     """A snapshot's state (`Session.state`) with every rank's KV and query heads, on rank 0 (None
     elsewhere): the same format as one process's, so the library stores and verifies one file
     (and any number of ranks restores it, `_restore`)."""
-    cache = {name: _gathered_heads(t, 2) for name, t in state["cache"].items()}  # [L, B, Hkv, S, D]
+    cache = {name: _gathered_heads(t) for name, t in state["cache"].items()}  # [L, B, Hkv, S, D]
     has_queries = all(q is not None for q in state["queries"])
-    queries = _gathered_heads(torch.stack(state["queries"]), 2) if has_queries else None  # [L, B, H, M, D]
+    queries = _gathered_heads(torch.stack(state["queries"])) if has_queries else None  # [L, B, H, M, D]
     if dist.get_rank() > 0:
         return None
     queries = list(queries.unbind(0)) if has_queries else [None] * len(state["queries"])
@@ -232,9 +234,6 @@ def whole_state(state: dict) -> dict | None:
 
 def _idle(ranks: Ranks):
     """Rank 0's heartbeat: keeps idle ranks' waits shorter than the collective timeout."""
-
-
-FAILURE_KEY = "bookchat/failed"  # in the spawned ranks' store: why a rank left
 
 
 class Leader:
@@ -273,22 +272,18 @@ class Leader:
 
     def agree(self, status: int) -> None:
         try:
-            is_same = _agree(status)
-        except Exception as error:  # noqa: BLE001
+            _agree(status)
+        except Exception as error:  # noqa: BLE001 (a collective failed, or the ranks disagree)
             self.fail(error)
-        if not is_same:
-            self.fail(RuntimeError("the ranks ended a call differently"))
 
     def fail(self, error: Exception):
         """The ranks are out of step: say why (the failed rank's own words when it left them in
         the store), leave the group so the other ranks' collectives end, and raise RankFailed."""
         detail = f"{type(error).__name__}: {error}"
         if self.store is not None:
-            try:
+            with contextlib.suppress(Exception):  # no rank left a message: this rank's error is the news
                 self.store.wait([FAILURE_KEY], timedelta(seconds=2))
                 detail = self.store.get(FAILURE_KEY).decode()
-            except Exception:  # noqa: BLE001 (no rank left a message: this rank's error is the news)
-                pass
         self.failure = self.failure or detail
         _leave_group()
         raise RankFailed(self.failure) from error
@@ -298,9 +293,8 @@ class Leader:
             if self.lock.acquire(blocking=False):  # busy: the ranks are talking anyway
                 try:
                     if self.failure is None and not self.closed.is_set():
-                        self.call(_idle)
-                except RankFailed:
-                    pass  # the next call says so
+                        with contextlib.suppress(RankFailed):  # the next call says so
+                            self.call(_idle)
                 finally:
                     self.lock.release()
 
@@ -326,9 +320,10 @@ class Leader:
 
 
 def follow(engine, store=None) -> None:
-    """Ranks > 0: make every call rank 0 broadcasts, until it closes. Any other failure (out of
-    memory, a bug, rank 0 gone) leaves this rank out of step for good: it says why in `store`
-    and exits, which ends rank 0's waiting collective (gloo at once, NCCL at its timeout)."""
+    """Ranks > 0: make every call rank 0 broadcasts, until it closes, then leave the group. Any
+    other failure (out of memory, a bug, rank 0 gone) leaves this rank out of step for good: it
+    says why in `store` and exits, which ends rank 0's waiting collective (gloo at once, NCCL at
+    its timeout)."""
     ranks = Ranks(engine)
     try:
         while True:
@@ -336,14 +331,14 @@ def follow(engine, store=None) -> None:
             dist.broadcast_object_list(message, src=0)
             fn, args = message[0]
             if fn is None:
+                dist.destroy_process_group()
                 return
             try:
                 fn(ranks, *args)
                 status = COMPLETED
             except (EngineError, ValueError):
                 status = TYPED_ERROR  # rank 0 raised the same error to its caller
-            if not _agree(status):
-                raise RuntimeError("the ranks ended a call differently")
+            _agree(status)
     except Exception as error:  # noqa: BLE001
         detail = f"rank {dist.get_rank()}: {type(error).__name__}: {error}"
         if store is not None:
@@ -366,24 +361,13 @@ def rank_device(device: torch.device) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank())))
 
 
-# Every collective ends within this; ranks > 0 wait inside one for rank 0's next call, so rank 0
-# sends a no-op call when idle (`HEARTBEAT_S`). A rank that fails or hangs is noticed then.
-COLLECTIVE_TIMEOUT = timedelta(minutes=5)
-HEARTBEAT_S = 60.0
-START_TIMEOUT = timedelta(minutes=5)  # the ranks meet this soon after spawning, or one failed
-LOAD_TIMEOUT = timedelta(hours=2)  # spawned ranks wait this long for rank 0's model (a GGUF converts once)
-READY_KEY = "bookchat/ready"
-
-
 def _join(rank: int, n_ranks: int, store, device: torch.device) -> None:
-    """Join the group: through `store` (spawned ranks), or as torchrun's environment says."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    """Join the group: through `store` (spawned ranks), or without one at torchrun's MASTER_ADDR
+    and MASTER_PORT (torch's "env://")."""
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    if store is None:  # torchrun set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
-        dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
-    else:
-        dist.init_process_group(backend, store=store, rank=rank, world_size=n_ranks, timeout=COLLECTIVE_TIMEOUT)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=n_ranks, timeout=COLLECTIVE_TIMEOUT)
 
 
 def _serve(make_engine: Callable, rank: int, n_ranks: int, port: int, device: torch.device, n_threads: int):
@@ -393,7 +377,6 @@ def _serve(make_engine: Callable, rank: int, n_ranks: int, port: int, device: to
     engine = make_engine()
     store.wait([READY_KEY], LOAD_TIMEOUT)  # not in a collective: rank 0 may load (or convert) for long
     follow(engine, store)
-    dist.destroy_process_group()
 
 
 def start(make_engine: Callable[[], object], n_ranks: int, device: torch.device) -> Leader:
@@ -406,7 +389,6 @@ def start(make_engine: Callable[[], object], n_ranks: int, device: torch.device)
         _join(int(os.environ["RANK"]), n_ranks, None, device)
         if dist.get_rank() > 0:
             follow(make_engine())
-            dist.destroy_process_group()
             sys.exit(0)
         return Leader(make_engine(), [])
     store = dist.TCPStore("127.0.0.1", 0, n_ranks, True, timeout=START_TIMEOUT,

@@ -19,13 +19,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.distributed as dist
+from transformers import LlamaConfig
 
 from engine import attention, graphs, parallel
-from engine.config import EngineConfig, RetrievalConfig, SamplingConfig
+from engine.config import EngineConfig, ModelConfig, RetrievalConfig, SamplingConfig
 from engine.kv.offload import OffloadCache
 from engine.memory import DeviceBudget, free_memory_bytes, plan_memory
 from engine.model import Transformer
-from engine.session import Engine
+from engine.session import CHAT_ROOM_TOKENS, Engine
 
 N_DOC_TOKENS, N_NEW_TOKENS, VOCAB = 400, 16, 256
 RETRIEVAL = RetrievalConfig(budget_tokens=128, sink_tokens=4, window_tokens=32, chunk_tokens=8,
@@ -42,10 +44,6 @@ class Check:
 
 def tiny_model(device: torch.device, dtype: torch.dtype, seed: int = 0) -> Transformer:
     """A random 2-layer Llama: hidden 256, 4 query / 2 KV heads of 64, peaked logits."""
-    from transformers import LlamaConfig
-
-    from engine.config import ModelConfig
-
     hf = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -81,11 +79,12 @@ def answer(engine, levels: str = "ngram>retrieval>full") -> list[int]:
     return tokens
 
 
-def same_tokens(got: list[int], want: list[int], what: str) -> tuple[bool, str]:
+def same_tokens(got: list[int], want: list[int], what: str) -> tuple[str, str]:
+    """A check's status and detail: whether `got` equals the reference `want`."""
     if got == want:
-        return True, f"{what}: {len(got)} greedy tokens equal"
+        return "pass", f"{what}: {len(got)} greedy tokens equal"
     first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-    return False, f"{what}: tokens differ from position {first} of {len(want)}"
+    return "fail", f"{what}: tokens differ from position {first} of {len(want)}"
 
 
 def check_flash_attn(device, dtype) -> tuple[str, str]:
@@ -99,13 +98,13 @@ def check_flash_attn(device, dtype) -> tuple[str, str]:
     worst = 0.0
     for T, S in ((1, 700), (7, 700), (128, 1000)):
         cache.truncate(0)
-        chain = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        chain = torch.ones(T, T, dtype=torch.bool, device=device).tril() if T > 1 else None
         for layer_idx in range(2):
             k, v = (torch.randn(1, 2, S, 64, generator=g, device=device, dtype=torch.bfloat16) for _ in "kv")
             k_view, v_view = cache.update(layer_idx, k, v)  # token-major storage, [B, Hkv, S, D] views
             q = torch.randn(1, 4, T, 64, generator=g, device=device, dtype=torch.bfloat16)
-            got = attention.flash_attention(q, k_view[:, :, :S], v_view[:, :, :S], chain if T > 1 else None, False)
-            want = attention.sdpa_attention(q.float(), k.float(), v.float(), chain if T > 1 else None, False)
+            got = attention.flash_attention(q, k_view[:, :, :S], v_view[:, :, :S], chain, False)
+            want = attention.sdpa_attention(q.float(), k.float(), v.float(), chain, False)
             worst = max(worst, (got.float() - want).abs().max().item())
         cache.advance(S)
     ok = worst <= 2e-2  # bf16 inputs, float32 reference
@@ -117,29 +116,26 @@ def check_cuda_graphs(device, dtype) -> tuple[str, str]:
     eager = answer(Engine(engine_config(device), tiny_model(device, dtype)))
     if device.type == "cuda":
         captured = Engine(engine_config(device, use_cuda_graphs=True), tiny_model(device, dtype))
-        ok, detail = same_tokens(answer(captured), eager, "captured one-token steps vs eager")
-        return ("pass" if ok else "fail"), detail
+        return same_tokens(answer(captured), eager, "captured one-token steps vs eager")
     graphs.force_static_steps = True  # the CPU stand-in: the static steps CUDA would capture, uncaptured
     try:
-        ok, detail = same_tokens(answer(Engine(engine_config(device), tiny_model(device, dtype))), eager,
-                                 "static one-token steps (uncaptured) vs eager")
+        status, detail = same_tokens(answer(Engine(engine_config(device), tiny_model(device, dtype))), eager,
+                                     "static one-token steps (uncaptured) vs eager")
     finally:
         graphs.force_static_steps = False
-    return ("pass" if ok else "fail"), detail + "; the CUDA capture itself needs a GPU"
+    return status, detail + "; the CUDA capture itself needs a GPU"
 
 
 def check_offload(device, dtype) -> tuple[str, str]:
     on_chip = answer(Engine(engine_config(device), tiny_model(device, dtype)))
     offloaded = Engine(engine_config(device, offload_kv=True, resident_kv_layers=1), tiny_model(device, dtype))
-    ok, detail = same_tokens(answer(offloaded), on_chip, "offloaded KV (1 of 2 layers resident) vs on chip")
+    status, detail = same_tokens(answer(offloaded), on_chip, "offloaded KV (1 of 2 layers resident) vs on chip")
     where = "pinned host memory and a side stream" if device.type == "cuda" else "CPU stand-in: inline copies"
-    return ("pass" if ok else "fail"), f"{detail} ({where})"
+    return status, f"{detail} ({where})"
 
 
 def tp_rank_engine(device_type: str) -> Engine:
     """One rank's engine of the tiny model (float32: ranks sum partial products in another order)."""
-    import torch.distributed as dist
-
     device = torch.device(device_type)
     model = tiny_model(torch.device("cpu"), torch.float32)
     n_ranks = dist.get_world_size() if dist.is_initialized() else 1
@@ -160,8 +156,7 @@ def check_tensor_parallel(device, dtype) -> tuple[str, str]:
     finally:
         leader.close()
     backend = "NCCL on 2 GPUs" if device.type == "cuda" else "gloo on CPU (stand-in for NCCL)"
-    ok, detail = same_tokens(two, one, f"2 ranks ({backend}) vs one process")
-    return ("pass" if ok else "fail"), detail
+    return same_tokens(two, one, f"2 ranks ({backend}) vs one process")
 
 
 def check_planner(device, dtype) -> tuple[str, str]:
@@ -174,11 +169,11 @@ def check_planner(device, dtype) -> tuple[str, str]:
     torch.cuda.reset_peak_memory_stats(device)
     answer(engine)
     measured = torch.cuda.max_memory_allocated(device) - before
-    c = engine.target.config
-    n_tokens = N_DOC_TOKENS + 2048  # the capacity Engine.open allocates (engine.CHAT_ROOM_TOKENS)
+    n_tokens = N_DOC_TOKENS + CHAT_ROOM_TOKENS  # the capacity Engine.open allocates
     budget = [DeviceBudget(str(device), free_memory_bytes(device) + weights, "cuda")]
-    planned = plan_memory(c, n_tokens, budget, dtype.itemsize, retrieval_budget_tokens=RETRIEVAL.budget_tokens,
-                          prefill_chunk_tokens=128).devices[0].total_bytes
+    planned = plan_memory(engine.target.config, n_tokens, budget, dtype.itemsize,
+                          retrieval_budget_tokens=RETRIEVAL.budget_tokens,
+                          prefill_chunk_tokens=engine.prefill_chunk_tokens).devices[0].total_bytes
     ok = measured <= planned
     return ("pass" if ok else "fail"), (f"peak {measured / 2**20:.1f} MiB measured, {planned / 2**20:.1f} MiB "
                                         "planned (weights + caches + activations)")
@@ -197,26 +192,22 @@ def run_checks(device: torch.device, names: list[str] | None = None) -> list[Che
     """Each check (all, or `names`), timed; an exception is a failure with its last lines."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     n_threads = torch.get_num_threads()
+    results = []
     if device.type == "cpu":
         torch.set_num_threads(1)  # tiny matrices: threads only spin (and the ranks have one each)
     try:
-        return _run(device, dtype, names)
+        for name, check in CHECKS.items():
+            if names and name not in names:
+                continue
+            started = time.perf_counter()
+            try:
+                status, detail = check(device, dtype)
+            except Exception as error:  # noqa: BLE001 (a crash is the finding: report it and go on)
+                status = "fail"
+                detail = f"{type(error).__name__}: {error} | " + " ".join(traceback.format_exc().splitlines()[-4:])
+            results.append(Check(name, status, time.perf_counter() - started, detail))
     finally:
         torch.set_num_threads(n_threads)
-
-
-def _run(device: torch.device, dtype: torch.dtype, names: list[str] | None) -> list[Check]:
-    results = []
-    for name, check in CHECKS.items():
-        if names and name not in names:
-            continue
-        started = time.perf_counter()
-        try:
-            status, detail = check(device, dtype)
-        except Exception as error:  # noqa: BLE001 (a crash is the finding: report it and go on)
-            status = "fail"
-            detail = f"{type(error).__name__}: {error} | " + " ".join(traceback.format_exc().splitlines()[-4:])
-        results.append(Check(name, status, time.perf_counter() - started, detail))
     return results
 
 
