@@ -204,10 +204,9 @@ def gguf_header_dir(gguf_path: Path, sha256: str) -> Path:
     return out_dir
 
 
-_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-            "ffn_down": "mlp.down_proj"}
-_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+_LAYER_MODULES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                  "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                  "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -217,7 +216,7 @@ def _hf_name(gguf_name: str) -> str:
     if gguf_name in fixed:
         return fixed[gguf_name]
     _, layer, kind, what = gguf_name.split(".")
-    module = _LINEARS.get(kind) or _NORMS.get(kind)
+    module = _LAYER_MODULES.get(kind)
     if module is None:
         raise EngineError(f"unexpected tensor {gguf_name!r} in a Llama / Qwen2 GGUF")
     return f"model.layers.{layer}.{module}.{what}"
