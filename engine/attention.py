@@ -39,17 +39,28 @@ def sdpa_attention(
     tail: torch.Tensor | None,  # [T, T] bool, or None when T == 1
     is_tree: bool | None = None,  # `tail` is not causal (model.Segment says; None: look)
 ) -> torch.Tensor:  # [B, H, T, D]
-    B, H, T, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    G = H // Hkv
-    if tail is not None and T > 1 and q.device.type == "cpu" and _flash_cpu is not None:
+    if tail is None or q.shape[2] == 1:
+        return masked_attention(q, k, v, None)
+    if q.device.type == "cpu" and _flash_cpu is not None:
         return _split_attention(q, k, v, tail, is_tree=is_tree)
-    q = q.reshape(B, Hkv, G * T, D)  # query heads of one KV head are adjacent (HF layout)
-    mask = None
-    if tail is not None and T > 1:
-        mask = tail_mask(S, tail).repeat(G, 1)  # [G*T, S]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return out.reshape(B, H, T, D)
+    return masked_attention(q, k, v, tail_mask(k.shape[2], tail))
+
+
+def masked_attention(
+    q: torch.Tensor,  # [B, H, T, D]
+    k: torch.Tensor,  # [B, Hkv, S, D]
+    v: torch.Tensor,  # [B, Hkv, S, D]
+    key_mask: torch.Tensor | None,  # [T, S] bool: the keys each query sees; None: all
+) -> torch.Tensor:  # [B, H, T, D]
+    """One SDPA call with each KV head's query heads folded into the query length. The
+    static-shape steps (engine/graphs.py) call it with a mask built from positions over a whole
+    fixed-capacity cache ([B, Hkv, S_max, D]): the mask, not a slice, hides the slots past the
+    cache's length, so the shapes do not change between calls."""
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    q = q.reshape(B, Hkv, (H // Hkv) * T, D)  # query heads of one KV head are adjacent (HF layout)
+    mask = None if key_mask is None else key_mask.repeat(H // Hkv, 1)  # [G*T, S]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, H, T, D)
 
 
 # CPU: torch's own flash kernel (the one SDPA calls) returns its log-sum-exp, so the keys before
@@ -104,21 +115,20 @@ def cpu_attention(q, k, v, tail, is_tree=None):
     answer is SDPA's up to float32 rounding (bf16 caches are read as bf16 and summed in float32,
     as torch's flash kernel does; a bf16 model's scores and P.V in exact bf16 products where the
     CPU has AVX512-BF16). Shapes as SDPA's."""
-    B, H, T, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    G, kernel = H // Hkv, cpu_kernel()
+    _, H, T, D = q.shape
+    G, kernel = H // k.shape[1], cpu_kernel()
     if (kernel is None or q.dtype not in KERNEL_DTYPES or k.dtype != q.dtype or D not in HEAD_DIMS
             or k.stride(3) != 1 or v.stride(3) != 1):
         return sdpa_attention(q, k, v, tail, is_tree)
-    is_chain = tail is not None and T > 1
-    if is_chain and (is_tree if is_tree is not None else is_tree_mask(tail)):
+    has_tail = tail is not None and T > 1
+    if has_tail and (is_tree if is_tree is not None else is_tree_mask(tail)):
         if G * T > FEW_ROWS:
-            return sdpa_attention(q, k, v, tail, is_tree)
+            return sdpa_attention(q, k, v, tail, True)
         return _split_attention(q, k, v, tail, lambda q_folded, k_head, v_head: kernel.few_row_attention(
-            _kernel_rows(q_folded), k_head, v_head), is_tree)
-    if G * T > FEW_ROWS and not (is_chain and q.dtype == torch.bfloat16 and kernel.uses_bf16_dots()):
+            _kernel_rows(q_folded), k_head, v_head), True)
+    if G * T > FEW_ROWS and not (has_tail and q.dtype == torch.bfloat16 and kernel.uses_bf16_dots()):
         return sdpa_attention(q, k, v, tail, is_tree)  # a float32 prefill chunk: GEMM-shaped, flash
-    return _chain_attention(kernel, q, k, v, S - T if is_chain else None)
+    return _chain_attention(kernel, q, k, v, k.shape[2] - T if has_tail else None)
 
 
 def _kernel_rows(q_folded):  # bf16 queries stay bf16: the kernel's BF16 dots where it has them
@@ -182,18 +192,3 @@ def pick_attention(device: torch.device, use_flash_attn: bool = True, use_cpu_ke
     if use_cpu_kernel and device.type == "cpu" and cpu_kernel() is not None:
         return cpu_attention
     return sdpa_attention
-
-
-def masked_attention(
-    q: torch.Tensor,  # [B, H, T, D]
-    k: torch.Tensor,  # [B, Hkv, S_max, D] a whole fixed-capacity cache
-    v: torch.Tensor,  # [B, Hkv, S_max, D]
-    key_mask: torch.Tensor,  # [T, S_max] bool: the keys each query sees (built from positions)
-) -> torch.Tensor:  # [B, H, T, D]
-    """Attention of the static-shape steps (engine/graphs.py): the mask, not a slice, hides the
-    slots past the cache's length, so the shapes do not change between calls."""
-    B, H, T, D = q.shape
-    Hkv = k.shape[1]
-    out = F.scaled_dot_product_attention(q.reshape(B, Hkv, (H // Hkv) * T, D), k, v,
-                                         attn_mask=key_mask.repeat(H // Hkv, 1))  # GQA fold as sdpa_attention
-    return out.reshape(B, H, T, D)

@@ -23,7 +23,7 @@ from transformers.models.llama.modeling_llama import (
     rotate_half,
 )
 
-from engine.attention import cpu_attention, cpu_kernel, is_tree_mask, masked_attention, sdpa_attention
+from engine.attention import KERNEL_DTYPES, cpu_attention, cpu_kernel, is_tree_mask, masked_attention, sdpa_attention
 from engine.config import ModelConfig
 from engine.kv import KVCache
 
@@ -209,7 +209,7 @@ class Transformer(nn.Module):
         take its kernels too, on every path alike (a row's output is the same in any call)."""
         for layer in self.model.layers:
             layer.self_attn.attend = attend
-        kernel = cpu_kernel() if attend is cpu_attention and self.dtype in (torch.float32, torch.bfloat16) else None
+        kernel = cpu_kernel() if attend is cpu_attention and self.dtype in KERNEL_DTYPES else None
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernel = kernel if module.weight.shape[0] % 32 == 0 else None

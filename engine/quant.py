@@ -25,7 +25,6 @@ import functools
 import json
 import os
 import shutil
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -33,11 +32,11 @@ import torch
 import torch.nn as nn
 
 from engine.config import EngineError
+from engine.layouts import scratch
 
 # ggml type ids the kernel reads; others (and F16 / BF16) are dequantized to float32 at load
 KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
 _SOURCE = Path(__file__).parent / "csrc" / "quant_cpu.cpp"
-_scratch = threading.local()  # QuantLinear._dequantized: one float32 (and one bf16) buffer per thread
 
 
 # F16C for the block scales; no contraction, so d * q - m rounds as numpy's two operations do
@@ -51,11 +50,6 @@ def cpu_quant_kernel():
 
     return build_cpu_extension("bookchat_quant_cpu", _SOURCE, "GGUF weights are dequantized at load",
                                extra_cflags=CFLAGS)
-
-
-def unusable(scratch: torch.Tensor) -> bool:
-    """A buffer made under inference mode cannot be written outside it (a call outside the engine)."""
-    return scratch.is_inference() and not torch.is_inference_mode_enabled()
 
 
 class QuantLinear(nn.Module):
@@ -104,43 +98,33 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] float32 / bf16 -> [..., out]
         rows = x.reshape(-1, self.in_features)  # [M, in]
         out_dtype = self.out_dtype or x.dtype
-        if rows.shape[0] <= self.KERNEL_MAX_ROWS:
-            if self.lossy:
-                out = self.kernel.quick_linear(rows.float().contiguous(), self.weight, self.qtype)
-                if self.bias is not None:
-                    out.add_(self.bias)
-            else:  # bf16 rows as they are: the kernel's BF16 dot products, or widened in it; its
-                # epilogue adds the bias and rounds to bf16 as add_ and .to would
-                rows = rows if rows.dtype == torch.bfloat16 else rows.float()
-                out = self.kernel.quant_linear(rows.contiguous(), self.weight, self.qtype, self.bias,
-                                               out_dtype == torch.bfloat16)
-            out = out.to(out_dtype)
+        is_few_rows = rows.shape[0] <= self.KERNEL_MAX_ROWS
+        if is_few_rows and not self.lossy:  # bf16 rows as they are: the kernel's BF16 dot products, or
+            # widened in it; its epilogue adds the bias and rounds to bf16 as add_ and .to would
+            rows = rows if rows.dtype == torch.bfloat16 else rows.float()
+            out = self.kernel.quant_linear(rows.contiguous(), self.weight, self.qtype, self.bias,
+                                           out_dtype == torch.bfloat16)
         else:
-            tile_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-            rows = rows.to(tile_dtype)
-            blocks = [rows @ self._dequantized(block, tile_dtype).t() for block in self.weight.split(self.BLOCK_ROWS)]
-            out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+            if is_few_rows:
+                out = self.kernel.quick_linear(rows.float().contiguous(), self.weight, self.qtype)
+            else:
+                tile_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+                rows = rows.to(tile_dtype)
+                blocks = [rows @ self._dequantized(block, tile_dtype).t()
+                          for block in self.weight.split(self.BLOCK_ROWS)]
+                out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
             if self.bias is not None:
                 out.add_(self.bias)
-            out = out.to(out_dtype)
-        return out.view(*x.shape[:-1], self.out_features)
+        return out.to(out_dtype).view(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:  # [out, in] float32, a fresh tensor
         return self.kernel.dequantize(self.weight, self.qtype, torch.empty(self.out_features, self.in_features))
 
     def _dequantized(self, block: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [rows, in], in scratch
-        n = block.shape[0] * self.in_features
         shape = (block.shape[0], self.in_features)
-        buffer = getattr(_scratch, "buffer", None)
-        if buffer is None or buffer.numel() < n or unusable(buffer):
-            buffer = _scratch.buffer = torch.empty(n)
-        tile = self.kernel.dequantize(block, self.qtype, buffer[:n].view(shape))
-        if dtype == torch.float32:
-            return tile
-        narrow = getattr(_scratch, "narrow", None)
-        if narrow is None or narrow.numel() < n or narrow.dtype != dtype or unusable(narrow):
-            narrow = _scratch.narrow = torch.empty(n, dtype=dtype)
-        return narrow[:n].view(shape).copy_(tile)
+        n = shape[0] * shape[1]
+        tile = self.kernel.dequantize(block, self.qtype, scratch("dequantized", n).view(shape))  # float32
+        return tile if dtype == torch.float32 else scratch("narrowed", n, dtype).view(shape).copy_(tile)
 
     def extra_repr(self) -> str:
         lossy = ", quick (int8 activations)" if self.lossy else ""
@@ -220,10 +204,9 @@ def gguf_header_dir(gguf_path: Path, sha256: str) -> Path:
     return out_dir
 
 
-_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-            "ffn_down": "mlp.down_proj"}
-_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+_LAYER_MODULES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                  "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                  "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -233,7 +216,7 @@ def _hf_name(gguf_name: str) -> str:
     if gguf_name in fixed:
         return fixed[gguf_name]
     _, layer, kind, what = gguf_name.split(".")
-    module = _LINEARS.get(kind) or _NORMS.get(kind)
+    module = _LAYER_MODULES.get(kind)
     if module is None:
         raise EngineError(f"unexpected tensor {gguf_name!r} in a Llama / Qwen2 GGUF")
     return f"model.layers.{layer}.{module}.{what}"
@@ -292,23 +275,18 @@ def load_quantized_model(gguf_path: Path, sha256: str | None = None, dtype: torc
 
 def _place_quantized(model: nn.Module, tensors: dict, dim: int, kernel) -> dict[str, torch.Tensor]:
     """Set each weight that keeps its blocks into the meta `model` as a `QuantEmbedding` or
-    `QuantLinear` (with its bias); return the other tensors, for `load_state_dict`."""
+    `QuantLinear` (with its bias); return the other modules' tensors, for `load_state_dict`."""
     if "lm_head.weight" not in tensors:  # tied: the LM head reads the embedding's blocks
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    plain = {}
-    for name, (tensor, qtype) in tensors.items():
-        module_name = name.rsplit(".", 1)[0]
-        if qtype is None or not name.endswith(".weight"):
-            plain[name] = tensor
-        elif module_name == "model.embed_tokens":
-            model.model.embed_tokens = QuantEmbedding(tensor, qtype, dim, kernel)
+    quantized = [name.removesuffix(".weight") for name, (_, qtype) in tensors.items()
+                 if qtype is not None and name.endswith(".weight")]
+    for module_name in quantized:
+        blocks, qtype = tensors[f"{module_name}.weight"]
+        if module_name == "model.embed_tokens":
+            model.model.embed_tokens = QuantEmbedding(blocks, qtype, dim, kernel)
         else:
             bias = tensors.get(f"{module_name}.bias", (None, None))[0]
             out_dtype = torch.float32 if module_name == "lm_head" else None
-            model.set_submodule(module_name, QuantLinear(tensor, qtype, model.get_submodule(module_name).in_features,
+            model.set_submodule(module_name, QuantLinear(blocks, qtype, model.get_submodule(module_name).in_features,
                                                         bias, kernel, out_dtype))
-    return {name: t for name, t in plain.items() if not _is_quant_bias(model, name)}
-
-
-def _is_quant_bias(model: nn.Module, name: str) -> bool:
-    return name.endswith(".bias") and isinstance(model.get_submodule(name.rsplit(".", 1)[0]), QuantLinear)
+    return {name: t for name, (t, _) in tensors.items() if name.rsplit(".", 1)[0] not in quantized}

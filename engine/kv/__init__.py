@@ -35,8 +35,9 @@ class KVCache(Protocol):
 class SlotCache:
     """K and V slots [L, B, Hkv, S_max, D] filled up to `length`: the shared mechanics of every cache.
 
-    Growth: `reserve` past the capacity asks `_grow` for `GROW_TOKENS` more slots at a time; only
-    the full caches grow (the others have a fixed capacity, and `_grow` refuses)."""
+    Growth: `reserve` (before a prefill, and in each call's first `update`) past the capacity asks
+    `_grow` for `GROW_TOKENS` more slots at a time; only the full caches grow (the others have a
+    fixed capacity, and `_grow` refuses)."""
 
     grow_hint = "open the book with --offload"  # what to do when growing runs out of memory
 
@@ -52,6 +53,8 @@ class SlotCache:
         return min(self.k.shape[3], self.v.shape[3])  # they differ only after a failed growth
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+        if layer_idx == 0:
+            self.reserve(k.shape[2])
         end = self.length + k.shape[2]
         assert end <= self.k.shape[3], f"{end} entries do not fit in {self.k.shape[3]} slots"
         self.k[layer_idx, :, :, self.length:end] = k

@@ -24,11 +24,6 @@ class FullCache(SlotCache):
             setattr(self, name, new)
             del old, new
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
-        if layer_idx == 0:
-            self.reserve(k.shape[2])
-        return super().update(layer_idx, k, v)
-
     @classmethod
     def from_state(cls, state: dict[str, torch.Tensor], capacity: int,
                    device: torch.device | None = None) -> FullCache:

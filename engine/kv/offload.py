@@ -78,8 +78,7 @@ class SideStream:
 
 def to_heads(t: torch.Tensor) -> torch.Tensor:
     """Token-major [..., S, B, Hkv, D] -> the engine-wide layout [..., B, Hkv, S, D] (a view)."""
-    n = t.dim()
-    return t.permute(*range(n - 4), n - 3, n - 2, n - 4, n - 1)
+    return t.movedim(-4, -2)
 
 
 class OffloadCache(SlotCache):
@@ -192,7 +191,7 @@ class OffloadCache(SlotCache):
         start, end = self.length, self.length + k.shape[2]
         dev_k, dev_v = self._device_layer(layer_idx)
         for dev, host, new in ((dev_k, self.host_k, k), (dev_v, self.host_v, v)):
-            dev[start:end] = new.permute(2, 0, 1, 3)
+            dev[start:end] = new.movedim(2, 0)  # [T, B, Hkv, D]
             host[layer_idx, start:end].copy_(dev[start:end], non_blocking=self.is_pinned)
             self.n_written_bytes += dev[start:end].nbytes
         return to_heads(dev_k[:end]), to_heads(dev_v[:end])
@@ -219,7 +218,7 @@ class OffloadCache(SlotCache):
         L, B, Hkv, S, D = state["k"].shape
         cache = cls(L, B, Hkv, D, max(capacity, S), state["k"].dtype, device, n_resident_layers)
         for host, saved in ((cache.host_k, state["k"]), (cache.host_v, state["v"])):
-            host[:, :S] = saved.permute(0, 3, 1, 2, 4)
+            host[:, :S] = saved.movedim(3, 1)  # [L, S, B, Hkv, D]
         cache._refill_resident(S)
         cache.length = S
         return cache

@@ -103,12 +103,10 @@ class RetrievalCache(SlotCache):
         """Drop the scratch and append the full cache's entries [start, end) (accepted tokens)."""
         assert start == self.synced, f"appending from {start}, but synced up to {self.synced}"
         n = end - start
-        self.length = self.committed
         self._make_room(n)
-        k, v = full.entries(start, end)
-        self.k[:, :, :, self.committed:self.committed + n] = k
-        self.v[:, :, :, self.committed:self.committed + n] = v
-        self.committed = self.length = self.committed + n
+        at = self.committed
+        self.k[:, :, :, at:at + n], self.v[:, :, :, at:at + n] = full.entries(start, end)
+        self.committed = self.length = at + n
         self.synced = end
 
     def _make_room(self, n_tokens: int) -> None:
