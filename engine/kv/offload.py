@@ -120,7 +120,7 @@ class OffloadCache(SlotCache):
 
     @property
     def capacity(self) -> int:
-        return self.host_k.shape[1]
+        return min(self.host_k.shape[1], self.host_v.shape[1])  # they differ only after a failed growth
 
     def _grow(self, capacity: int) -> None:
         """The device copies are dropped first and refilled from the host copy (which holds
@@ -135,13 +135,15 @@ class OffloadCache(SlotCache):
             self._allocate_device(old_capacity)  # what fitted before fits again: the cache stays usable
             self._refill_resident(n)
             raise
-        for name in ("host_k", "host_v"):
-            old = getattr(self, name)
-            new = self._new(self.n_layers, capacity, True)
-            new[:, :n] = old[:, :n]
-            setattr(self, name, new)
-            del old, new  # freed now (pinned: uncached, see limit_pinned_caching)
-        self._refill_resident(n)
+        try:
+            for name in ("host_k", "host_v"):
+                old = getattr(self, name)
+                new = self._new(self.n_layers, capacity, True)
+                new[:, :n] = old[:, :n]
+                setattr(self, name, new)
+                del old, new  # freed now (pinned: uncached, see limit_pinned_caching)
+        finally:  # host memory ran out too: the device copies still need the entries back
+            self._refill_resident(n)
 
     def _refill_resident(self, n: int) -> None:
         """The resident layers' first `n` entries, from the host copy (which holds every layer)."""

@@ -258,3 +258,27 @@ def test_an_offloaded_cache_that_cannot_grow_stays_usable(monkeypatch):
     assert offload.capacity == 8
     full.truncate(6)
     call((full, offload), 2, seed=1)  # still the on-chip cache's views
+
+
+def test_an_offloaded_cache_whose_host_copy_cannot_grow_stays_usable(monkeypatch):
+    """Host memory runs out between K's and V's larger copies: the device copies (already
+    reallocated) get their entries back, and the capacity stays what both copies hold."""
+    from engine.config import OutOfMemoryPlan
+
+    full, offload = both(capacity=8, n_resident=1)
+    call((full, offload), 6, seed=0)
+    new, n_host_calls = OffloadCache._new, []
+
+    def no_room_for_a_second_host_copy(self, n_layers, capacity, on_host):
+        if on_host and capacity > 8:
+            n_host_calls.append(capacity)
+            if len(n_host_calls) == 2:
+                raise torch.OutOfMemoryError("out of pinned memory")
+        return new(self, n_layers, capacity, on_host)
+
+    monkeypatch.setattr(OffloadCache, "_new", no_room_for_a_second_host_copy)
+    with pytest.raises(OutOfMemoryPlan, match="start a new chat"):
+        offload.reserve(5)
+    assert offload.capacity == 8 and offload.length == 6
+    full.truncate(6)
+    call((full, offload), 2, seed=1)  # still the on-chip cache's views, resident layer included
