@@ -354,8 +354,8 @@ class Session:
             raise ValueError("read() continues the document: it goes before the first question")
         if not ids:
             return
-        self.engine.check_ids(ids, "document", self.length)
         n_held = self.length
+        self.engine.check_ids(ids, "document", n_held)
         try:
             self.engine.prefill(self.full, ids, self.query_log, on_progress, cancel)
         finally:  # the chunks whose KV is in the full cache are committed, all of them

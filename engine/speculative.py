@@ -234,8 +234,9 @@ def emitted(draft: Draft, verdict: Verdict) -> list[int]:
 class CheckingDrafter:
     """The middle level: checks the drafts of the level below, drafts for the level above.
 
-    `sync(tokens_with_kv)` copies the KV the top level accepted into this level's cache, and
-    `rebuild()` re-selects it; both are callbacks so this class names no concrete cache.
+    `synced_length()` is the full-cache length this level's cache reflects, `sync()` copies the KV
+    the top level accepted into it, and `rebuild()` re-selects it: callbacks, so this class names
+    no concrete cache.
     """
 
     def __init__(self, scorer: Scorer, below: Drafter | None, stats: LevelStats, tuner: GammaTuner,
@@ -268,10 +269,10 @@ class CheckingDrafter:
             self.below.extend(tokens[n_same:])
         self.tokens += tokens
         self.drafted = None
-        self.n_since_rebuild += len(tokens)
         if is_prompt:
             self.n_since_rebuild = self.rebuild_every_tokens  # re-select for the new question
         else:
+            self.n_since_rebuild += len(tokens)
             self.sync()
 
     def truncate(self, length: int) -> None:
