@@ -35,16 +35,12 @@ def token_probs(logits: torch.Tensor, histories: list[list[int]], sampling: Samp
     return sampling_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
 
 
-def has_penalties(sampling: SamplingConfig) -> bool:
-    return (sampling.repetition_penalty, sampling.presence_penalty, sampling.frequency_penalty) != (1.0, 0.0, 0.0)
-
-
 def draft_histories(tokens: list[int], draft: Draft, sampling: SamplingConfig) -> list[list[int]]:
     """Each row's penalty history when a level whose sequence is `tokens` (committed, then what
     it drafted itself) checks `draft`: row 0 (after the root) the answer so far, `tokens` from
     `sampling.penalty_start` on; row i + 1 (after node i) that plus the path from the root to
     node i. [] when the penalties are off (nothing to count)."""
-    if not has_penalties(sampling):
+    if (sampling.repetition_penalty, sampling.presence_penalty, sampling.frequency_penalty) == (1.0, 0.0, 0.0):
         return []
     history, tokens = tokens[sampling.penalty_start or 0:], draft.tokens.tolist()
     paths = draft.ancestor_mask()[1:, 1:].tolist()  # [N, N]: node j is on the path to node i
@@ -137,14 +133,10 @@ class Draft:
 
     @classmethod
     def chain(cls, tokens: list[int], probs: torch.Tensor | None = None) -> Draft:
-        n = len(tokens)
-        return cls(torch.tensor(tokens, dtype=torch.long), torch.arange(n) - 1, probs)
+        return cls(torch.tensor(tokens, dtype=torch.long), torch.arange(len(tokens)) - 1, probs)
 
     def depths(self) -> torch.Tensor:  # [N], root children at depth 0
-        depth = torch.zeros(len(self), dtype=torch.long)
-        for i, p in enumerate(self.parents.tolist()):
-            depth[i] = 0 if p < 0 else depth[p] + 1
-        return depth
+        return self.ancestor_mask()[1:, 1:].sum(-1) - 1  # a node's ancestors and itself, less itself
 
     def ancestor_mask(self) -> torch.Tensor:
         """[N+1, N+1] bool over (root, nodes...): entry [i, j] = j is i or an ancestor of i."""
@@ -219,16 +211,14 @@ def verify(q: torch.Tensor, draft: Draft, coins: Coins) -> Verdict:
     tokens = draft.tokens.tolist()
     path, node, n_tested, q_cur = [], -1, 0, q[0]
     while True:
-        accepted = None
-        for c in children.get(node, []):
+        for c in children.get(node, []):  # siblings in order until one is accepted
             n_tested += 1
             r = None if draft.probs is None else draft.probs[c]
             accept_prob, residual = acceptance(q_cur, tokens[c], r)
             if coins.accept(accept_prob):
-                accepted = c
                 break
             q_cur = residual
-        if accepted is None:
+        else:  # none accepted (or a leaf): the residual draw, or the bonus
             return Verdict(path, coins.sample(q_cur), n_tested)
-        path.append(accepted)
-        node, q_cur = accepted, q[accepted + 1]
+        path.append(c)
+        node, q_cur = c, q[c + 1]

@@ -42,7 +42,7 @@ from engine.memory import Workload, free_memory_bytes, resident_kv_layers
 from engine.model import Forward, QueryLog, Segment, Steps, Transformer, drive, run
 from engine.quant import is_quantized, quick_view
 from engine.sampling import Coins, GeneratorCoins
-from engine.speculative import CheckingDrafter, GammaTuner, LevelStack, LevelStats, Scorer
+from engine.speculative import CheckingDrafter, GammaTuner, LevelStack, LevelStats, Scorer, shared_prefix
 
 Progress = Callable[[int, int], None]  # (tokens done, tokens total)
 # Full-cache slots after the document, allocated (and planned) with it once: a cache that grows
@@ -225,12 +225,11 @@ class Engine:
         """A session from a snapshot's state (`Session.state`), e.g. one rank's heads of it."""
         return Session.from_state(self, state, n_total, doc_ids)
 
-    def check_tokens(self, ids: list[int], what: str) -> None:
-        vocab = self.target.config.vocab_size
+    def check_ids(self, ids: list[int], what: str, n_held: int = 0) -> None:
+        """Ids in the vocabulary, and room for them after `n_held` tokens and for one token after."""
+        vocab, n_tokens = self.target.config.vocab_size, n_held + len(ids) + 1
         if min(ids) < 0 or max(ids) >= vocab:
             raise BadTokens(what, vocab)
-
-    def check_fits(self, n_tokens: int) -> None:
         if n_tokens > self.max_context:
             raise DocumentTooLong(n_tokens, self.max_context)
 
@@ -240,8 +239,7 @@ class Engine:
         read only the first tokens now, with room for all of them; `Session.read` reads the rest."""
         if not doc_ids:
             raise EmptyPrompt("document")
-        self.check_tokens(doc_ids, "document")
-        self.check_fits(len(doc_ids) + 1)
+        self.check_ids(doc_ids, "document")
         session = Session(self, self.new_full_cache(min(self.max_context, len(doc_ids) + CHAT_ROOM_TOKENS)))
         first = doc_ids[:n_first or len(doc_ids)]
         self.prefill(session.full, first, session.query_log, on_progress, cancel)
@@ -258,8 +256,7 @@ class Engine:
         tuner = functools.partial(GammaTuner, max_gamma=cfg.max_gamma, share=share)
         stats = [LevelStats(name) for name in levels.names if name in ("retrieval", "full")]  # checking levels
         bottom = self._bottom_drafter(levels.bottom) if levels.bottom else None
-        retrieval = None
-        drafter = bottom
+        retrieval, drafter = None, bottom
         if levels.has_retrieval:
             r = cfg.retrieval
             scratch = 2 + cfg.max_gamma * (cfg.n_ngram_candidates + 1)
@@ -357,9 +354,8 @@ class Session:
             raise ValueError("read() continues the document: it goes before the first question")
         if not ids:
             return
-        self.engine.check_tokens(ids, "document")
-        self.engine.check_fits(self.length + len(ids) + 1)
         n_held = self.length
+        self.engine.check_ids(ids, "document", n_held)
         try:
             self.engine.prefill(self.full, ids, self.query_log, on_progress, cancel)
         finally:  # the chunks whose KV is in the full cache are committed, all of them
@@ -405,8 +401,7 @@ class Session:
     def _steps(self, question_ids, sampling, cancel, stop_ids, coins):
         if not question_ids:
             raise EmptyPrompt("question")
-        self.engine.check_tokens(question_ids, "question")
-        self.engine.check_fits(self.length + len(question_ids) + 1)
+        self.engine.check_ids(question_ids, "question", self.length)
         coins = coins or GeneratorCoins(torch.Generator().manual_seed(sampling.seed))
         if self.sid is not None:  # tensor parallel: every rank takes rank 0's draws and cancel flag
             coins, cancel = parallel.SharedCoins(coins), parallel.SharedFlag(cancel)
@@ -418,20 +413,20 @@ class Session:
         for s in self.level_stats:
             s.reset()
         stack.drafter_s = 0.0
-        t_start = now(engine.device)
+        t_start, stats = now(engine.device), Stats(self.level_stats)
         try:
             yield from stack.extend(question_ids, cancel)
         except Cancelled:  # stopped while reading the question: the chat stays as it was
-            yield Event([], Stats(self.level_stats), None, "cancelled")
+            yield Event([], stats, None, "cancelled")
             return
         if sampling.penalty_start is None:  # the penalties count this answer's tokens
             sampling = replace(sampling, penalty_start=self.length)
-        stats, n_new, n_first, t_first, steps_s = Stats(self.level_stats), 0, 0, 0.0, 0.0
+        n_new, n_first, t_first, steps_s = 0, 0, 0.0, 0.0
         reason, reading_version = None, None
         while reason is None:
             if is_set(cancel):
-                reason = "cancelled"
-                break
+                yield Event([], stats, None, "cancelled")
+                return
             t0 = now(engine.device)
             new, reason = yield from stack.step(sampling, coins, max_new - n_new, stop_ids)
             t1 = now(engine.device)
@@ -439,34 +434,27 @@ class Session:
             if t_first:
                 steps_s += t1 - t0
             else:
-                t_first, n_first, stats.ttft_s = t1, n_new, t1 - t_start
+                t_first, n_first = t1, n_new
                 top = self.level_stats[-1]
                 top.n_alone, top.alone_s = 0, 0.0  # the first check also read the question's last token
-            stats = self._stats(stats, n_new, n_first, t_start, t_first, t1, (t1 - t0) / max(len(new), 1), steps_s)
+            stats = self._stats(n_new, n_first, t_start, t_first, t1, (t1 - t0) / max(len(new), 1), steps_s)
             reading, reading_version = self._reading(reading_version)
             yield Event(new, stats, reading, reason)
-        if reason == "cancelled":
-            yield Event([], stats, None, reason)
 
-    def _stats(self, stats: Stats, n_new, n_first, t_start, t_first, t_now, tbt_last_s, steps_s) -> Stats:
-        n_after_first = n_new - n_first
+    def _stats(self, n_new, n_first, t_start, t_first, t_now, tbt_last_s, steps_s) -> Stats:
+        n_after_first, top = n_new - n_first, self.level_stats[-1]
         mean_s = (t_now - t_first) / n_after_first if n_after_first else tbt_last_s
-        return replace(stats, levels=[replace(s) for s in self.level_stats], n_tokens=n_new,
-                       elapsed_s=t_now - t_start, tbt_ms_last=1000 * tbt_last_s,
-                       tbt_ms_mean=1000 * mean_s, drafter_s=self.stack.drafter_s,
-                       step_ms_mean=1000 * (steps_s / n_after_first if n_after_first else tbt_last_s),
-                       plain_ms=1000 * self._plain_step_s())
-
-    def _plain_step_s(self) -> float:
-        top = self.level_stats[-1]
-        return top.alone_s / top.n_alone if top.n_alone else self.stack.tuner.check_s.get(1, 0.0)
+        plain_s = top.alone_s / top.n_alone if top.n_alone else self.stack.tuner.check_s.get(1, 0.0)
+        return Stats([replace(s) for s in self.level_stats], n_tokens=n_new, elapsed_s=t_now - t_start,
+                     ttft_s=t_first - t_start, tbt_ms_last=1000 * tbt_last_s, tbt_ms_mean=1000 * mean_s,
+                     drafter_s=self.stack.drafter_s,
+                     step_ms_mean=1000 * (steps_s / n_after_first if n_after_first else tbt_last_s),
+                     plain_ms=1000 * plain_s)
 
     def _reading(self, seen_version):
         """Token ranges the retrieval cache reads, when they changed since `seen_version`."""
         r = self.retrieval
-        if r is None or r.n_chunks == 0:
-            return None, seen_version
-        if r.version == seen_version:
+        if r is None or r.n_chunks == 0 or r.version == seen_version:
             return None, seen_version
         return reading_ranges(r.chunk_starts, r.chunk_tokens), r.version
 
@@ -502,12 +490,6 @@ class Session:
         session.query_log.queries = [q if q is None else q.to(engine.device) for q in state["queries"]]
         session.start(state["tokens"])
         return session
-
-
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    """How many tokens `a` and `b` share from the start."""
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def shared_start(state: dict, doc_ids: list[int], chunk_tokens: int) -> dict:

@@ -53,8 +53,7 @@ class LevelStats:
         return self.n_emitted / self.n_checks if self.n_checks else 0.0
 
     def reset(self) -> None:
-        self.n_checks = self.n_tested = self.n_accepted = self.n_emitted = self.n_alone = 0
-        self.time_s = self.alone_s = 0.0
+        self.__init__(self.name)  # every counter back to its default
 
     def record(self, verdict: Verdict, seconds: float) -> None:
         self.n_checks += 1
@@ -78,9 +77,15 @@ class GammaTuner:
     undrafted check (the cost of checking 1 token, below every count a draft checks).
     """
 
-    def __init__(self, fixed: int | None, max_gamma: int, decay: float = 0.8, retry_every: int = 16,
-                 check_s: dict[int, float] | None = None, share: Callable[[float], float] | None = None):
-        self.fixed, self.max_gamma, self.decay = fixed, max_gamma, decay
+    decay = 0.8  # of the moving averages: the weight of the past
+    # where no draft pays (a CPU whose multi-token forwards cost far more than one, low
+    # acceptance), checks run undrafted, i.e. plain decoding; every `retry_every`-th drafts
+    # one token, the cheapest way to keep measuring acceptance as the text changes
+    retry_every = 16
+
+    def __init__(self, fixed: int | None, max_gamma: int, check_s: dict[int, float] | None = None,
+                 share: Callable[[float], float] | None = None):
+        self.fixed, self.max_gamma = fixed, max_gamma
         # tensor parallel: every rank takes rank 0's draft lengths and rates, which come from its
         # timings (engine/parallel.py `shared`); one process: the value itself
         self.share = share or (lambda value: value)
@@ -89,10 +94,7 @@ class GammaTuner:
         # tokens checked -> seconds (moving average): the checking level's costs, so the tuners
         # of two drafters that propose to the same level share them (LevelStack `direct_tuner`)
         self.check_s: dict[int, float] = {} if check_s is None else check_s
-        # where no draft pays (a CPU whose multi-token forwards cost far more than one, low
-        # acceptance), checks run undrafted, i.e. plain decoding; every `retry_every`-th drafts
-        # one token, the cheapest way to keep measuring acceptance as the text changes
-        self.retry_every, self.n_undrafted = retry_every, 0
+        self.n_undrafted = 0
 
     def gamma(self) -> int:
         return int(self.share(self._gamma()))
@@ -182,15 +184,15 @@ class Scorer:
 
     def _request(self, pending: list[int], start_pos: int, draft: Draft) -> Forward:
         P, N = len(pending), len(draft)
-        base, device = start_pos, self.model.lm_head.weight.device
+        device = self.model.lm_head.weight.device
         ids = torch.tensor([pending + draft.tokens.tolist()], device=device)
-        pos = torch.cat([torch.arange(base, base + P), base + P + draft.depths()]).to(device)
+        pos = torch.cat([torch.arange(start_pos, start_pos + P), start_pos + P + draft.depths()]).to(device)
         tail = torch.ones(P + N, P + N, dtype=torch.bool).tril()
         tail[P:, P:] = draft.ancestor_mask()[1:, 1:]
         return Forward(self.model, Segment(ids, pos, self.cache, tail.to(device), self.query_log, N + 1,
                                            is_tree=is_tree_mask(tail)))  # classified here, on the host
 
-    def keep(self, n_pending: int, n_draft: int, path: list[int]) -> None:
+    def keep(self, n_draft: int, path: list[int]) -> None:
         """Keep the pending tokens and the accepted path of the last `score` call."""
         start = self.cache.length - n_draft
         if path == list(range(len(path))):
@@ -212,11 +214,17 @@ def check(scorer: Scorer, drafter: Drafter | None, gamma: int, tuner: GammaTuner
     t1 = now(device)
     q = yield from scorer.score(pending, len(tokens) - len(pending), draft, sampling, tokens)
     verdict = verify(q, draft, coins)
-    scorer.keep(len(pending), len(draft), verdict.path)
+    scorer.keep(len(draft), verdict.path)
     t2 = now(device)
     tuner.observe(len(draft), t1 - t0, verdict, len(pending) + len(draft), t2 - t1)
     stats.record(verdict, t2 - t1)
     return draft, verdict, q, t1 - t0
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens `a` and `b` share from the start."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def emitted(draft: Draft, verdict: Verdict) -> list[int]:
@@ -226,8 +234,9 @@ def emitted(draft: Draft, verdict: Verdict) -> list[int]:
 class CheckingDrafter:
     """The middle level: checks the drafts of the level below, drafts for the level above.
 
-    `sync(tokens_with_kv)` copies the KV the top level accepted into this level's cache, and
-    `rebuild()` re-selects it; both are callbacks so this class names no concrete cache.
+    `synced_length()` is the full-cache length this level's cache reflects, `sync()` copies the KV
+    the top level accepted into it, and `rebuild()` re-selects it: callbacks, so this class names
+    no concrete cache.
     """
 
     def __init__(self, scorer: Scorer, below: Drafter | None, stats: LevelStats, tuner: GammaTuner,
@@ -254,19 +263,16 @@ class CheckingDrafter:
         self.n_since_rebuild, self.window = 0, LevelStats("window")
 
     def extend(self, tokens: list[int]) -> None:
-        is_prompt, drafted = self.drafted is None, self.drafted or []
-        n_same = 0
-        while n_same < min(len(tokens), len(drafted)) and tokens[n_same] == drafted[n_same]:
-            n_same += 1
+        is_prompt, n_same = self.drafted is None, shared_prefix(tokens, self.drafted or [])
         if self.below:
             self.below.truncate(len(self.tokens) + n_same)
             self.below.extend(tokens[n_same:])
         self.tokens += tokens
         self.drafted = None
-        self.n_since_rebuild += len(tokens)
         if is_prompt:
             self.n_since_rebuild = self.rebuild_every_tokens  # re-select for the new question
         else:
+            self.n_since_rebuild += len(tokens)
             self.sync()
 
     def truncate(self, length: int) -> None:

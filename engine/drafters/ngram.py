@@ -48,10 +48,6 @@ class NgramDrafter:
                     del self.index[key]
             self.tokens.pop()
 
-    def lookup(self, gamma: int) -> list[list[int]]:
-        """Distinct continuations of the longest matching suffixes, most recent first."""
-        return self.longest_match(gamma)[1]
-
     def longest_match(self, gamma: int) -> tuple[int, list[list[int]]]:
         """(length of the longest suffix that occurs earlier with a continuation, 0 if none;
         the distinct continuations of it and of shorter suffixes, most recent first)."""
@@ -71,7 +67,7 @@ class NgramDrafter:
     def propose(self, gamma: int, sampling: SamplingConfig, coins: Coins) -> Steps[Draft]:
         """A generator like every drafter's `propose`, though it never asks for a forward."""
         yield from ()
-        return trie(self.lookup(gamma))
+        return trie(self.longest_match(gamma)[1])
 
 
 def trie(candidates: list[list[int]]) -> Draft:
