@@ -96,6 +96,7 @@ class Workload:
     dtype_bytes: int = 2
     draft: ModelConfig | None = None  # the small drafter, or the target for self-speculation
     retrieval_budget_tokens: int = RetrievalConfig.budget_tokens  # 0: no middle level
+    retrieval: RetrievalConfig = RetrievalConfig()  # its chunks and scoring queries size a rebuild
     prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens
     offload_allowed: bool = True
     draft_cache_tokens: int = DRAFT_CACHE_TOKENS
@@ -151,7 +152,8 @@ def _fixed_parts(target: ModelConfig, n_tokens: int, n_ranks: int, work: Workloa
         # a prefill chunk's, or (while decoding, after prefill) a retrieval rebuild's
         activation_bytes=max(activation_bytes(target, work.prefill_chunk_tokens, n_tokens, dtype_bytes,
                                               n_ranks, work.has_tail_masks),
-                             rebuild_bytes(target, n_tokens, dtype_bytes, n_ranks) if work.retrieval_budget_tokens
+                             rebuild_bytes(target, n_tokens, dtype_bytes, n_ranks, work.retrieval)
+                             if work.retrieval_budget_tokens
                              else 0))
 
 
@@ -197,6 +199,7 @@ def _fits(plan: DevicePlan) -> str:
 def plan_memory(target: ModelConfig, n_tokens: int, devices: list[DeviceBudget],
                 dtype_bytes: int = 2, draft: ModelConfig | None = None,
                 retrieval_budget_tokens: int = RetrievalConfig.budget_tokens,
+                retrieval: RetrievalConfig = RetrievalConfig(),
                 prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens, offload_allowed: bool = True,
                 draft_cache_tokens: int = DRAFT_CACHE_TOKENS, has_tail_masks: bool = True) -> MemoryPlan:
     """Where each part lives for a document of `n_tokens`; raises `OutOfMemoryPlan` if nowhere.
@@ -205,7 +208,7 @@ def plan_memory(target: ModelConfig, n_tokens: int, devices: list[DeviceBudget],
     GPU is given. `draft`: the small drafter, or `target` itself for self-speculation (only its
     StreamingLLM cache is counted). `retrieval_budget_tokens=0` when the stack has no middle level.
     """
-    work = Workload(dtype_bytes, draft, retrieval_budget_tokens, prefill_chunk_tokens, offload_allowed,
+    work = Workload(dtype_bytes, draft, retrieval_budget_tokens, retrieval, prefill_chunk_tokens, offload_allowed,
                     draft_cache_tokens, has_tail_masks)
     plan = _plan(target, n_tokens, devices, work)
     if isinstance(plan, MemoryPlan):

@@ -188,7 +188,8 @@ class Engine:
                      for p in m.parameters())  # on the GPU already, out of the free memory measured now
         gpus = parallel.gathered(free_memory_bytes(self.device) + loaded)
         host = parallel.gathered(free_memory_bytes("cpu"))[0]
-        work = Workload(self.dtype.itemsize, self.draft and self.draft.config, self.config.retrieval.budget_tokens,
+        r = self.config.retrieval
+        work = Workload(self.dtype.itemsize, self.draft and self.draft.config, r.budget_tokens, r,
                         self.prefill_chunk_tokens, offload_allowed=offload_allowed,
                         has_tail_masks=self.attend is not flash_attention)
         return resident_kv_layers(whole, capacity, gpus, host, work)

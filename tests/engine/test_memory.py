@@ -1,6 +1,7 @@
 """Memory planner: hand-checked bytes for real model shapes at 128K tokens (no network)."""
 
 import pytest
+import torch
 
 from engine.config import ModelConfig, OutOfMemoryPlan
 from engine.memory import (
@@ -192,3 +193,26 @@ def test_flash_attn_prefill_plans_no_tail_masks():
     no_masks = activation_bytes(llama31_8b(), 8192, N_128K, 2, has_tail_masks=False)
     assert no_masks == activation_bytes(llama31_8b(), 8192, 0, 2)  # nothing grows with the length
     assert activation_bytes(llama31_8b(), 8192, N_128K, 2) - no_masks == 21 * 8192 * N_128K
+
+
+def test_the_rebuild_is_planned_with_the_engines_retrieval_settings(monkeypatch):
+    """Finer chunks and more scoring queries make a rebuild's scores larger: the plan counts the
+    engine's own retrieval settings, not the defaults."""
+    from engine import session as engine_module
+    from engine.config import RetrievalConfig
+    from engine.memory import rebuild_bytes
+    from tests.conftest import tiny_engine
+
+    fine = RetrievalConfig(chunk_tokens=4, n_score_queries=64)
+    default = plan_memory(llama31_8b(), N_128K, rtx4090s(1), has_tail_masks=False)
+    plan = plan_memory(llama31_8b(), N_128K, rtx4090s(1), retrieval=fine, has_tail_masks=False)
+    assert rebuild_bytes(llama31_8b(), N_128K, 2, retrieval=fine) > default.devices[0].activation_bytes
+    assert plan.devices[0].activation_bytes == rebuild_bytes(llama31_8b(), N_128K, 2, retrieval=fine)
+
+    engine = tiny_engine("retrieval>full")
+    planned = []
+    monkeypatch.setattr(engine_module, "resident_kv_layers", lambda *args: planned.append(args[-1]) or 0)
+    monkeypatch.setattr(engine_module, "free_memory_bytes", lambda device: 1 << 40)
+    engine.device = torch.device("cuda")  # the planner runs for GPUs only; nothing touches one here
+    engine._planned_resident_layers(1000)
+    assert planned[0].retrieval == engine.config.retrieval != RetrievalConfig()
