@@ -105,6 +105,13 @@ class BadTokens(EngineError, ValueError):
         super().__init__(f"The {what} holds token ids outside the model's vocabulary (0..{vocab_size - 1}).")
 
 
+class HeadsNotDivisible(EngineError, ValueError):
+    def __init__(self, what: str, n: int, n_ranks: int):
+        fits = [d for d in range(1, min(n, 8) + 1) if n % d == 0]
+        super().__init__(f"Tensor parallel over {n_ranks} GPUs needs the model's {n} {what} to divide "
+                         f"evenly; use one of {fits} GPUs.")
+
+
 class Busy(EngineError):
     def __init__(self):
         super().__init__("This book is already answering a question: stop it or wait for it to finish.")
@@ -149,6 +156,13 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Bytes of K and V for one token across all layers."""
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype_bytes
+
+    def check_shardable(self, n_ranks: int) -> None:
+        """Tensor parallel splits query heads, KV heads and MLP columns evenly over the ranks."""
+        parts = (("query heads", self.n_heads), ("KV heads", self.n_kv_heads), ("MLP columns", self.intermediate))
+        for what, n in parts:
+            if n % n_ranks:
+                raise HeadsNotDivisible(what, n, n_ranks)
 
     def attention_share(self) -> float:
         """A token's attention multiply-adds per key it reads, over its linears' (lm_head aside): a

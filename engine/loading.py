@@ -9,12 +9,14 @@ A model already on disk never touches the network. This module does not build ou
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -97,6 +99,22 @@ def is_complete(model_dir: Path) -> bool:
     return (model_dir / COMPLETE_MARKER).is_file()
 
 
+@contextlib.contextmanager
+def complete_folder(out_dir: Path, marker: dict) -> Iterator[Path]:
+    """Write into a scratch folder beside `out_dir`; on success it is marked complete (`marker`, which
+    the block may add to) and replaces `out_dir`: no half-written folder ever looks whole."""
+    tmp_dir = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    try:
+        yield tmp_dir
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    (tmp_dir / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
+    shutil.rmtree(out_dir, ignore_errors=True)  # a stale, unmarked attempt
+    os.replace(tmp_dir, out_dir)
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path | None = None, sha256: str | None = None) -> Path:
     """Dequantise a GGUF once into a bfloat16 safetensors folder; later calls return the cache.
 
@@ -109,19 +127,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path | None = None, sha256: str | Non
         out_dir = cache_root() / "models" / f"{gguf_path.stem}-{sha256[:16]}"
     if is_complete(out_dir):
         return out_dir
-    tmp_dir = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    started = time.perf_counter()
-    try:
+    started, marker = time.perf_counter(), {"gguf": str(gguf_path), "sha256": sha256}
+    with complete_folder(out_dir, marker) as tmp_dir:
         _save_hf_folder(gguf_path, tmp_dir)
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    marker = {"gguf": str(gguf_path), "sha256": sha256,
-              "convert_s": round(time.perf_counter() - started, 1)}
-    (tmp_dir / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
-    shutil.rmtree(out_dir, ignore_errors=True)  # a stale, unmarked attempt
-    os.replace(tmp_dir, out_dir)
+        marker["convert_s"] = round(time.perf_counter() - started, 1)
     return out_dir
 
 

@@ -163,9 +163,7 @@ def _plan(target: ModelConfig, n_tokens: int, devices: list[DeviceBudget],
     gpus, hosts = [d for d in devices if d.kind == "cuda"], [d for d in devices if d.kind == "cpu"]
     assert devices and len(hosts) <= 1, f"give GPUs and at most one host ('cpu'), got {devices}"
     n_ranks, n_layers = max(1, len(gpus)), target.n_layers
-    if target.n_kv_heads % n_ranks or target.n_heads % n_ranks:
-        raise ValueError(f"tensor parallel over {n_ranks} GPUs needs the {target.n_heads} query "
-                         f"and {target.n_kv_heads} KV heads to divide evenly; use fewer GPUs")
+    target.check_shardable(n_ranks)
     kv_token = target.kv_bytes_per_token(work.dtype_bytes) // n_ranks  # one rank
     layer_kv = n_tokens * kv_token // n_layers  # one layer of one rank's full cache
     fixed = _fixed_parts(target, n_tokens, n_ranks, work)

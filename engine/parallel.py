@@ -57,13 +57,6 @@ class RankFailed(EngineError):
                          "app (or the command); with one GPU it runs without tensor parallel.")
 
 
-class HeadsNotDivisible(EngineError):
-    def __init__(self, what: str, n: int, n_ranks: int):
-        fits = [d for d in range(1, min(n, 8) + 1) if n % d == 0]
-        super().__init__(f"Tensor parallel over {n_ranks} GPUs needs the model's {n} {what} to divide "
-                         f"evenly; use one of {fits} GPUs.")
-
-
 def _slice(linear: nn.Linear, dim: int, start: int, n: int) -> None:
     """Keep output rows (dim 0) or input columns (dim 1) start..start+n-1, as new tensors."""
     linear.weight = nn.Parameter(linear.weight.narrow(dim, start, n).clone(), requires_grad=False)
@@ -81,9 +74,7 @@ def shard(model: Transformer, rank: int, n_ranks: int) -> Transformer:
     """Make `model` rank `rank`'s shard of `n_ranks` in place (see the module doc); its config
     then holds this rank's head counts and MLP width, so caches built from it are per rank."""
     c = model.config
-    for what, n in (("query heads", c.n_heads), ("KV heads", c.n_kv_heads), ("MLP columns", c.intermediate)):
-        if n % n_ranks:
-            raise HeadsNotDivisible(what, n, n_ranks)
+    c.check_shardable(n_ranks)
     H, Hkv, F, D = c.n_heads // n_ranks, c.n_kv_heads // n_ranks, c.intermediate // n_ranks, c.head_dim
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp

@@ -23,8 +23,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -176,7 +174,7 @@ def gguf_header_dir(gguf_path: Path, sha256: str) -> Path:
     """A small folder read once from the GGUF and cached under the file's sha256: the Hugging Face
     config and tokenizer (chat template included) by transformers, and `tensors.json`, where
     each tensor's bytes lie, so later loads map the file without parsing its metadata again."""
-    from engine.loading import COMPLETE_MARKER, cache_root, is_complete
+    from engine.loading import cache_root, complete_folder, is_complete
 
     out_dir = cache_root() / "models" / f"{gguf_path.stem}-{sha256[:16]}-header"
     if is_complete(out_dir) and (out_dir / "tensors.json").is_file():
@@ -184,7 +182,6 @@ def gguf_header_dir(gguf_path: Path, sha256: str) -> Path:
     from gguf import GGUFReader
     from transformers import AutoConfig, AutoTokenizer
 
-    tmp_dir = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     try:
         config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -195,12 +192,10 @@ def gguf_header_dir(gguf_path: Path, sha256: str) -> Path:
         raise EngineError(f"transformers could not read {gguf_path} as a GGUF model: {error}") from error
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.save_pretrained(tmp_dir)
-    tokenizer.save_pretrained(tmp_dir)
-    (tmp_dir / "tensors.json").write_text(json.dumps(tensors) + "\n")
-    (tmp_dir / COMPLETE_MARKER).write_text(json.dumps({"gguf": str(gguf_path), "sha256": sha256}) + "\n")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp_dir, out_dir)
+    with complete_folder(out_dir, {"gguf": str(gguf_path), "sha256": sha256}) as tmp_dir:
+        config.save_pretrained(tmp_dir)
+        tokenizer.save_pretrained(tmp_dir)
+        (tmp_dir / "tensors.json").write_text(json.dumps(tensors) + "\n")
     return out_dir
 
 

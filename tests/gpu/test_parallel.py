@@ -17,7 +17,15 @@ import torch.distributed as dist
 
 from engine import parallel
 from engine.batch import Batcher
-from engine.config import BadTokens, Cancelled, EngineConfig, EngineError, RetrievalConfig, SamplingConfig
+from engine.config import (
+    BadTokens,
+    Cancelled,
+    EngineConfig,
+    EngineError,
+    HeadsNotDivisible,
+    RetrievalConfig,
+    SamplingConfig,
+)
 from engine.kv.full import FullCache
 from engine.kv.offload import OffloadCache
 from engine.session import Engine, Session
@@ -161,7 +169,7 @@ def test_shard_keeps_each_ranks_heads_and_columns():
 
 
 def test_shard_refuses_heads_that_do_not_divide():
-    with pytest.raises(parallel.HeadsNotDivisible, match="2 KV heads to divide evenly; use one of"):
+    with pytest.raises(HeadsNotDivisible, match="2 KV heads to divide evenly; use one of"):
         parallel.shard(ours(tiny_hf("llama")), 0, 4)  # 4 query heads divide by 4, 2 KV heads do not
 
 
