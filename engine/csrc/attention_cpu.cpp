@@ -29,7 +29,7 @@ namespace {
 // 3-13% faster, one token level to 15% faster, 8K level (RESULTS, "Longer attention chunks").
 constexpr int64_t kChunk = 512;
 constexpr int64_t kBlock = 16;   // keys of V multiplied for all dims while they are in L1 (8 KiB at D = 128)
-constexpr int64_t kAhead = 16;   // keys prefetched ahead of use: one memory latency of the loop's work
+constexpr int64_t kAhead = 16;   // keys prefetched ahead of use: one memory latency of the loop's work (32: the same)
 
 inline float hsum(__m256 x) {
   __m128 lo = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
@@ -66,14 +66,16 @@ inline __m256 load8(const at::BFloat16* p) {  // a bf16 is the top half of the f
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
-// Into L1, ahead of the loads: on one core the hardware prefetchers alone leave the loop waiting on
-// memory while it multiplies (1.5B at 8K: 1.5-1.7x the time of reading the cache). A prefetch never
-// faults, so one past the last key is harmless.
+// Into L2, ahead of the loads: on one core the hardware prefetchers alone leave the loop waiting on
+// memory while it multiplies (1.5B at 8K: 1.5-1.7x the time of reading the cache). Into L2, not L1:
+// on the AVX512-BF16 EPYC one token over the 1.5B's 32K cache took 0.70x the time, bf16 or float32
+// (likely: T0's requests take L1 miss buffers the loop's own loads need; no counters here to
+// tell; benchmarks/RESULTS.md). A prefetch never faults, so one past the last key is harmless.
 template <int D, int N, typename KV>
 inline void prefetch_rows(const KV* row, int64_t row_stride) {
   for (int i = 0; i < N; ++i)
     for (int b = 0; b < int(D * sizeof(KV)); b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(row + i * row_stride) + b, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row + i * row_stride) + b, _MM_HINT_T1);
 }
 
 // f(NR, r) for the query rows [r, r + NR) of R, NR = 6 while 6 are left, then the rest: the row
