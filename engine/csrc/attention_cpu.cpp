@@ -68,9 +68,9 @@ inline __m256 load8(const at::BFloat16* p) {  // a bf16 is the top half of the f
 
 // Into L2, ahead of the loads: on one core the hardware prefetchers alone leave the loop waiting on
 // memory while it multiplies (1.5B at 8K: 1.5-1.7x the time of reading the cache). Into L2, not L1:
-// on the AVX512-BF16 EPYC one token over the 1.5B's 32K cache took 0.70x the time, bf16 or float32
-// (likely: T0's requests take L1 miss buffers the loop's own loads need; no counters here to
-// tell; benchmarks/RESULTS.md). A prefetch never faults, so one past the last key is harmless.
+// on the AVX512-BF16 EPYC one token over the 1.5B's 32K cache took 0.71x the time in bf16, 0.74x in
+// float32 (likely: T0's requests take L1 miss buffers the loop's own loads need; no counters here
+// to tell; benchmarks/RESULTS.md). A prefetch never faults, so one past the last key is harmless.
 template <int D, int N, typename KV>
 inline void prefetch_rows(const KV* row, int64_t row_stride) {
   for (int i = 0; i < N; ++i)
