@@ -23,7 +23,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-QUESTION = "Summarize the story so far in one paragraph."
 
 
 def child(args) -> None:
@@ -33,7 +32,7 @@ def child(args) -> None:
     import torch
 
     from benchmarks.longctx import BOOK, book_doc_ids
-    from benchmarks.peers import answer
+    from benchmarks.peers import QUESTION, answer
     from engine.chat import ChatFormat
     from engine.config import EngineConfig
     from engine.session import Engine
@@ -45,6 +44,8 @@ def child(args) -> None:
     doc_ids = book_doc_ids(chat, book_ids, args.context)
     if args.snapshot.exists():
         session = engine.restore(args.snapshot)
+        if session.tokens != doc_ids:  # another context, model or book: not this run's prefill
+            sys.exit(f"{args.snapshot} holds another prefill than --model {args.model} --context {args.context}")
     else:
         session = engine.open(doc_ids)
         session.save(args.snapshot)
@@ -76,10 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--snapshot", type=Path, default=Path("/tmp/ab_snapshot.pt"))
+    p.add_argument("--snapshot", type=Path, default=None, help="default: /tmp/ab_MODEL_CONTEXT.pt")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ab.json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.snapshot = args.snapshot or Path(f"/tmp/ab_{args.model}_{args.context}.pt")
     if args.child:
         child(args)
         return 0
@@ -93,8 +95,10 @@ def main(argv: list[str] | None = None) -> int:
                    "--context", str(args.context), "--stacks", args.stacks, "--new-tokens", str(args.new_tokens),
                    "--threads", str(args.threads), "--snapshot", str(args.snapshot)]
             env = os.environ | {"PYTHONPATH": tree, "HF_HUB_OFFLINE": "1"}
-            out = subprocess.run(cmd, cwd=tree, env=env, check=True, capture_output=True, text=True).stdout
-            result = json.loads(out.strip().splitlines()[-1]) | {"load_before": load}
+            done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+            if done.returncode:
+                sys.exit(f"{tree}: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+            result = json.loads(done.stdout.strip().splitlines()[-1]) | {"load_before": load}
             results[tree].append(result)
             print(f"round {i} {tree}: " + ", ".join(f"{s} {r['ms_per_token']:.1f} ms" for s, r in
                                                    result["runs"].items()) + f" (load {load:.1f})", file=sys.stderr)
