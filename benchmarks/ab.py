@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -52,7 +53,8 @@ def child(args) -> None:
     q_ids = chat.question_ids(QUESTION, is_first=True, previous_answer_ended=False)
     runs = {stack: answer(engine, session, q_ids, session.length, args.new_tokens, stack, stop_ids=chat.stop_ids)
             for stack in args.stacks.split(",")}
-    print(json.dumps({"levels_auto": engine.config.levels, "runs": runs}))
+    peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # the process: load, restore, answers
+    print(json.dumps({"levels_auto": engine.config.levels, "runs": runs, "peak_rss_gb": peak_rss_gb}))
 
 
 def table(trees: list[str], results: dict) -> str:
@@ -64,6 +66,8 @@ def table(trees: list[str], results: dict) -> str:
         same = all(r["runs"][stack]["tokens"] == results[trees[0]][0]["runs"][stack]["tokens"]
                    for t in trees for r in results[t])
         rows.append(f"| {stack} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[1] / ms[0]:.3f} | {same} |")
+    rss = [statistics.median(r.get("peak_rss_gb", float("nan")) for r in results[t]) for t in trees]
+    rows.append(f"| peak RSS, GB | {rss[0]:.2f} | {rss[1]:.2f} | {rss[1] / rss[0]:.3f} | |")
     return "\n".join(rows)
 
 

@@ -190,7 +190,8 @@ def test_bf16_activations_return_bf16_and_rows_stay_independent(name, isa):
     x = torch.randn(QuantLinear.KERNEL_MAX_ROWS, 512).bfloat16()
     got = linear(x)
     assert got.dtype == torch.bfloat16
-    float32_sums = cpu_quant_kernel().quant_linear(x, linear.weight, linear.qtype)  # no bias, float32 out
+    float32_sums = cpu_quant_kernel().quant_linear(x, linear.weight, linear.qtype,  # no bias, float32 out
+                                                   interleaved=linear.interleaved(x.dtype))
     assert torch.equal(got, (float32_sums + linear.bias).bfloat16())  # the kernel's epilogue: torch's ops
     if not (isa == "avx512-bf16" and name in BF16_DOT_TYPES):
         assert torch.equal(got, linear(x.float()).bfloat16())
@@ -217,6 +218,36 @@ def test_bf16_dots_are_exact_products_summed_in_float32(name, n_rows, n_cols):
     bound = 1e-5 * (x.double().abs() @ reference.double().abs().T).max()
     assert (got.double() - exact).abs().max() <= bound
     assert not torch.equal(got, kernel.quant_linear(x.float(), linear.weight, linear.qtype))  # another path
+
+
+@pytest.mark.parametrize("name", BF16_DOT_TYPES)
+@pytest.mark.parametrize("n_rows", [1, 2, 5, 6, 7, 13, QuantLinear.KERNEL_MAX_ROWS])
+def test_interleaved_blocks_are_exact_products_and_each_rows_own(name, n_rows):
+    """Q4_K and Q6_K with 16 weight rows interleaved (a bf16 model's decoding on AVX512-BF16):
+    within the float32 bound of the exact product, rows of x independent, 40 weight rows (the last
+    group padded), another summation order than the row-major loop. A QuantLinear takes it for bf16."""
+    kernel = cpu_quant_kernel()
+    kernel.set_isa(-1)
+    if not kernel.uses_bf16_dots():
+        pytest.skip("this CPU has no AVX512-BF16")
+    linear, reference = layer(name, n_cols=768, bias=True)
+    interleaved = kernel.interleave(linear.weight, linear.qtype, 768)
+    assert interleaved.shape == (3, 3 * linear.weight.shape[1] // 3 * 16)
+    x = torch.randn(n_rows, 768).bfloat16()
+    got = kernel.quant_linear(x, linear.weight, linear.qtype, interleaved=interleaved)
+    exact = x.double() @ reference.double().T
+    bound = 1e-5 * (x.double().abs() @ reference.double().abs().T).max()
+    assert got.shape == (n_rows, 40) and (got.double() - exact).abs().max() <= bound
+    alone = torch.cat([kernel.quant_linear(x[i:i + 1], linear.weight, linear.qtype, interleaved=interleaved)
+                       for i in range(n_rows)])
+    assert torch.equal(got, alone)
+    assert not torch.equal(got, kernel.quant_linear(x, linear.weight, linear.qtype))  # another path
+    assert linear.interleaved(torch.bfloat16) is linear.interleaved(torch.bfloat16)  # made once
+    assert torch.equal(linear.interleaved(torch.bfloat16), interleaved)
+    assert torch.equal(linear(x), (got + linear.bias).bfloat16())
+    assert linear.interleaved(torch.float32) is None  # float32 rows keep the file's loop
+    with pytest.raises(RuntimeError, match="interleave"):
+        kernel.quant_linear(x, linear.weight, linear.qtype, interleaved=interleaved[:2])
 
 
 @pytest.mark.parametrize("name", ["Q5_0", "Q6_K"])
