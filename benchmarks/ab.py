@@ -54,7 +54,9 @@ def child(args) -> None:
     runs = {stack: answer(engine, session, q_ids, session.length, args.new_tokens, stack, stop_ids=chat.stop_ids)
             for stack in args.stacks.split(",")}
     peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # the process: load, restore, answers
-    print(json.dumps({"levels_auto": engine.config.levels, "runs": runs, "peak_rss_gb": peak_rss_gb}))
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    anon_gb = int(status.get("RssAnon", "0 kB").split()[0]) / 2**20  # its own memory now, without mapped files
+    print(json.dumps({"levels_auto": engine.config.levels, "runs": runs, "peak_rss_gb": peak_rss_gb, "anon_gb": anon_gb}))
 
 
 def table(trees: list[str], results: dict) -> str:
@@ -68,6 +70,8 @@ def table(trees: list[str], results: dict) -> str:
         rows.append(f"| {stack} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[1] / ms[0]:.3f} | {same} |")
     rss = [statistics.median(r.get("peak_rss_gb", float("nan")) for r in results[t]) for t in trees]
     rows.append(f"| peak RSS, GB | {rss[0]:.2f} | {rss[1]:.2f} | {rss[1] / rss[0]:.3f} | |")
+    anon = [statistics.median(r.get("anon_gb", float("nan")) for r in results[t]) for t in trees]
+    rows.append(f"| anonymous memory at the end, GB | {anon[0]:.2f} | {anon[1]:.2f} | {anon[1] / anon[0]:.3f} | |")
     return "\n".join(rows)
 
 

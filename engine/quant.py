@@ -36,6 +36,7 @@ from engine.layouts import scratch
 
 # ggml type ids the kernel reads; others (and F16 / BF16) are dequantized to float32 at load
 KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
+INTERLEAVED_TYPES = (12, 14)  # Q4_K, Q6_K: a bf16 model decodes them from 16 interleaved rows
 _SOURCE = Path(__file__).parent / "csrc" / "quant_cpu.cpp"
 
 
@@ -121,10 +122,10 @@ class QuantLinear(nn.Module):
     def interleaved(self, dtype: torch.dtype) -> torch.Tensor | None:
         """Q4_K's or Q6_K's blocks with 16 weight rows interleaved (quant_cpu.cpp `interleave`), for
         bf16 activations where the kernel has BF16 dot products: a group's scale applied once per 16
-        rows, not per row. Made at the first such call from the weight as it is then; a copy beside
-        the file's blocks, which prefill, `quick` and the other paths read (the 1.5B's Q4_K and Q6_K
-        linears: 0.98 GB)."""
-        if dtype != torch.bfloat16 or self.qtype not in (12, 14) or not self.kernel.uses_bf16_dots():
+        rows, not per row. Made at the first such call from the weight as it is then (a bf16 model
+        from a .gguf makes it at load): a copy beside the file's blocks, which prefill, `quick` and
+        the other paths read (the 1.5B's Q4_K and Q6_K linears: 0.98 GB)."""
+        if dtype != torch.bfloat16 or self.qtype not in INTERLEAVED_TYPES or not self.kernel.uses_bf16_dots():
             return None
         if self._interleaved is None or self._interleaved[0] is not self.weight:
             self._interleaved = (self.weight, self.kernel.interleave(self.weight, self.qtype, self.in_features))
@@ -239,13 +240,16 @@ def _unpermute_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
     return rows.reshape(n_heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def read_gguf_tensors(gguf_path: Path, header: Path, hf_config) -> dict[str, tuple[torch.Tensor, int | None]]:
+def read_gguf_tensors(gguf_path: Path, header: Path, hf_config,
+                      mapped_types: tuple[int, ...] = ()) -> dict[str, tuple[torch.Tensor, int | None]]:
     """{our name: (tensor, ggml type or None)}: the kernel's types as the file's blocks [rows, row
-    bytes] uint8, everything else dequantized to float32 by gguf (numpy)."""
+    bytes] uint8, copied into memory, or for `mapped_types` left as pages of the file (mapped
+    copy-on-write: the page cache that holds the file anyway, no second copy); everything else
+    dequantized to float32 by gguf (numpy)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    file = np.memmap(gguf_path, dtype=np.uint8, mode="r")
+    file = np.memmap(gguf_path, dtype=np.uint8, mode="c")
     is_llama = hf_config.model_type == "llama"
     n_heads = hf_config.num_attention_heads
     n_kv_heads = getattr(hf_config, "num_key_value_heads", None) or n_heads
@@ -260,7 +264,8 @@ def read_gguf_tensors(gguf_path: Path, header: Path, hf_config) -> dict[str, tup
             data = _unpermute_rows(data, n_heads)
         elif is_llama and ".self_attn.k_proj." in name:
             data = _unpermute_rows(data, n_kv_heads)
-        tensors[name] = (torch.from_numpy(np.array(data)), qtype if keeps_blocks else None)  # a copy in memory
+        mapped = keeps_blocks and qtype in mapped_types and isinstance(data, np.memmap)
+        tensors[name] = (torch.from_numpy(data if mapped else np.array(data)), qtype if keeps_blocks else None)
     return tensors
 
 
@@ -276,8 +281,15 @@ def load_quantized_model(gguf_path: Path, sha256: str | None = None, dtype: torc
     header = gguf_header_dir(gguf_path, sha256 or file_sha256(gguf_path))
     model, hf_config = meta_model(header, yarn_factor)
     cfg = model.config
-    plain = _place_quantized(model, read_gguf_tensors(gguf_path, header, hf_config), cfg.dim, kernel)
+    # a bf16 model on a CPU with BF16 dot products decodes Q4_K and Q6_K from interleaved copies made
+    # here; their blocks in the file's order (for prefill, int8 drafts) stay pages of the file
+    interleaves = dtype == torch.bfloat16 and kernel.uses_bf16_dots()
+    tensors = read_gguf_tensors(gguf_path, header, hf_config, INTERLEAVED_TYPES if interleaves else ())
+    plain = _place_quantized(model, tensors, cfg.dim, kernel)
     model.load_state_dict({name: t.to(dtype) for name, t in plain.items()}, strict=False, assign=True)
+    for module in model.modules() if interleaves else ():
+        if isinstance(module, QuantLinear):
+            module.interleaved(dtype)
     if "model.embed_tokens.weight" in plain and not isinstance(model.lm_head, QuantLinear) and cfg.has_tied_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return finish_model(model, hf_config, torch.device("cpu"), gguf_path), load_tokenizer(header)

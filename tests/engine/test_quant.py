@@ -7,6 +7,8 @@ the blocks equals the dequantized float32 model's."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -264,6 +266,31 @@ def test_bf16_prefill_chunks_multiply_bf16_tiles(name):
     assert (got.double() - exact).abs().max() <= bound
     linear.out_dtype = torch.float32
     assert linear(x).dtype == torch.float32 and linear(x[:3]).dtype == torch.float32
+
+
+def test_a_bf16_gguf_decodes_from_interleaved_copies_and_maps_the_files_blocks():
+    """On a CPU with BF16 dot products, loading a bf16 model makes the Q4_K and Q6_K linears'
+    interleaved copies, and leaves those linears' blocks in the file's order as pages of the .gguf
+    (mapped, not a second copy in memory); blocks of other types are copied."""
+    from engine.models import gguf_path
+    from engine.quant import load_quantized_model
+
+    kernel = cpu_quant_kernel()
+    kernel.set_isa(-1)
+    if not kernel.uses_bf16_dots():
+        pytest.skip("this CPU has no AVX512-BF16")
+    path = gguf_path("qwen2.5-coder-0.5b")
+    if not path.is_file():
+        pytest.skip("qwen2.5-coder-0.5b is not assembled")
+    model, _ = load_quantized_model(path, dtype=torch.bfloat16)
+    spans = [tuple(int(a, 16) for a in line.split()[0].split("-"))
+             for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(str(path))]
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    for linear in linears:
+        mapped = any(lo <= linear.weight.data_ptr() < hi for lo, hi in spans)
+        interleaves = linear.qtype in (12, 14)
+        assert mapped == interleaves and (linear._interleaved is not None) == interleaves, linear
+    assert {m.qtype for m in linears} >= {6, 12, 14}  # Q5_0 copied; Q4_K, Q6_K mapped
 
 
 def test_a_packaged_gguf_keeps_its_blocks_in_bf16_and_with_yarn():
