@@ -56,7 +56,8 @@ def child(args) -> None:
     peak_rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # the process: load, restore, answers
     status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
     anon_gb = int(status.get("RssAnon", "0 kB").split()[0]) / 2**20  # its own memory now, without mapped files
-    print(json.dumps({"levels_auto": engine.config.levels, "runs": runs, "peak_rss_gb": peak_rss_gb, "anon_gb": anon_gb}))
+    print(json.dumps({"levels_auto": engine.config.levels, "runs": runs, "peak_rss_gb": peak_rss_gb,
+                      "anon_gb": anon_gb}))
 
 
 def table(trees: list[str], results: dict) -> str:
