@@ -36,8 +36,8 @@ random keys and values at the context length (costs do not depend on the values)
   per linear on the model's own activations (9 tokens of the book, captured from a forward).
 
     python -m benchmarks.kernels --model qwen2.5-coder-1.5b --only quick --threads 1
-- exact-rows: every exact linear of a GGUF model at T = 1 to 9 rows, what a check of T tokens
-  costs in the linears. To compare two versions of the kernel, run it in each checkout in turn
+- exact-rows: every exact linear of a GGUF model at T = 1 to 9 rows of `--dtype` activations, what
+  a check of T tokens costs in the linears. To compare two versions of the kernel, run it in each checkout in turn
   on the same core (the build cache is keyed by the source's hash).
 
     taskset -c 0 python -m benchmarks.kernels --model qwen2.5-coder-1.5b --only exact-rows --threads 1 --repeats 3
@@ -459,13 +459,16 @@ def bench_quick(source: str, repeats: int) -> dict:
     return out
 
 
-def bench_exact_rows(source: str, repeats: int, other_source: Path | None = None) -> dict:
-    """Every exact linear of the GGUF model (`quant_linear`) at T rows: {T: {"median_ms", "min_ms"}};
-    with `other_source`, {T: {"this": ..., OLD.cpp: ..., "same_bits": bool}}, the kernels alone
-    (no bias, no module call), interleaved."""
+def bench_exact_rows(source: str, repeats: int, other_source: Path | None = None,
+                     dtype: torch.dtype = torch.float32) -> dict:
+    """Every exact linear of the GGUF model (`quant_linear`) at T rows of `dtype` activations: {T:
+    {"median_ms", "min_ms"}}; with `other_source`, {T: {"this": ..., OLD.cpp: ..., "same_bits":
+    bool}}, the kernels alone (no bias, no module call), interleaved. This build takes the blocks as
+    the model's linears do (a bf16 model's Q4_K / Q6_K: their interleaved copies); OLD.cpp the
+    file's."""
     from engine.quant import CFLAGS, QuantLinear
 
-    model, _ = load_model(source, torch.float32, torch.device("cpu"))
+    model, _ = load_model(source, dtype, torch.device("cpu"))
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if not linears:
         return {"skipped": f"{source} did not load as GGUF blocks"}
@@ -474,13 +477,15 @@ def bench_exact_rows(source: str, repeats: int, other_source: Path | None = None
     out = {}
     with torch.inference_mode():
         for T in (1, 2, 3, 4, 5, 6, 8, 9):
-            x = {n: torch.randn(T, n) for n in {m.in_features for m in linears}}
+            x = {n: torch.randn(T, n).to(dtype) for n in {m.in_features for m in linears}}
             if not other:
                 out[T] = side_by_side({"exact": lambda x=x: [m(x[m.in_features]) for m in linears]}, repeats)["exact"]
                 continue
-            kernels = {"this": cpu_quant_kernel(), other_source.name: other}
-            calls = {name: lambda k=k, x=x: [k.quant_linear(x[m.in_features], m.weight, m.qtype) for m in linears]
-                     for name, k in kernels.items()}
+            calls = {"this": lambda x=x: [cpu_quant_kernel().quant_linear(x[m.in_features], m.weight, m.qtype,
+                                                                          interleaved=m.interleaved(dtype))
+                                          for m in linears],
+                     other_source.name: lambda x=x: [other.quant_linear(x[m.in_features], m.weight, m.qtype)
+                                                     for m in linears]}
             out[T] = side_by_side(calls, repeats)
             out[T]["same_bits"] = all(map(torch.equal, *(f() for f in calls.values())))
     if other:
@@ -599,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     if "quick" in only:
         report["results"]["quick"] = bench_quick(args.model, args.repeats)
     if "exact-rows" in only:
-        report["results"]["exact-rows"] = bench_exact_rows(args.model, args.repeats, args.quant_source)
+        report["results"]["exact-rows"] = bench_exact_rows(args.model, args.repeats, args.quant_source, dtype)
     if "compiled" in only:  # not in the default set: it compiles for a minute or two
         report["results"]["compiled"] = bench_compiled(args.model, dtype, args.repeats)
     if "sampling" in only:

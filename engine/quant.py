@@ -36,7 +36,7 @@ from engine.layouts import scratch
 
 # ggml type ids the kernel reads; others (and F16 / BF16) are dequantized to float32 at load
 KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
-INTERLEAVED_TYPES = (12, 14)  # Q4_K, Q6_K: a bf16 model decodes them from 16 interleaved rows
+INTERLEAVED_TYPES = (6, 12, 14)  # Q5_0, Q4_K, Q6_K: a bf16 model decodes them from 16 interleaved rows
 _SOURCE = Path(__file__).parent / "csrc" / "quant_cpu.cpp"
 
 
@@ -120,7 +120,7 @@ class QuantLinear(nn.Module):
         return out.to(out_dtype).view(*x.shape[:-1], self.out_features)
 
     def interleaved(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """Q4_K's or Q6_K's blocks with 16 weight rows interleaved (quant_cpu.cpp `interleave`), for
+        """Q5_0's, Q4_K's or Q6_K's blocks with 16 weight rows interleaved (quant_cpu.cpp `interleave`), for
         bf16 activations where the kernel has BF16 dot products: a group's scale applied once per 16
         rows, not per row. Made at the first such call from the weight as it is then (a bf16 model
         from a .gguf makes it at load): a copy beside the file's blocks, which prefill, `quick` and

@@ -41,6 +41,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -653,7 +654,7 @@ inline __m512bh pair(const at::BFloat16* x) {
 }
 
 struct Q4K16 {
-  static constexpr int64_t kBlockBytes = 144, kBytes = 144 * kGroupRows;
+  static constexpr int64_t kValues = 256, kBlockBytes = 144, kBytes = 144 * kGroupRows;
   static void interleave(const uint8_t* b, int64_t r, uint8_t* o) {  // row r's block b into group block o
     std::memcpy(o + 2 * r, b, 2);
     std::memcpy(o + 32 + 2 * r, b + 2, 2);
@@ -707,7 +708,7 @@ struct Q4K16 {
 };
 
 struct Q6K16 {
-  static constexpr int64_t kBlockBytes = 210, kBytes = 210 * kGroupRows;
+  static constexpr int64_t kValues = 256, kBlockBytes = 210, kBytes = 210 * kGroupRows;
   static void interleave(const uint8_t* b, int64_t r, uint8_t* o) {
     std::memcpy(o + 2 * r, b + 208, 2);
     for (int g = 0; g < 16; ++g) o[32 + kGroupRows * g + r] = b[192 + g];
@@ -761,6 +762,54 @@ struct Q6K16 {
   }
 };
 
+struct Q5016 {  // per block of 32: d [16] fp16, then for pairs p = 0..7 the 32 bytes qs[2 p + e] of
+  // rows r at 2 r + e (low nibble: value 2 p + e, high: 16 + 2 p + e) and two 32-bit masks of their
+  // fifth bits (bit 2 r + e: qh bit 2 p + e, then bit 16 + 2 p + e)
+  static constexpr int64_t kValues = 32, kBlockBytes = 22, kBytes = 22 * kGroupRows;
+  static void interleave(const uint8_t* b, int64_t r, uint8_t* o) {
+    std::memcpy(o + 2 * r, b, 2);
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    for (int p = 0; p < 8; ++p) {
+      uint8_t* chunk = o + 32 + 40 * p;
+      uint32_t masks[2];
+      std::memcpy(masks, chunk + 32, 8);
+      for (int e = 0; e < 2; ++e) {
+        chunk[2 * r + e] = b[6 + 2 * p + e];
+        masks[0] |= ((qh >> (2 * p + e)) & 1u) << (2 * r + e);
+        masks[1] |= ((qh >> (16 + 2 * p + e)) & 1u) << (2 * r + e);
+      }
+      std::memcpy(chunk + 32, masks, 8);
+    }
+  }
+  template <int NM>
+  static inline void block(const at::BFloat16* x, int64_t K, const float*, int64_t, const uint8_t* o, __m512 acc[NM]) {
+    static const std::array<uint16_t, 32> kTable = [] {  // bf16 of q - 16, q = 0 .. 31 (exact)
+      std::array<uint16_t, 32> t{};
+      for (int q = 0; q < 32; ++q) t[q] = static_cast<uint16_t>(c10::bit_cast<uint32_t>(float(q - 16)) >> 16);
+      return t;
+    }();
+    const __m512i table = _mm512_loadu_si512(kTable.data()), nibble = _mm512_set1_epi16(15), fifth = _mm512_set1_epi16(16);
+    __m512 sums[NM];
+    for (int m = 0; m < NM; ++m) sums[m] = _mm512_setzero_ps();
+    for (int p = 0; p < 8; ++p) {
+      const uint8_t* chunk = o + 32 + 40 * p;
+      __mmask32 masks[2];
+      std::memcpy(masks, chunk + 32, 8);
+      const __m512i bytes = words32(chunk);
+      const __m512i low = _mm512_and_si512(bytes, nibble), high = _mm512_srli_epi16(bytes, 4);
+      const __m512bh q0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_mask_add_epi16(low, masks[0], low, fifth), table);
+      const __m512bh q1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_mask_add_epi16(high, masks[1], high, fifth), table);
+      for (int m = 0; m < NM; ++m) {
+        sums[m] = _mm512_dpbf16_ps(sums[m], q0, pair(x + m * K + 2 * p));
+        sums[m] = _mm512_dpbf16_ps(sums[m], q1, pair(x + m * K + 16 + 2 * p));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o)));
+    for (int m = 0; m < NM; ++m) acc[m] = _mm512_fmadd_ps(sums[m], d, acc[m]);
+  }
+};
+
 template <class G>
 void interleave(const uint8_t* w, int64_t N, int64_t blocks, uint8_t* out) {
   at::parallel_for(0, (N + kGroupRows - 1) / kGroupRows, 1, [&](int64_t g0, int64_t g1) {
@@ -783,8 +832,8 @@ inline void group_rows(const at::BFloat16* x, const float* xsum, int64_t M, int6
   }
   __m512 acc[NM];
   for (int m = 0; m < NM; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t blk = 0; blk < K / 256; ++blk)
-    G::template block<NM>(x + 256 * blk, K, xsum + 8 * blk, K / 32, wg + blk * G::kBytes, acc);
+  for (int64_t blk = 0; blk < K / G::kValues; ++blk)
+    G::template block<NM>(x + G::kValues * blk, K, xsum + G::kValues / 32 * blk, K / 32, wg + blk * G::kBytes, acc);
   const __mmask16 real = static_cast<__mmask16>((1u << rows) - 1);
   for (int m = 0; m < NM; ++m) _mm512_mask_storeu_ps(y + m * N, real, acc[m]);
 }
@@ -799,7 +848,7 @@ void quant_linear16(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* 
     xsum[i] = s;
   }
   constexpr int64_t kMost = 6;
-  const int64_t chunks = (M + kMost - 1) / kMost, group_bytes = K / 256 * G::kBytes;
+  const int64_t chunks = (M + kMost - 1) / kMost, group_bytes = K / G::kValues * G::kBytes;
   at::parallel_for(0, (N + kGroupRows - 1) / kGroupRows, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t c = 0, m = 0; c < chunks; ++c) {
@@ -811,8 +860,11 @@ void quant_linear16(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* 
   });
 }
 
+bool interleaves(int64_t qtype) { return qtype == 6 || qtype == 12 || qtype == 14; }
+
 template <class Body>
 void dispatch16(int64_t qtype, Body&& body) {
+  if (qtype == 6) return body(Q5016{});
   if (qtype == 12) return body(Q4K16{});
   body(Q6K16{});
 }
@@ -1222,17 +1274,17 @@ torch::Tensor epilogue(torch::Tensor y, const c10::optional<torch::Tensor>& bias
   return out;
 }
 
-// Q4_K's or Q6_K's blocks w [N, row bytes] with 16 rows interleaved (avx512bf::interleave):
-// [ceil(N / 16), K / 256 * 16 blocks' bytes] uint8
+// Q5_0's, Q4_K's or Q6_K's blocks w [N, row bytes] with 16 rows interleaved (avx512bf::interleave):
+// [ceil(N / 16), K / values per block * 16 blocks' bytes] uint8
 torch::Tensor interleave(const torch::Tensor& w, int64_t qtype, int64_t K) {
-  TORCH_CHECK(avx512bf::supports(qtype), "interleave: Q4_K or Q6_K (ggml types 12, 14), not ", qtype);
+  TORCH_CHECK(avx512bf::interleaves(qtype), "interleave: Q5_0, Q4_K or Q6_K (ggml types 6, 12, 14), not ", qtype);
   torch::Tensor out;
   avx512bf::dispatch16(qtype, [&](auto g) {
     using G = decltype(g);
     dispatch(qtype, [&](auto q) { check_weight<decltype(q)>(w, K); });
     const int64_t N = w.size(0), groups = (N + avx512bf::kGroupRows - 1) / avx512bf::kGroupRows;
-    out = torch::empty({groups, K / 256 * G::kBytes}, w.options());
-    avx512bf::interleave<G>(w.data_ptr<uint8_t>(), N, K / 256, out.data_ptr<uint8_t>());
+    out = torch::empty({groups, K / G::kValues * G::kBytes}, w.options());
+    avx512bf::interleave<G>(w.data_ptr<uint8_t>(), N, K / G::kValues, out.data_ptr<uint8_t>());
   });
   return out;
 }
@@ -1248,7 +1300,7 @@ torch::Tensor quant_linear_interleaved(const torch::Tensor& x, const torch::Tens
     dispatch(qtype, [&](auto q) { check_weight<decltype(q)>(w, K); });
     TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
                     packed.size(0) == (N + avx512bf::kGroupRows - 1) / avx512bf::kGroupRows &&
-                    packed.size(1) == K / 256 * G::kBytes,
+                    packed.size(1) == K / G::kValues * G::kBytes,
                 "quant_linear: `interleaved` is not interleave() of these blocks");
     if (M > 0 && N > 0)
       avx512bf::quant_linear16<G>(x.data_ptr<at::BFloat16>(), M, K, packed.data_ptr<uint8_t>(), y.data_ptr<float>(), N);
@@ -1263,10 +1315,11 @@ torch::Tensor quant_linear_interleaved(const torch::Tensor& x, const torch::Tens
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype,
                            const c10::optional<torch::Tensor>& bias, bool bf16_out,
                            const c10::optional<torch::Tensor>& interleaved) {
-  if (x.scalar_type() == torch::kBFloat16 && !(use_bf16_dots() && avx512bf::supports(qtype)))
-    return quant_linear(x.to(torch::kFloat), w, qtype, bias, bf16_out, c10::nullopt);
-  if (interleaved.has_value() && x.scalar_type() == torch::kBFloat16)
+  const bool bf16_dots = x.scalar_type() == torch::kBFloat16 && use_bf16_dots();
+  if (bf16_dots && interleaved.has_value() && avx512bf::interleaves(qtype))
     return quant_linear_interleaved(x, w, qtype, *interleaved, bias, bf16_out);
+  if (x.scalar_type() == torch::kBFloat16 && !(bf16_dots && avx512bf::supports(qtype)))
+    return quant_linear(x.to(torch::kFloat), w, qtype, bias, bf16_out, c10::nullopt);
   TORCH_CHECK((x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16) && x.dim() == 2 && x.is_contiguous(),
               "quant_linear: x float32 or bfloat16 [M, K] contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -1352,7 +1405,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "y = x deq(w)^T (+ bias): float32 or bf16 x [M, K], GGUF blocks w [N, row bytes], "
         "ggml type; float32 out, or rounded to bf16", py::arg("x"), py::arg("w"), py::arg("qtype"),
         py::arg("bias") = py::none(), py::arg("bf16_out") = false, py::arg("interleaved") = py::none(), nogil());
-  m.def("interleave", &interleave, "Q4_K / Q6_K blocks [N, row bytes], ggml type, K -> 16 rows interleaved, for bf16 "
+  m.def("interleave", &interleave, "Q5_0 / Q4_K / Q6_K blocks [N, row bytes], ggml type, K -> 16 rows interleaved, for bf16 "
         "quant_linear", nogil());
   m.def("dequantize", &dequantize, "GGUF blocks w [N, row bytes], ggml type -> out float32 [N, K]", nogil());
   m.def("set_isa", [](int64_t isa) { g_isa = static_cast<int>(isa); }, "-1 best available, 0 AVX2, 1 AVX-512, 2 AVX-512 and BF16 dots");

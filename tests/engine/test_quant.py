@@ -41,6 +41,7 @@ def isa(request):
 
 
 BF16_DOT_TYPES = ("Q4_K", "Q6_K")  # bf16 activations of these run BF16 dot products on "avx512-bf16"
+INTERLEAVED_TYPES = ("Q5_0", *BF16_DOT_TYPES)  # and a bf16 QuantLinear of these, from interleaved rows
 
 
 def random_blocks(name: str, n_rows: int, n_cols: int, seed: int = 0) -> np.ndarray:
@@ -195,7 +196,7 @@ def test_bf16_activations_return_bf16_and_rows_stay_independent(name, isa):
     float32_sums = cpu_quant_kernel().quant_linear(x, linear.weight, linear.qtype,  # no bias, float32 out
                                                    interleaved=linear.interleaved(x.dtype))
     assert torch.equal(got, (float32_sums + linear.bias).bfloat16())  # the kernel's epilogue: torch's ops
-    if not (isa == "avx512-bf16" and name in BF16_DOT_TYPES):
+    if not (isa == "avx512-bf16" and name in INTERLEAVED_TYPES):
         assert torch.equal(got, linear(x.float()).bfloat16())
     alone = torch.cat([linear(x[i:i + 1]) for i in range(x.shape[0])])
     for n in (2, 5, 7, 8, 9, 17, QuantLinear.KERNEL_MAX_ROWS):
@@ -222,10 +223,10 @@ def test_bf16_dots_are_exact_products_summed_in_float32(name, n_rows, n_cols):
     assert not torch.equal(got, kernel.quant_linear(x.float(), linear.weight, linear.qtype))  # another path
 
 
-@pytest.mark.parametrize("name", BF16_DOT_TYPES)
+@pytest.mark.parametrize("name", INTERLEAVED_TYPES)
 @pytest.mark.parametrize("n_rows", [1, 2, 5, 6, 7, 13, QuantLinear.KERNEL_MAX_ROWS])
 def test_interleaved_blocks_are_exact_products_and_each_rows_own(name, n_rows):
-    """Q4_K and Q6_K with 16 weight rows interleaved (a bf16 model's decoding on AVX512-BF16):
+    """Q5_0, Q4_K and Q6_K with 16 weight rows interleaved (a bf16 model's decoding on AVX512-BF16):
     within the float32 bound of the exact product, rows of x independent, 40 weight rows (the last
     group padded), another summation order than the row-major loop. A QuantLinear takes it for bf16."""
     kernel = cpu_quant_kernel()
@@ -234,7 +235,7 @@ def test_interleaved_blocks_are_exact_products_and_each_rows_own(name, n_rows):
         pytest.skip("this CPU has no AVX512-BF16")
     linear, reference = layer(name, n_cols=768, bias=True)
     interleaved = kernel.interleave(linear.weight, linear.qtype, 768)
-    assert interleaved.shape == (3, 3 * linear.weight.shape[1] // 3 * 16)
+    assert interleaved.shape == (3, linear.weight.shape[1] * 16)  # 40 rows: 3 groups of 16
     x = torch.randn(n_rows, 768).bfloat16()
     got = kernel.quant_linear(x, linear.weight, linear.qtype, interleaved=interleaved)
     exact = x.double() @ reference.double().T
@@ -269,9 +270,9 @@ def test_bf16_prefill_chunks_multiply_bf16_tiles(name):
 
 
 def test_a_bf16_gguf_decodes_from_interleaved_copies_and_maps_the_files_blocks():
-    """On a CPU with BF16 dot products, loading a bf16 model makes the Q4_K and Q6_K linears'
+    """On a CPU with BF16 dot products, loading a bf16 model makes the Q5_0, Q4_K and Q6_K linears'
     interleaved copies, and leaves those linears' blocks in the file's order as pages of the .gguf
-    (mapped, not a second copy in memory); blocks of other types are copied."""
+    (mapped, not a second copy in memory); blocks of other types (Q8_0) are copied."""
     from engine.models import gguf_path
     from engine.quant import load_quantized_model
 
@@ -288,9 +289,9 @@ def test_a_bf16_gguf_decodes_from_interleaved_copies_and_maps_the_files_blocks()
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     for linear in linears:
         mapped = any(lo <= linear.weight.data_ptr() < hi for lo, hi in spans)
-        interleaves = linear.qtype in (12, 14)
+        interleaves = linear.qtype in (6, 12, 14)
         assert mapped == interleaves and (linear._interleaved is not None) == interleaves, linear
-    assert {m.qtype for m in linears} >= {6, 12, 14}  # Q5_0 copied; Q4_K, Q6_K mapped
+    assert {m.qtype for m in linears} == {6, 8, 12, 14}  # Q8_0 copied; Q5_0, Q4_K, Q6_K mapped
 
 
 def test_a_packaged_gguf_keeps_its_blocks_in_bf16_and_with_yarn():
