@@ -29,8 +29,9 @@
 // bf16 activations of Q4_K and Q6_K on CPUs with AVX512-BF16 (namespace avx512bf, below "bf16
 // activations") multiply the integer codes in exact bf16 products instead, each group's scale
 // applied to the group's sum: the same products, summed in float32 in another grouping. Decoding
-// and checks take them from a copy of the blocks with 16 weight rows interleaved (`interleave`),
-// so that one scale FMA serves 16 rows: the 1.5B's linears reach the memory's speed at 2 threads.
+// and checks take them, and Q5_0, from a copy of the blocks with 16 weight rows interleaved
+// (`interleave`), so that one scale FMA serves 16 rows: the 1.5B's linears reach the memory's speed
+// at 2 threads.
 //
 // `quick_linear` (below "Quick") is a second, lossy linear over the same blocks for a middle level:
 // int8 activations and integer dot products (namespaces avx2q, and avx512q with VNNI; its loops
@@ -492,6 +493,19 @@ inline float sum8(__m256 a) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 
+// bf16 of 0 .. 15, twice: a low nibble's byte indexes it unmasked (`vpermw` reads 5 bits)
+alignas(64) static const uint16_t kNibbles[32] = {0,      0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+                                                  0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+                                                  0,      0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+                                                  0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+// bf16 of q - 32 for Q6_K's 6-bit codes q = 0 .. 63 (`vpermt2w` reads 6 bits: the 2 halves' 64 words)
+alignas(64) static const uint16_t kSixBits[64] = {
+    0xc200, 0xc1f8, 0xc1f0, 0xc1e8, 0xc1e0, 0xc1d8, 0xc1d0, 0xc1c8, 0xc1c0, 0xc1b8, 0xc1b0, 0xc1a8, 0xc1a0,
+    0xc198, 0xc190, 0xc188, 0xc180, 0xc170, 0xc160, 0xc150, 0xc140, 0xc130, 0xc120, 0xc110, 0xc100, 0xc0e0,
+    0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80, 0,      0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0,
+    0x40e0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x4180, 0x4188, 0x4190, 0x4198,
+    0x41a0, 0x41a8, 0x41b0, 0x41b8, 0x41c0, 0x41c8, 0x41d0, 0x41d8, 0x41e0, 0x41e8, 0x41f0, 0x41f8};
+
 // Each type: `block(b, f)` calls f(v, q, scale) for the block's slices v = 0 .. 7 of 32 values,
 // q their codes as bf16 and scale the float32 scale of each of the 16 lanes `vdpbf16ps` sums them
 // into (lane i: values 2 i and 2 i + 1), and returns the 8 sub-blocks' offsets (Q4_K: -dmin m_s).
@@ -504,12 +518,7 @@ struct Q4_K {  // slice 2 c: the low nibbles of qs[32 c .. 32 c + 31], slice 2 c
     const __m128i scales_mins = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sm));
     alignas(32) float ds[8];  // d sc_s, broadcast from memory
     _mm256_store_ps(ds, _mm256_mul_ps(_mm256_set1_ps(half(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scales_mins))));
-    // bf16 of 0 .. 15, twice: a low nibble's byte indexes it unmasked (`vpermw` reads 5 bits)
-    alignas(64) static const uint16_t kTable[32] = {0,      0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
-                                                    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
-                                                    0,      0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
-                                                    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
-    const __m512i table = _mm512_load_si512(kTable);
+    const __m512i table = _mm512_load_si512(kNibbles);
     for (int c = 0; c < 4; ++c) {
       const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c)));
       f(2 * c, (__m512bh)_mm512_permutexvar_epi16(bytes, table), _mm512_set1_ps(ds[2 * c]));
@@ -527,14 +536,7 @@ struct Q6_K {  // slice 4 h + t: value 128 h + 32 t + l, code (ql nibble) | (2 b
     const __m512 ds = _mm512_mul_ps(_mm512_set1_ps(half(b + 208)),
                                     _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))));
     const __m512i halves = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);  // lanes 8-15: + 1
-    // bf16 of q - 32 for the 6-bit codes q = 0 .. 63 (`vpermt2w` reads 6 bits: the 2 tables' 64 words)
-    alignas(64) static const uint16_t kTable[64] = {
-        0xc200, 0xc1f8, 0xc1f0, 0xc1e8, 0xc1e0, 0xc1d8, 0xc1d0, 0xc1c8, 0xc1c0, 0xc1b8, 0xc1b0, 0xc1a8, 0xc1a0,
-        0xc198, 0xc190, 0xc188, 0xc180, 0xc170, 0xc160, 0xc150, 0xc140, 0xc130, 0xc120, 0xc110, 0xc100, 0xc0e0,
-        0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80, 0,      0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0,
-        0x40e0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x4180, 0x4188, 0x4190, 0x4198,
-        0x41a0, 0x41a8, 0x41b0, 0x41b8, 0x41c0, 0x41c8, 0x41d0, 0x41d8, 0x41e0, 0x41e8, 0x41f0, 0x41f8};
-    const __m512i low_table = _mm512_load_si512(kTable), high_table = _mm512_load_si512(kTable + 32);
+    const __m512i low_table = _mm512_load_si512(kSixBits), high_table = _mm512_load_si512(kSixBits + 32);
     const __m512i nibble = _mm512_set1_epi16(0x000F);
     for (int h = 0; h < 2; ++h) {
       const auto words = [&](int at) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + at))); };
@@ -616,7 +618,7 @@ void quant_linear(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w,
 }
 
 
-// Q4_K and Q6_K with 16 weight rows interleaved (`interleave`, made once from the file's rows).
+// Q4_K, Q6_K and Q5_0 with 16 weight rows interleaved (`interleave`, made once from the file's rows).
 // The row-major loops above spend an FMA on every 32 products, to scale a group's dot product;
 // here each of `vdpbf16ps`'s 16 lanes is one weight row, so one instruction takes a pair of values
 // of 16 rows, and a group's scales are applied once per 16 rows: one FMA per 8 (Q6_K) or 16
@@ -625,7 +627,9 @@ void quant_linear(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w,
 // each group's pairs, scaled), so a row's output still does not depend on the rows beside it.
 // Every Q4_K / Q6_K linear of the 1.5B, Zen 4, one row: 1.81x / 1.52x faster at 1 thread, 1.45x /
 // 1.17x at 2 threads, where they now read the blocks at 33-34 GB/s (the memory's 36); 5 rows 1.86x /
-// 1.41x and 1.80x / 1.38x. The copy costs the blocks' bytes again (the 1.5B: 0.98 GB).
+// 1.41x and 1.80x / 1.38x. Q5_0 (most of the 0.5B's linears; without this, widened to float32):
+// every linear of the 0.5B 1.38x faster at one row, 2 threads. The copy costs the blocks' bytes
+// again (the 1.5B: 0.98 GB; the file's are then mapped, not copied: engine/quant.py).
 // A group of 16 rows (the last padded with zero rows) and one block column of 256 values is 16
 // blocks' bytes, rearranged:
 //   Q4_K: d [16] and dmin [16] fp16; the 12 scale bytes [12][16]; for c = 0..3 and pairs p = 0..15
@@ -636,11 +640,6 @@ void quant_linear(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w,
 //         nibble, and + 64, high), ql[64 h + 32 + 2 p + e] (+ 32, + 96), qh[32 h + 2 p + e] (their
 //         top 2 bits, in that order).
 constexpr int64_t kGroupRows = 16;
-
-alignas(64) static const uint16_t kNibbles[32] = {0,      0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
-                                                  0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
-                                                  0,      0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
-                                                  0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
 
 inline __m512i words32(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
@@ -723,14 +722,7 @@ struct Q6K16 {
   }
   template <int NM>
   static inline void block(const at::BFloat16* x, int64_t K, const float*, int64_t, const uint8_t* o, __m512 acc[NM]) {
-    // bf16 of q - 32 for the 6-bit codes q = 0 .. 63 (`vpermt2w` reads 6 bits: the 2 tables' 64 words)
-    alignas(64) static const uint16_t kTable[64] = {
-        0xc200, 0xc1f8, 0xc1f0, 0xc1e8, 0xc1e0, 0xc1d8, 0xc1d0, 0xc1c8, 0xc1c0, 0xc1b8, 0xc1b0, 0xc1a8, 0xc1a0,
-        0xc198, 0xc190, 0xc188, 0xc180, 0xc170, 0xc160, 0xc150, 0xc140, 0xc130, 0xc120, 0xc110, 0xc100, 0xc0e0,
-        0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80, 0,      0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0,
-        0x40e0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x4180, 0x4188, 0x4190, 0x4198,
-        0x41a0, 0x41a8, 0x41b0, 0x41b8, 0x41c0, 0x41c8, 0x41d0, 0x41d8, 0x41e0, 0x41e8, 0x41f0, 0x41f8};
-    const __m512i low_table = _mm512_load_si512(kTable), high_table = _mm512_load_si512(kTable + 32);
+    const __m512i low_table = _mm512_load_si512(kSixBits), high_table = _mm512_load_si512(kSixBits + 32);
     const __m512i nibble = _mm512_set1_epi16(0x000F);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o)));
     const auto code = [&](__m512i low4, __m512i top2) {  // bits 0-3 from low4 (0xE4: C ? A : B), 4-5 from top2
