@@ -80,7 +80,7 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.kernel, self.out_dtype = kernel, out_dtype
         self.lossy = False  # calls of at most KERNEL_MAX_ROWS rows run `quick_linear` (see `quick`)
-        self._interleaved: tuple[torch.Tensor, torch.Tensor] | None = None  # (weight, interleaved)
+        self._interleaved: tuple[tuple, torch.Tensor] | None = None  # (the weight it was made from, it)
 
     def has_quick_path(self) -> bool:
         return self.kernel.quick_supports(self.qtype, self.in_features)
@@ -95,6 +95,7 @@ class QuantLinear(nn.Module):
         the dequantizing GEMM either way."""
         twin = QuantLinear(self.weight, self.qtype, self.in_features, self.bias, self.kernel, self.out_dtype)
         twin.lossy = self.has_quick_path()
+        twin._interleaved = self._interleaved  # an exact twin decodes from the same copy, not its own
         return twin
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] float32 / bf16 -> [..., out]
@@ -127,8 +128,9 @@ class QuantLinear(nn.Module):
         the other paths read (the 1.5B's Q4_K and Q6_K linears: 0.98 GB)."""
         if dtype != torch.bfloat16 or self.qtype not in INTERLEAVED_TYPES or not self.kernel.uses_bf16_dots():
             return None
-        if self._interleaved is None or self._interleaved[0] is not self.weight:
-            self._interleaved = (self.weight, self.kernel.interleave(self.weight, self.qtype, self.in_features))
+        made_from = (self.weight.data_ptr(), self.weight.shape)  # a twin's weight is another Parameter
+        if self._interleaved is None or self._interleaved[0] != made_from:
+            self._interleaved = (made_from, self.kernel.interleave(self.weight, self.qtype, self.in_features))
         return self._interleaved[1]
 
     def dequantized(self) -> torch.Tensor:  # [out, in] float32, a fresh tensor

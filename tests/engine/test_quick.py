@@ -119,6 +119,22 @@ def test_a_type_without_a_quick_path_stays_exact():
     assert not twin.lossy and torch.equal(twin(x), linear(x))
 
 
+def test_an_exact_twin_decodes_from_the_originals_interleaved_copy():
+    """A twin without a quick path (Q5_0 at 96 inputs, not a multiple of 64) is exact and, for bf16
+    rows on AVX512-BF16, reads the original's interleaved copy instead of making a second one."""
+    kernel, qtype = cpu_quant_kernel(), int(GGMLQuantizationType.Q5_0)
+    kernel.set_isa(-1)
+    if not kernel.uses_bf16_dots():
+        pytest.skip("this CPU has no AVX512-BF16")
+    linear = QuantLinear(torch.from_numpy(random_blocks("Q5_0", 24, 96)), qtype, 96, None, kernel)
+    assert not kernel.quick_supports(qtype, 96)
+    interleaved = linear.interleaved(torch.bfloat16)
+    twin = linear.quick()
+    x = torch.randn(2, 96).bfloat16()
+    assert not twin.lossy and twin.interleaved(torch.bfloat16) is interleaved
+    assert torch.equal(twin(x), linear(x))
+
+
 def test_quick_twin_shares_the_blocks_and_keeps_prefill_calls_on_the_gemm():
     """`QuantLinear.quick`: the same weight and bias storage; calls of at most KERNEL_MAX_ROWS rows
     are quick_linear plus the bias (bf16 activations: widened, and the sum rounded to bf16 once);
