@@ -7,9 +7,9 @@ sub-block's scale out of its sum (x times the codes, summed, then scaled once): 
 sum in another float32 grouping, one FMA per 8 weights instead of two. On CPUs with AVX512-BF16
 a bf16 model's Q4_K and Q6_K linears multiply the bf16 activations with the integer codes in
 exact bf16 products and apply each group's float32 scale to the group's sum: the same exact
-products, summed in float32 in another grouping, in 0.6x the time; decoding reads them from a
-copy with 16 weight rows interleaved (`QuantLinear.interleaved`), one scale per 16 rows, in about
-0.55-0.85x the time again (the memory's speed at 2 threads).
+products, summed in float32 in another grouping, in 0.6x the time; decoding reads them (and
+Q5_0) from a copy with 16 weight rows interleaved (`QuantLinear.interleaved`), one scale per 16
+rows, in about 0.5-0.75x the time again (the memory's speed at 2 threads).
 
 `load_quantized_model` builds our Transformer straight from a .gguf (CPU, float32 or bf16, kernel
 built); tokenizer and Hugging Face config come from transformers' GGUF reader, cached as a small
@@ -283,8 +283,8 @@ def load_quantized_model(gguf_path: Path, sha256: str | None = None, dtype: torc
     header = gguf_header_dir(gguf_path, sha256 or file_sha256(gguf_path))
     model, hf_config = meta_model(header, yarn_factor)
     cfg = model.config
-    # a bf16 model on a CPU with BF16 dot products decodes Q4_K and Q6_K from interleaved copies made
-    # here; their blocks in the file's order (for prefill, int8 drafts) stay pages of the file
+    # a bf16 model on a CPU with BF16 dot products decodes Q5_0, Q4_K and Q6_K from interleaved copies
+    # made here; their blocks in the file's order (for prefill, int8 drafts) stay pages of the file
     interleaves = dtype == torch.bfloat16 and kernel.uses_bf16_dots()
     tensors = read_gguf_tensors(gguf_path, header, hf_config, INTERLEAVED_TYPES if interleaves else ())
     plain = _place_quantized(model, tensors, cfg.dim, kernel)
