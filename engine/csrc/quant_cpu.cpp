@@ -622,16 +622,17 @@ void quant_linear(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w,
 // The row-major loops above spend an FMA on every 32 products, to scale a group's dot product;
 // here each of `vdpbf16ps`'s 16 lanes is one weight row, so one instruction takes a pair of values
 // of 16 rows, and a group's scales are applied once per 16 rows: one FMA per 8 (Q6_K) or 16
-// (Q4_K) dot products. The same exact products and per-group scales as above; each row's sum in
+// (Q4_K, Q5_0) dot products. The same exact products and per-group scales as above; each row's sum in
 // its own fixed order (Q4_K: the block's mins, then each sub-block's pairs in order, scaled; Q6_K:
-// each group's pairs, scaled), so a row's output still does not depend on the rows beside it.
+// each group's pairs, scaled; Q5_0: each block's pairs, scaled), so a row's output still does not
+// depend on the rows beside it.
 // Every Q4_K / Q6_K linear of the 1.5B, Zen 4, one row: 1.81x / 1.52x faster at 1 thread, 1.45x /
 // 1.17x at 2 threads, where they now read the blocks at 33-34 GB/s (the memory's 36); 5 rows 1.86x /
 // 1.41x and 1.80x / 1.38x. Q5_0 (most of the 0.5B's linears; without this, widened to float32):
 // every linear of the 0.5B 1.38x faster at one row, 2 threads. The copy costs the blocks' bytes
 // again (the 1.5B: 0.98 GB; the file's are then mapped, not copied: engine/quant.py).
-// A group of 16 rows (the last padded with zero rows) and one block column of 256 values is 16
-// blocks' bytes, rearranged:
+// A group of 16 rows (the last padded with zero rows) and one block column (256 values; Q5_0 32,
+// its layout at Q5016) is 16 blocks' bytes, rearranged:
 //   Q4_K: d [16] and dmin [16] fp16; the 12 scale bytes [12][16]; for c = 0..3 and pairs p = 0..15
 //         the 32 bytes qs[32 c + 2 p + e] of rows r at 2 r + e (low nibble: value 64 c + 2 p + e,
 //         high nibble: value 64 c + 32 + 2 p + e, as in the file's bytes).
@@ -645,7 +646,7 @@ inline __m512i words32(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_lo
 
 inline __m512 times_bytes(__m512 d, __m128i u8) { return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(u8))); }
 
-// x pair (k, k + 1) of row m as 16 copies
+// x[0], x[1] (a pair of one row's bf16 values) as 16 copies
 inline __m512bh pair(const at::BFloat16* x) {
   int32_t bits;
   std::memcpy(&bits, x, 4);
