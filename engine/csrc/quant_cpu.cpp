@@ -555,6 +555,17 @@ struct Q6_K {  // slice 4 h + t: value 128 h + 32 t + l, code (ql nibble) | (2 b
   }
 };
 
+// the sums of each 32 of x's n bf16 values, each in order (Q4_K's mins multiply them)
+inline std::vector<float> sums32(const at::BFloat16* x, int64_t n) {
+  std::vector<float> out(n / 32);
+  for (size_t i = 0; i < out.size(); ++i) {
+    float s = 0.f;
+    for (int j = 0; j < 32; ++j) s += static_cast<float>(x[32 * i + j]);
+    out[i] = s;
+  }
+  return out;
+}
+
 // NM rows of x (bf16, row stride K; xsum: each row's sums of 32 values) against one weight row
 template <class Q, int NM>
 inline void dot_rows(const at::BFloat16* x, const float* xsum, int64_t K, const uint8_t* w, float* y, int64_t N) {
@@ -591,12 +602,7 @@ bool supports(int64_t qtype) { return qtype == 12 || qtype == 14; }
 // lambda, gave the same bits but made the AVX-512 float32 path 12-14% slower at one row, 1.5B)
 void quant_linear(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* y,
                   int64_t N, int64_t qtype) {
-  std::vector<float> xsum(qtype == 12 ? M * K / 32 : 0);  // Q4_K: each row's sums of 32 values, in order
-  for (size_t i = 0; i < xsum.size(); ++i) {
-    float s = 0.f;
-    for (int j = 0; j < 32; ++j) s += static_cast<float>(x[32 * i + j]);
-    xsum[i] = s;
-  }
+  const std::vector<float> xsum = qtype == 12 ? sums32(x, M * K) : std::vector<float>();  // Q4_K's mins
   const auto run = [&](auto q) {
     using Q = decltype(q);
     constexpr int64_t kGroup = 16, kMost = 7;
@@ -655,6 +661,7 @@ inline __m512bh pair(const at::BFloat16* x) {
 
 struct Q4K16 {
   static constexpr int64_t kValues = 256, kBlockBytes = 144, kBytes = 144 * kGroupRows;
+  static constexpr bool kMins = true;  // - dmin m_s times the sub-block's sum of x
   static void interleave(const uint8_t* b, int64_t r, uint8_t* o) {  // row r's block b into group block o
     std::memcpy(o + 2 * r, b, 2);
     std::memcpy(o + 32 + 2 * r, b + 2, 2);
@@ -709,6 +716,7 @@ struct Q4K16 {
 
 struct Q6K16 {
   static constexpr int64_t kValues = 256, kBlockBytes = 210, kBytes = 210 * kGroupRows;
+  static constexpr bool kMins = false;
   static void interleave(const uint8_t* b, int64_t r, uint8_t* o) {
     std::memcpy(o + 2 * r, b + 208, 2);
     for (int g = 0; g < 16; ++g) o[32 + kGroupRows * g + r] = b[192 + g];
@@ -759,6 +767,7 @@ struct Q5016 {  // per block of 32: d [16] fp16, then for pairs p = 0..7 the 32 
   // rows r at 2 r + e (low nibble: value 2 p + e, high: 16 + 2 p + e) and two 32-bit masks of their
   // fifth bits (bit 2 r + e: qh bit 2 p + e, then bit 16 + 2 p + e)
   static constexpr int64_t kValues = 32, kBlockBytes = 22, kBytes = 22 * kGroupRows;
+  static constexpr bool kMins = false;
   static void interleave(const uint8_t* b, int64_t r, uint8_t* o) {
     std::memcpy(o + 2 * r, b, 2);
     uint32_t qh;
@@ -826,7 +835,8 @@ inline void group_rows(const at::BFloat16* x, const float* xsum, int64_t M, int6
   __m512 acc[NM];
   for (int m = 0; m < NM; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t blk = 0; blk < K / G::kValues; ++blk)
-    G::template block<NM>(x + G::kValues * blk, K, xsum + G::kValues / 32 * blk, K / 32, wg + blk * G::kBytes, acc);
+    G::template block<NM>(x + G::kValues * blk, K, G::kMins ? xsum + G::kValues / 32 * blk : nullptr, K / 32,
+                          wg + blk * G::kBytes, acc);
   const __mmask16 real = static_cast<__mmask16>((1u << rows) - 1);
   for (int m = 0; m < NM; ++m) _mm512_mask_storeu_ps(y + m * N, real, acc[m]);
 }
@@ -834,20 +844,16 @@ inline void group_rows(const at::BFloat16* x, const float* xsum, int64_t M, int6
 // x [M, K] bf16, y [M, N], the interleaved groups: each group against x rows in chunks of at most 6
 template <class G>
 void quant_linear16(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* packed, float* y, int64_t N) {
-  std::vector<float> xsum(M * K / 32);  // each row's sums of 32 values, in order (as `quant_linear`)
-  for (size_t i = 0; i < xsum.size(); ++i) {
-    float s = 0.f;
-    for (int j = 0; j < 32; ++j) s += static_cast<float>(x[32 * i + j]);
-    xsum[i] = s;
-  }
+  const std::vector<float> xsum = G::kMins ? sums32(x, M * K) : std::vector<float>();
   constexpr int64_t kMost = 6;
   const int64_t chunks = (M + kMost - 1) / kMost, group_bytes = K / G::kValues * G::kBytes;
   at::parallel_for(0, (N + kGroupRows - 1) / kGroupRows, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t c = 0, m = 0; c < chunks; ++c) {
         const int64_t size = (M - m) / (chunks - c);
-        group_rows<G, kMost>(x + m * K, xsum.data() + m * (K / 32), size, K, packed + g * group_bytes,
-                             y + m * N + g * kGroupRows, N, std::min(kGroupRows, N - g * kGroupRows));
+        group_rows<G, kMost>(x + m * K, G::kMins ? xsum.data() + m * (K / 32) : nullptr, size, K,
+                             packed + g * group_bytes, y + m * N + g * kGroupRows, N,
+                             std::min(kGroupRows, N - g * kGroupRows));
         m += size;
       }
   });
