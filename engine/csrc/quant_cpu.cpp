@@ -89,6 +89,22 @@ inline void q4k_scales_mins(const uint8_t* sc, uint8_t out[16]) {
   std::memcpy(out, u, 16);
 }
 
+// x rounded to bf16 as torch rounds a float32 tensor to bf16: to nearest even (a NaN to 0x7FC0, as
+// c10::BFloat16; torch's vectorized copy writes 0xFFFF, also a NaN)
+inline void to_bf16(const float* x, int64_t n, uint16_t* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256i u = _mm256_castps_si256(v);
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
+                                                   _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))), 16);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), packed);
+  }
+  for (; i < n; ++i) out[i] = c10::BFloat16(x[i]).x;
+}
+
 namespace avx2 {
 
 inline __m256i bytes8(const uint8_t* p) {  // 8 bytes -> 8 int32 lanes, zero-extended
@@ -1339,19 +1355,22 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64
   return epilogue(y, bias, bf16_out);
 }
 
-// w [N, row bytes] uint8 -> out float32 [N, K] contiguous: the weights gguf's dequantize gives.
+// w [N, row bytes] uint8 -> out float32 [N, K] contiguous: the weights gguf's dequantize gives; or
+// out bf16: those weights rounded as `.to(torch.bfloat16)` rounds them (no float32 copy in memory)
 torch::Tensor dequantize(const torch::Tensor& w, int64_t qtype, torch::Tensor out) {
-  TORCH_CHECK(out.scalar_type() == torch::kFloat && out.dim() == 2 && out.is_contiguous() && out.size(0) == w.size(0),
-              "dequantize: out float32 [N, K] contiguous");
+  const bool bf16 = out.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK((bf16 || out.scalar_type() == torch::kFloat) && out.dim() == 2 && out.is_contiguous() && out.size(0) == w.size(0),
+              "dequantize: out float32 or bfloat16 [N, K] contiguous");
   const int64_t K = out.size(1);
   dispatch(qtype, [&](auto q) {
     using Q = decltype(q);
     check_weight<Q>(w, K);
     const uint8_t* wp = w.data_ptr<uint8_t>();
-    float* op = out.data_ptr<float>();
+    float* op = bf16 ? nullptr : out.data_ptr<float>();
+    auto* op16 = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
     const int64_t row_bytes = w.size(1);
-    if (use_avx512()) return avx512::dequantize(wp, w.size(0), row_bytes, K, op, qtype);
-    avx2::dequantize(wp, w.size(0), row_bytes, K, op, qtype);
+    if (use_avx512()) return avx512::dequantize(wp, w.size(0), row_bytes, K, op, op16, qtype);
+    avx2::dequantize(wp, w.size(0), row_bytes, K, op, op16, qtype);
   });
   return out;
 }
@@ -1406,7 +1425,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias") = py::none(), py::arg("bf16_out") = false, py::arg("interleaved") = py::none(), nogil());
   m.def("interleave", &interleave, "Q5_0 / Q4_K / Q6_K blocks [N, row bytes], ggml type, K -> 16 rows interleaved, for bf16 "
         "quant_linear", nogil());
-  m.def("dequantize", &dequantize, "GGUF blocks w [N, row bytes], ggml type -> out float32 [N, K]", nogil());
+  m.def("dequantize", &dequantize, "GGUF blocks w [N, row bytes], ggml type -> out float32 or bfloat16 [N, K]", nogil());
   m.def("set_isa", [](int64_t isa) { g_isa = static_cast<int>(isa); }, "-1 best available, 0 AVX2, 1 AVX-512, 2 AVX-512 and BF16 dots");
   m.def("uses_avx512", &use_avx512, "whether calls run the AVX-512 kernel");
   m.def("uses_bf16_dots", &use_bf16_dots, "whether bf16 activations of Q4_K / Q6_K run BF16 dot products");
@@ -1645,9 +1664,15 @@ void rows(const float* x, const float* xsums, int64_t M, int64_t K, const uint8_
   }
 }
 
+// rows [n0, n1) of w dequantized into out (float32), or into out16 (bf16, rounded as torch rounds
+// them) through one row of float32 in L1
 template <class Q>
-void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t K, float* out, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) dequantize_row<Q>(w + n * row_bytes, K, out + n * K);
+void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t K, float* out, uint16_t* out16, int64_t n0, int64_t n1) {
+  std::vector<float> row(out16 ? K : 0);
+  for (int64_t n = n0; n < n1; ++n) {
+    dequantize_row<Q>(w + n * row_bytes, K, out16 ? row.data() : out + n * K);
+    if (out16) to_bf16(row.data(), K, out16 + n * K);
+  }
 }
 
 template <class Body>
@@ -1672,10 +1697,10 @@ void quant_linear(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_
   });
 }
 
-void dequantize(const uint8_t* w, int64_t N, int64_t row_bytes, int64_t K, float* out, int64_t qtype) {
+void dequantize(const uint8_t* w, int64_t N, int64_t row_bytes, int64_t K, float* out, uint16_t* out16, int64_t qtype) {
   dispatch(qtype, [&](auto q) {
     using Q = decltype(q);
-    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) { dequantize_rows<Q>(w, row_bytes, K, out, n0, n1); });
+    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) { dequantize_rows<Q>(w, row_bytes, K, out, out16, n0, n1); });
   });
 }
 

@@ -253,6 +253,40 @@ def test_interleaved_blocks_are_exact_products_and_each_rows_own(name, n_rows):
         kernel.quant_linear(x, linear.weight, linear.qtype, interleaved=interleaved[:2])
 
 
+@pytest.mark.parametrize("name", TYPES)
+def test_bf16_tiles_are_ggufs_weights_rounded_as_torch_rounds_them(name, isa):
+    """A bf16 prefill's tiles come from the kernel straight in bf16 (no float32 copy): gguf's
+    dequantized weights rounded to nearest even, bit for bit what `.to(torch.bfloat16)` gives."""
+    linear, reference = layer(name, n_rows=40, n_cols=512)
+    tile = cpu_quant_kernel().dequantize(linear.weight, linear.qtype, torch.empty(40, 512, dtype=torch.bfloat16))
+    assert torch.equal(tile.view(torch.int16), reference.bfloat16().view(torch.int16))
+
+
+def test_the_kernels_bf16_rounding_is_torchs_on_ties_and_nan():
+    """The rounding behind those tiles (quant_cpu.cpp `to_bf16`), through Q8_0 blocks whose
+    float16 scale is 1 (weights = the int8 codes) or NaN (a NaN stays one), and scales that put
+    products halfway between two bf16 values: torch's own rounding, to nearest even."""
+    kernel = cpu_quant_kernel()
+    blocks = np.zeros((2, 34), dtype=np.uint8)  # Q8_0: a float16 scale, 32 int8 codes
+    blocks[0, :2] = np.array([1.0], dtype=np.float16).view(np.uint8)
+    blocks[0, 2:] = np.arange(-16, 16, dtype=np.int8).view(np.uint8)
+    blocks[1, :2] = np.array([np.nan], dtype=np.float16).view(np.uint8)
+    tile = kernel.dequantize(torch.from_numpy(blocks), 8, torch.empty(2, 32, dtype=torch.bfloat16))
+    wide = kernel.dequantize(torch.from_numpy(blocks), 8, torch.empty(2, 32))
+    assert torch.equal(tile[0].view(torch.int16), wide[0].bfloat16().view(torch.int16))
+    assert torch.isnan(tile[1]).all()  # (torch's own NaN bits differ between its scalar and vector paths)
+    # ties: float16 scales whose products with odd codes land halfway between two bf16 values
+    scales = (np.float16(1.0) + np.float16(2.0 ** -9) * np.arange(1, 9, dtype=np.float16)).astype(np.float16)
+    ties = np.zeros((8, 34), dtype=np.uint8)
+    ties[:, :2] = scales.view(np.uint8).reshape(8, 2)
+    ties[:, 2:] = np.arange(-96, 128, 7, dtype=np.int8)[:32].view(np.uint8)
+    tile = kernel.dequantize(torch.from_numpy(ties), 8, torch.empty(8, 32, dtype=torch.bfloat16))
+    wide = kernel.dequantize(torch.from_numpy(ties), 8, torch.empty(8, 32))
+    halfway = (wide.view(torch.int32) & 0xFFFF) == 0x8000
+    assert halfway.sum() == 8 and ((wide.view(torch.int32) >> 16) & 1)[halfway].sum() == 4  # ties up and down
+    assert torch.equal(tile.view(torch.int16), wide.bfloat16().view(torch.int16))
+
+
 @pytest.mark.parametrize("name", ["Q5_0", "Q6_K"])
 def test_bf16_prefill_chunks_multiply_bf16_tiles(name):
     """More rows than the kernel takes: weights dequantized to bf16 tiles, a bf16 GEMM; close to
