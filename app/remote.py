@@ -44,7 +44,7 @@ class RemoteEngine:
     """The app's view of a remote OpenAI-compatible server."""
 
     is_remote = True
-    draft = None
+    draft, has_draft = None, False
     dtype = "remote"
     device = RemoteDevice()
 

@@ -537,7 +537,7 @@ class App:
     def _levels(self) -> list[str]:
         if getattr(self.engine, "is_remote", False):  # the server's own decoding (app/remote.py)
             return [self.engine.config.levels]
-        return [s for s in LEVEL_STACKS if self.engine.draft is not None or not Levels.parse(s).needs_draft]
+        return [s for s in LEVEL_STACKS if self.engine.has_draft or not Levels.parse(s).needs_draft]
 
     def model_settings(self) -> list:
         """Updates that put the sampling widgets (c.sampling) and the level stack at the model's defaults."""

@@ -94,7 +94,7 @@ def ours(engine: Engine, chat: ChatFormat, doc_ids: list[int], q_ids: list[int],
     session = engine.open(doc_ids)
     prefill_s = time.perf_counter() - t0
     result = {"prefill_s": prefill_s, "prefill_tokens_per_s": len(doc_ids) / prefill_s, "stacks": {}}
-    runs = [(s, True) for s in stacks if engine.draft is not None or not Levels.parse(s).needs_draft]
+    runs = [(s, True) for s in stacks if engine.has_draft or not Levels.parse(s).needs_draft]
     runs += [(s, False) for s, _ in runs if exact_drafts and s != "plain"]
     for stack, quick in runs:
         run = answer(engine, session, q_ids, len(doc_ids), new_tokens, stack, quick, chat.stop_ids)

@@ -261,6 +261,17 @@ def extend_context(hf_config, yarn_factor: float) -> None:
     hf_config.max_position_embeddings = int(native * yarn_factor)
 
 
+def load_tokenizer_of(source: str, dtype: torch.dtype, device: torch.device):
+    """The tokenizer `load_model(source, dtype, device)` returns, without the weights."""
+    gguf = _gguf_to_keep_quantized(source, dtype, device)
+    if gguf is None:
+        return load_tokenizer(resolve_model(source))
+    from engine.quant import gguf_header_dir
+
+    path, sha256 = gguf
+    return load_tokenizer(gguf_header_dir(path, sha256 or file_sha256(path)))
+
+
 def load_model(source: str, dtype: torch.dtype, device: torch.device, yarn_factor: float = 1.0,
                keep_gguf_blocks: bool = True):
     """(our Transformer with the weights of `source`, its tokenizer), weights on `device`.

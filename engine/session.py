@@ -88,40 +88,63 @@ def is_set(cancel) -> bool:
 
 class Engine:
     def __init__(self, config: EngineConfig, target: Transformer, tokenizer=None,
-                 draft: Transformer | None = None, generation: tuple[dict, set[int]] = ({}, set())):
-        self.config, self.target, self.draft, self.tokenizer = config, target, draft, tokenizer
+                 draft: Transformer | None = None, generation: tuple[dict, set[int]] = ({}, set()),
+                 load_draft: Callable[[], Transformer] | None = None):
+        self.config, self.target, self.tokenizer = config, target, tokenizer
+        # the draft model, or `load_draft`, which loads it at the first stack that drafts with it
+        # (`Engine.load` on a CPU, whose default stack does not: the 1.5B's 0.5B is 0.8 GB of RSS)
+        self._draft, self._load_draft, self._draft_lock = draft, load_draft, threading.Lock()
         # how the model was tuned to be sampled, and every token it ends a turn with
         # (loading.generation_defaults); callers start from these and change what the user sets
         self.default_sampling = SamplingConfig(**generation[0])
         self.end_ids: set[int] = set(generation[1])
         self.device = target.lm_head.weight.device
         self.dtype = target.dtype
-        attend = self.attend = pick_attention(self.device, config.use_flash_attn, config.use_cpu_kernel)
+        self.attend = pick_attention(self.device, config.use_flash_attn, config.use_cpu_kernel)
         # one-token drafter and middle-level steps (engine/graphs.py); one process only: tensor
         # parallel's all-reduces (NCCL) inside a captured graph are not attempted
         self.uses_cuda_graphs = graphs_available(self.device, config.use_cuda_graphs and config.n_gpus == 1)
-        for model in (target, draft):
-            if model is not None:
-                model.set_attention(attend)
-                if not is_quantized(model):  # a GGUF's blocks (engine/quant.py) stay as in the file
-                    fits_bf16 = self.dtype == torch.float32 and layouts.linear_weights_fit_bf16(model)  # bf16 file
-                    layouts.lay_out_linears(model, linear_layout(self.device, self.dtype, fits_bf16))
         # the levels below the top may read the GGUF's blocks with int8 activations (lossy costs
         # only acceptance there); the views share the weights. Stacks built later follow the switch
         self.quick_drafts = config.quick_drafts
-        self._quick = {model: quick_view(model) for model in (target, draft)
-                       if model is not None and is_quantized(model)}
-        for view in self._quick.values():
-            view.set_attention(attend)
+        self._quick: dict[Transformer, Transformer] = {}
+        for model in (target, draft):
+            if model is not None:
+                self._prepare(model)
         self.n_prefills = 0  # documents prefilled (the app asserts a question does not add one)
         self.n_prefill_tokens = 0
+
+    def _prepare(self, model: Transformer) -> Transformer:
+        """`model` on this engine's attention, its linears laid out for the device, and its int8 view."""
+        model.set_attention(self.attend)
+        if not is_quantized(model):  # a GGUF's blocks (engine/quant.py) stay as in the file
+            fits_bf16 = self.dtype == torch.float32 and layouts.linear_weights_fit_bf16(model)  # bf16 file
+            layouts.lay_out_linears(model, linear_layout(self.device, self.dtype, fits_bf16))
+        else:
+            self._quick[model] = quick_view(model)
+            self._quick[model].set_attention(self.attend)
+        return model
+
+    @property
+    def draft(self) -> Transformer | None:
+        """The draft model; loaded here, once, where `Engine.load` deferred it."""
+        with self._draft_lock:
+            if self._draft is None and self._load_draft is not None:
+                self._draft = self._prepare(self._load_draft())
+                self._load_draft = None
+            return self._draft
+
+    @property
+    def has_draft(self) -> bool:
+        """Whether stacks that draft with the draft model can run (it may be loaded at the first)."""
+        return self._draft is not None or self._load_draft is not None
 
     @classmethod
     def load(cls, config: EngineConfig) -> Engine:
         """The engine of `config`. With n_gpus > 1, called outside a process group: starts the
         other ranks and returns rank 0's `parallel.Leader`, which serves as an Engine; called
         in a rank's process (by `parallel.start`): loads that rank's shard."""
-        from engine.loading import check_same_tokenizer, generation_defaults, load_model
+        from engine.loading import check_same_tokenizer, generation_defaults, load_model, load_tokenizer_of
 
         device = pick_device(config.device)
         if config.n_gpus > 1 and not torch.distributed.is_initialized():
@@ -134,12 +157,20 @@ class Engine:
         else:  # loaded on the host, so only this rank's shard reaches its GPU
             target, tokenizer = load_model(config.target, dtype, torch.device("cpu"), config.yarn_factor)
             target = parallel.shard(target, torch.distributed.get_rank(), config.n_gpus).to(device)
-        draft = None
-        if config.draft:  # loaded even when the first stack does not use it: sessions may switch
-            # native RoPE: its StreamingLLM cache renumbers positions inside its window
+        generation = generation_defaults(config.target, Path(tokenizer.name_or_path))
+        if not config.draft:
+            return cls(config, target, tokenizer, None, generation)
+
+        def load_draft() -> Transformer:  # native RoPE: its StreamingLLM cache renumbers positions in its window
             draft, draft_tokenizer = load_model(config.draft, dtype, device)
             check_same_tokenizer(tokenizer, draft_tokenizer, config.target, config.draft)
-        return cls(config, target, tokenizer, draft, generation_defaults(config.target, Path(tokenizer.name_or_path)))
+            return draft
+        if device.type == "cpu" and config.n_gpus == 1 and not Levels.parse(config.levels).needs_draft:
+            # no CPU default drafts with it (benchmarks/RESULTS.md): loaded when a session's stack does,
+            # and a draft of another tokenizer still refused now
+            check_same_tokenizer(tokenizer, load_tokenizer_of(config.draft, dtype, device), config.target, config.draft)
+            return cls(config, target, tokenizer, None, generation, load_draft=load_draft)
+        return cls(config, target, tokenizer, load_draft(), generation)
 
     @property
     def max_context(self) -> int:
@@ -252,7 +283,7 @@ class Engine:
                     ) -> tuple[LevelStack, list[LevelStats], RetrievalCache | None]:
         """The levels of the stack `name` (a LEVEL_STACKS entry) over this full cache."""
         cfg, c, levels = self.config, self.target.config, Levels.parse(name)
-        levels.check_draft(self.draft)
+        levels.check_draft(self.has_draft)
         share = parallel.shared if cfg.n_gpus > 1 else None  # every rank tunes as rank 0 does
         tuner = functools.partial(GammaTuner, max_gamma=cfg.max_gamma, share=share)
         stats = [LevelStats(name) for name in levels.names if name in ("retrieval", "full")]  # checking levels

@@ -22,7 +22,7 @@ from tokenizers.models import WordLevel
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from engine import loading, models
-from engine.config import EngineError, ModelConfig, ModelNotFound, TokenizerMismatch
+from engine.config import EngineConfig, EngineError, ModelConfig, ModelNotFound, SamplingConfig, TokenizerMismatch
 from engine.loading import (
     check_same_tokenizer,
     convert_gguf,
@@ -316,3 +316,36 @@ def test_yarn_extension_is_qwens_rope_scaling_and_matches_transformers():
 
     assert torch.allclose(logits(extended), want, atol=1e-10, rtol=0)
     assert not torch.allclose(logits(native), want, atol=1e-3)
+
+
+def test_a_draft_no_stack_uses_yet_is_loaded_at_the_first_that_does(monkeypatch, no_network):
+    """On a CPU, whose default stacks do not draft with the draft model, `Engine.load` checks its
+    tokenizer and defers its weights (the 1.5B's 0.5B: 0.8 GB of RSS) to the first stack that
+    drafts with it, once; a draft of another tokenizer is still refused at load."""
+    from engine.session import Engine
+    from tests.engine.test_speculative import random_ids
+
+    packaged_or_skip("smollm2-135m")
+    loads, load_model = [], loading.load_model
+
+    def counted(source, *args, **kwargs):
+        loads.append(source)
+        return load_model(source, *args, **kwargs)
+    monkeypatch.setattr(loading, "load_model", counted)
+    engine = Engine.load(EngineConfig(target="smollm2-135m", draft="smollm2-135m", levels="ngram>full",
+                                      device="cpu", dtype="float32"))
+    assert loads == ["smollm2-135m"] and engine.has_draft
+    session = engine.open(random_ids(100, 1000, 1))
+    question, sampling = random_ids(5, 1000, 2), SamplingConfig(max_new_tokens=12)
+    plain = [t for e in session.ask(question, sampling) for t in e.tokens]
+    session.truncate(100)
+    session.set_levels("draft>full")
+    assert loads == ["smollm2-135m"] * 2 and engine.draft is not None
+    assert [t for e in session.ask(question, sampling) for t in e.tokens] == plain
+    session.set_levels("plain")
+    session.set_levels("draft>retrieval>full")
+    assert len(loads) == 2  # once
+    packaged_or_skip("qwen2.5-coder-0.5b")
+    with pytest.raises(TokenizerMismatch):
+        Engine.load(EngineConfig(target="qwen2.5-coder-0.5b", draft="smollm2-135m", levels="ngram>full",
+                                 device="cpu", dtype="float32"))
