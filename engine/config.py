@@ -28,7 +28,7 @@ PAIRED_DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
 AUTO_LEVELS = {True: "draft>retrieval>full", False: "ngram>retrieval>full"}  # has a draft -> stack
 # on a CPU: the 1.5B's fastest stack at 8K, 16K and 32K on abstractive answers, 2 threads, with the
 # middle level in int8 activations (benchmarks/RESULTS.md, "Int8 drafts"): the 0.5B's drafts cost
-# more than they save there; it stays loaded, so a session can switch to a stack that uses it
+# more than they save there; it is loaded when a session first chooses a stack that uses it (Engine.draft)
 CPU_AUTO_LEVELS = {True: "retrieval>full", False: "ngram>retrieval>full"}
 
 
