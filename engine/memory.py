@@ -52,7 +52,8 @@ class DevicePlan:
     retrieval_kv_bytes: int = 0
     drafter_weights_bytes: int = 0
     drafter_cache_bytes: int = 0
-    activation_bytes: int = 0  # one prefill chunk (its masks, float32 logits) or a retrieval rebuild
+    activation_bytes: int = 0  # one prefill chunk (its masks, the logits asked for) or a retrieval rebuild
+    query_log_bytes: int = 0  # the last queries of every layer, kept for retrieval scoring (model.QueryLog)
 
     @property
     def total_bytes(self) -> int:
@@ -84,7 +85,7 @@ def _describe(d: DevicePlan) -> str:
     parts = {"weights": d.weights_bytes, "full KV": d.full_kv_bytes,
              "offload buffers": d.kv_buffer_bytes, "retrieval KV": d.retrieval_kv_bytes,
              "drafter": d.drafter_weights_bytes + d.drafter_cache_bytes,
-             "activations": d.activation_bytes}
+             "activations": d.activation_bytes, "scoring queries": d.query_log_bytes}
     shown = ", ".join(f"{name} {n / GIB:.2f} GiB" for name, n in parts.items() if n)
     return f"{d.name}: {shown} = {d.total_bytes / GIB:.2f} of {d.free_bytes / GIB:.2f} GiB free"
 
@@ -101,6 +102,8 @@ class Workload:
     offload_allowed: bool = True
     draft_cache_tokens: int = DRAFT_CACHE_TOKENS
     has_tail_masks: bool = True  # prefill builds [T, S] masks (SDPA); flash-attn's causal chains do not
+    # logits rows a forward asks for: a prefill chunk one (its last token), a check its draft + 1
+    n_logit_rows: int = EngineConfig.max_gamma + 1
 
 
 def weight_bytes(cfg: ModelConfig, dtype_bytes: int, n_ranks: int = 1) -> int:
@@ -116,8 +119,10 @@ def weight_bytes(cfg: ModelConfig, dtype_bytes: int, n_ranks: int = 1) -> int:
 
 
 def activation_bytes(cfg: ModelConfig, chunk_tokens: int, n_tokens: int, dtype_bytes: int,
-                     n_ranks: int = 1, has_tail_masks: bool = True) -> int:
-    """Upper bound of one prefill chunk's live tensors on one rank (their sum, not their peak)."""
+                     n_ranks: int = 1, has_tail_masks: bool = True, n_logit_rows: int = 1) -> int:
+    """Upper bound of one prefill chunk's live tensors on one rank (their sum, not their peak).
+    Logits are made only for the `n_logit_rows` rows a forward asks for (model.Segment
+    `n_logits`: 1 in prefill, a draft's length + 1 in a check), never for the whole chunk."""
     q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     hidden = 2 * cfg.dim + 2 * (q_dim + kv_dim) // n_ranks  # residual, normed, q, k, v, attn out
     mlp = 3 * cfg.intermediate // n_ranks  # gate, up, act(gate) * up
@@ -126,8 +131,15 @@ def activation_bytes(cfg: ModelConfig, chunk_tokens: int, n_tokens: int, dtype_b
     # memory-efficient kernel pads that to a multiple of 16 keys: (1 + G * (1 + 2 * dtype)) T S
     G = cfg.n_heads // cfg.n_kv_heads
     mask = chunk_tokens * n_tokens * (1 + G * (1 + 2 * dtype_bytes)) if has_tail_masks else 0
-    logits = chunk_tokens * cfg.vocab_size * 4  # float32 [T, V]
+    # [R, V]: lm_head's output, its float32 copy, and sampling's float64 distribution and residual
+    logits = n_logit_rows * cfg.vocab_size * (dtype_bytes + 4 + 2 * 8)
     return chunk_tokens * (hidden + mlp) * dtype_bytes + mask + logits
+
+
+def query_log_bytes(cfg: ModelConfig, n_queries: int, dtype_bytes: int, n_ranks: int = 1) -> int:
+    """The scoring queries a session keeps on one rank: [B=1, H, M, D] per layer (copies, so no
+    prefill chunk's queries stay alive behind them)."""
+    return cfg.n_layers * (cfg.n_heads // n_ranks) * n_queries * cfg.head_dim * dtype_bytes
 
 
 def rebuild_bytes(cfg: ModelConfig, n_tokens: int, dtype_bytes: int, n_ranks: int = 1,
@@ -151,10 +163,11 @@ def _fixed_parts(target: ModelConfig, n_tokens: int, n_ranks: int, work: Workloa
         drafter_cache_bytes=work.draft_cache_tokens * draft.kv_bytes_per_token(dtype_bytes) if draft else 0,
         # a prefill chunk's, or (while decoding, after prefill) a retrieval rebuild's
         activation_bytes=max(activation_bytes(target, work.prefill_chunk_tokens, n_tokens, dtype_bytes,
-                                              n_ranks, work.has_tail_masks),
+                                              n_ranks, work.has_tail_masks, work.n_logit_rows),
                              rebuild_bytes(target, n_tokens, dtype_bytes, n_ranks, work.retrieval)
                              if work.retrieval_budget_tokens
-                             else 0))
+                             else 0),
+        query_log_bytes=query_log_bytes(target, work.retrieval.n_score_queries, dtype_bytes, n_ranks))
 
 
 def _plan(target: ModelConfig, n_tokens: int, devices: list[DeviceBudget],
@@ -199,7 +212,8 @@ def plan_memory(target: ModelConfig, n_tokens: int, devices: list[DeviceBudget],
                 retrieval_budget_tokens: int = RetrievalConfig.budget_tokens,
                 retrieval: RetrievalConfig = RetrievalConfig(),
                 prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens, offload_allowed: bool = True,
-                draft_cache_tokens: int = DRAFT_CACHE_TOKENS, has_tail_masks: bool = True) -> MemoryPlan:
+                draft_cache_tokens: int = DRAFT_CACHE_TOKENS, has_tail_masks: bool = True,
+                n_logit_rows: int = Workload.n_logit_rows) -> MemoryPlan:
     """Where each part lives for a document of `n_tokens`; raises `OutOfMemoryPlan` if nowhere.
 
     `devices`: the GPUs (tensor-parallel ranks) and at most one host ("cpu"); CPU only when no
@@ -207,7 +221,7 @@ def plan_memory(target: ModelConfig, n_tokens: int, devices: list[DeviceBudget],
     StreamingLLM cache is counted). `retrieval_budget_tokens=0` when the stack has no middle level.
     """
     work = Workload(dtype_bytes, draft, retrieval_budget_tokens, retrieval, prefill_chunk_tokens, offload_allowed,
-                    draft_cache_tokens, has_tail_masks)
+                    draft_cache_tokens, has_tail_masks, n_logit_rows)
     plan = _plan(target, n_tokens, devices, work)
     if isinstance(plan, MemoryPlan):
         return plan

@@ -40,7 +40,7 @@ class QueryLog:
     def record(self, layer_idx: int, q: torch.Tensor) -> None:
         old = self.queries[layer_idx]
         q = q if old is None else torch.cat([old, q], dim=2)
-        self.queries[layer_idx] = q[:, :, -self.n_queries:].detach()
+        self.queries[layer_idx] = q[:, :, -self.n_queries:].detach().clone()  # a view keeps the whole chunk
 
 
 @dataclass

@@ -222,7 +222,7 @@ class Engine:
         r = self.config.retrieval
         work = Workload(self.dtype.itemsize, self.draft and self.draft.config, r.budget_tokens, r,
                         self.prefill_chunk_tokens, offload_allowed=offload_allowed,
-                        has_tail_masks=self.attend is not flash_attention)
+                        has_tail_masks=self.attend is not flash_attention, n_logit_rows=self.config.max_gamma + 1)
         return resident_kv_layers(whole, capacity, gpus, host, work)
 
     def prefill(self, cache: FullCache, ids: list[int], query_log: QueryLog | None,

@@ -39,6 +39,24 @@ def qwen25_7b() -> ModelConfig:  # Qwen/Qwen2.5-7B config.json
                        has_tied_embeddings=False, max_positions=131072)
 
 
+def llama32_1b() -> ModelConfig:  # meta-llama/Llama-3.2-1B config.json (tied embeddings)
+    return ModelConfig(n_layers=16, dim=2048, n_heads=32, n_kv_heads=8, head_dim=64,
+                       intermediate=8192, vocab_size=128256, rms_eps=1e-5, has_qkv_bias=False,
+                       has_tied_embeddings=True, max_positions=131072)
+
+
+def qwen25_05b() -> ModelConfig:  # Qwen/Qwen2.5-0.5B config.json (also the packaged Coder 0.5B)
+    return ModelConfig(n_layers=24, dim=896, n_heads=14, n_kv_heads=2, head_dim=64,
+                       intermediate=4864, vocab_size=151936, rms_eps=1e-6, has_qkv_bias=True,
+                       has_tied_embeddings=True, max_positions=32768)
+
+
+def qwen25_15b() -> ModelConfig:  # Qwen/Qwen2.5-1.5B config.json (the packaged Coder 1.5B)
+    return ModelConfig(n_layers=28, dim=1536, n_heads=12, n_kv_heads=2, head_dim=128,
+                       intermediate=8960, vocab_size=151936, rms_eps=1e-6, has_qkv_bias=True,
+                       has_tied_embeddings=True, max_positions=32768)
+
+
 def rtx4090s(n: int, host_gib: int = 128) -> list[DeviceBudget]:
     gpus = [DeviceBudget(f"cuda:{i}", 24 * GIB, "cuda") for i in range(n)]
     return gpus + [DeviceBudget("cpu", host_gib * GIB, "cpu")]
@@ -58,17 +76,23 @@ def test_kv_bytes_per_token_match_published_shapes(cfg, per_token_bytes, at_128k
     (llama2_7b(), 6_738_415_616),  # the parameter counts Hugging Face reports for these models
     (llama31_8b(), 8_030_261_248),
     (qwen25_7b(), 7_615_616_512),
+    (llama32_1b(), 1_235_814_400),
+    (qwen25_05b(), 494_032_768),
+    (qwen25_15b(), 1_543_714_304),
 ])
 def test_weight_bytes_match_parameter_counts(cfg, n_params):
     assert weight_bytes(cfg, 2) == 2 * n_params
 
 
-def test_activations_count_float32_logits_and_the_tail_masks_sdpa_makes():
+def test_activations_count_the_logits_rows_asked_for_and_the_tail_masks_sdpa_makes():
     # Llama-2-7B, chunk 512, one rank: 512 * (6 * 4096 + 3 * 11008) * 2 bytes of hidden/MLP,
     # the bool [512, 131072] mask, its copy per query head of a KV head (G = 1), SDPA's bf16
-    # version of it and that padded (2 + 2 bytes), and 512 * 32000 * 4 bytes of float32 logits
-    expected = 512 * (6 * 4096 + 3 * 11008) * 2 + 512 * N_128K * (1 + 1 + 4) + 512 * 32000 * 4
-    assert activation_bytes(llama2_7b(), 512, N_128K, 2) == expected == 527_171_584
+    # version of it and that padded (2 + 2 bytes), and the one row of logits prefill asks for:
+    # bf16, its float32 copy and sampling's two float64 rows, 32000 * (2 + 4 + 16) bytes
+    expected = 512 * (6 * 4096 + 3 * 11008) * 2 + 512 * N_128K * (1 + 1 + 4) + 32000 * 22
+    assert activation_bytes(llama2_7b(), 512, N_128K, 2) == expected == 462_339_584
+    # a check of 8 drafted tokens asks for 9 rows: never the chunk's 512 (issue 54 row 2)
+    assert activation_bytes(llama2_7b(), 512, N_128K, 2, n_logit_rows=9) - expected == 8 * 32000 * 22
     # GQA, G = 4 (Llama-3.1-8B): 1 + 4 * 5 = 21 bytes per query and key, 1.31 GiB at 128K
     mask_bytes = activation_bytes(llama31_8b(), 512, N_128K, 2) - activation_bytes(llama31_8b(), 512, 0, 2)
     assert mask_bytes == 21 * 512 * N_128K
@@ -101,8 +125,8 @@ def test_two_4090s_split_weights_and_kv_heads():
 def test_gqa_models_fit_on_chip_on_two_4090s_but_not_one():
     assert not plan_memory(llama31_8b(), N_128K, rtx4090s(2)).is_offloaded  # 8.5 + 8 GiB per rank
     assert plan_memory(llama31_8b(), N_128K, rtx4090s(1)).is_offloaded  # 15 + 16 GiB
-    # 14.2 + 7 GiB, but G = 7 makes SDPA's masks of a 512-token chunk 2.25 GiB: 21 of 28 layers stay
-    assert plan_memory(qwen25_7b(), N_128K, rtx4090s(1)).n_resident_kv_layers == 21
+    # 14.2 + 7 GiB, but G = 7 makes SDPA's masks of a 512-token chunk 2.25 GiB: 22 of 28 layers stay
+    assert plan_memory(qwen25_7b(), N_128K, rtx4090s(1)).n_resident_kv_layers == 22
 
 
 def test_tensor_parallel_needs_divisible_kv_heads():
@@ -113,12 +137,13 @@ def test_tensor_parallel_needs_divisible_kv_heads():
 def test_refusal_names_the_largest_length_that_fits():
     # no offloading: 22.80 GiB usable - 13.17 GiB fixed parts leaves room for
     # about (24,481,313,587 - 14,138,220,544) // 524,288 KV bytes per token, less the scratch of
-    # a retrieval rebuild (at this length larger than a prefill chunk's masks): 19,533 tokens
-    with pytest.raises(OutOfMemoryPlan, match="largest length that fits is 19,533 tokens"):
+    # a retrieval rebuild (at this length larger than a prefill chunk's masks) and the scoring
+    # queries (32 layers x 32 heads x 16 x 128 x 2 bytes = 4 MiB, 8 tokens' KV): 19,525 tokens
+    with pytest.raises(OutOfMemoryPlan, match="largest length that fits is 19,525 tokens"):
         plan_memory(llama2_7b(), N_128K, rtx4090s(1), offload_allowed=False)
     work = Workload(offload_allowed=False)
-    assert max_tokens_that_fit(llama2_7b(), rtx4090s(1), work) == 19_533
-    plan_memory(llama2_7b(), 19_533, rtx4090s(1), offload_allowed=False)
+    assert max_tokens_that_fit(llama2_7b(), rtx4090s(1), work) == 19_525
+    plan_memory(llama2_7b(), 19_525, rtx4090s(1), offload_allowed=False)
 
 
 def test_refusal_when_the_host_cannot_hold_the_offloaded_kv():
@@ -216,3 +241,41 @@ def test_the_rebuild_is_planned_with_the_engines_retrieval_settings(monkeypatch)
     engine.device = torch.device("cuda")  # the planner runs for GPUs only; nothing touches one here
     engine._planned_resident_layers(1000)
     assert planned[0].retrieval == engine.config.retrieval != RetrievalConfig()
+
+
+# The mission's setups (issue 54): one RTX 4090, the offloaded prefill of flash-attn's 8192-token
+# chunks (session.OFFLOAD_PREFILL_CHUNK_TOKENS) or SDPA's 512 with their masks, 128K tokens.
+FLASH_8K = dict(prefill_chunk_tokens=8192, has_tail_masks=False)
+
+
+def test_llama31_8b_with_llama32_1b_offloads_on_one_4090_keeping_six_layers():
+    # usable 22.80 GiB: weights 14.96 + 1B drafter 2.30 (+ its 532-token cache) + retrieval 0.12
+    # + activations of an 8192-token chunk 0.94 (its 9 logits rows: 24 MiB) + 4 MiB of queries
+    # = 18.34 GiB; double buffer 2 x 0.5 GiB; 3.46 GiB left / 0.5 GiB = 6 layers. Counting
+    # 8192 x 128,256 float32 logits (3.9 GiB that prefill never makes) refused the pair outright.
+    plan = plan_memory(llama31_8b(), N_128K, rtx4090s(1), draft=llama32_1b(), **FLASH_8K)
+    assert plan.n_resident_kv_layers == 6
+    gpu = plan.devices[0]
+    # per token: residual, normed, q, k, v, attention out (2 x 4096 + 2 x (4096 + 1024)); gate, up, act x up
+    assert gpu.activation_bytes == 8192 * (18432 + 3 * 14336) * 2 + 9 * 128256 * 22 == 1_032_027_648
+    assert gpu.query_log_bytes == 32 * 32 * 16 * 128 * 2 and gpu.kv_buffer_bytes == GIB
+    assert gpu.total_bytes <= gpu.usable_bytes
+    assert plan_memory(llama31_8b(), N_128K, rtx4090s(1), draft=llama32_1b()).n_resident_kv_layers == 6  # SDPA
+
+
+def test_qwen25_7b_with_its_05b_keeps_most_layers_on_one_4090():
+    # 14.19 GiB weights + 0.93 drafter + 0.05 retrieval + 1.13 activations; 7 GiB of KV at 128K
+    # (YaRN x4), 0.25 GiB a layer: 24 of 28 stay with flash-attn, 19 with SDPA's 512-token masks
+    assert plan_memory(qwen25_7b(), N_128K, rtx4090s(1), draft=qwen25_05b(), **FLASH_8K).n_resident_kv_layers == 24
+    assert plan_memory(qwen25_7b(), N_128K, rtx4090s(1), draft=qwen25_05b()).n_resident_kv_layers == 19
+    # a 32K book fits on chip either way
+    assert not plan_memory(qwen25_7b(), 32768, rtx4090s(1), draft=qwen25_05b(), **FLASH_8K).is_offloaded
+
+
+def test_the_packaged_pair_fits_on_a_24_gib_gpu_and_in_24_gib_of_ram_at_its_32k():
+    gpu = plan_memory(qwen25_15b(), 32768, rtx4090s(1), draft=qwen25_05b(), **FLASH_8K)
+    assert not gpu.is_offloaded and gpu.devices[0].total_bytes < 6 * GIB
+    host = plan_memory(qwen25_15b(), 32768, [DeviceBudget("cpu", 24 * GIB, "cpu")], draft=qwen25_05b())
+    # 1.5B 2.88 GiB + 0.5B 0.92 + 32K of KV 0.88 GiB + a 512-token chunk's masks (G = 6)
+    assert host.devices[0].full_kv_bytes == 32768 * 28 * 2 * 2 * 128 * 2
+    assert host.devices[0].total_bytes < 6 * GIB

@@ -175,3 +175,21 @@ def test_bf16_stored_linears_keep_logits_and_names(family, tie):
     got = logits()
     assert got.dtype == torch.float32 and got.shape == want.shape
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_the_query_log_keeps_only_its_queries_not_the_chunks():
+    """A prefill chunk's queries are freed after each layer; the log keeps copies of its last M
+    (issue 54 row 3: a view kept every layer's whole chunk of queries alive, unplanned). Measured:
+    the bytes of the storage behind each logged tensor, against the planner's count."""
+    from engine.config import RetrievalConfig
+    from engine.memory import query_log_bytes
+    from engine.model import QueryLog
+
+    model = ours(tiny_hf("llama"))
+    c, M = model.config, RetrievalConfig().n_score_queries
+    log = QueryLog(c.n_layers, M)
+    cache = FullCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, 512, torch.float64, torch.device("cpu"))
+    model(torch.randint(0, 128, (1, 512)), torch.arange(512), cache, query_log=log)  # one 512-token chunk
+    held = sum(q.untyped_storage().nbytes() for q in log.queries)
+    assert all(q.shape == (1, c.n_heads, M, c.head_dim) for q in log.queries)
+    assert held == query_log_bytes(c, M, 8) == c.n_layers * c.n_heads * M * c.head_dim * 8  # not 512 queries
