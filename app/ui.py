@@ -1,8 +1,8 @@
-"""The Gradio app's handlers: what each button, upload and question does (DESIGN.md "What a user sees").
+"""The Gradio app's handlers: what each button, upload and question does (docs/DESIGN.md "What a user sees").
 
 The page and which event calls which handler are in app/layout.py. Each browser session
 (`request.session_hash`) has its own `User`: open book, pending document, stop flag, counters.
-Stop sets that flag (UI-TESTING.md: never `cancels=`). Handlers catch every typed error and show
+Stop sets that flag (docs/UI-TESTING.md: never `cancels=`). Handlers catch every typed error and show
 it, so no Gradio error pill appears, and the open book and chat stay until a new book is fully
 ready. Engine jobs share one queue (its position shows on the status or metrics panel). With
 `private` (--share), a user's library lists only the books and chats of their own session. At

@@ -4,7 +4,7 @@ PREDICTIONS, NOT MEASUREMENTS: nothing here runs on a GPU. A forward of a level 
 it reads over the link they cross (weights and resident KV over HBM, offloaded KV over PCIe while
 the previous layer computes), or its FLOPs if those take longer (roofline), plus a fixed launch /
 all-reduce / sampling overhead. Levels compose with the expected-accepted-length formula
-(ALGORITHM.md section 6); `reproduce_triforce` checks the model against the published TriForce
+(docs/ALGORITHM.md section 6); `reproduce_triforce` checks the model against the published TriForce
 offloading table (arXiv 2404.11912). Run: `python -m benchmarks.cost_model`.
 
 Assumptions (each constant below carries its reason):

@@ -1,4 +1,4 @@
-"""The engine's face in one import (DESIGN.md "The engine's face"):
+"""The engine's face in one import (docs/DESIGN.md "The engine's face"):
 
     from engine import Engine, EngineConfig, SamplingConfig
     session = Engine.load(EngineConfig(...)).open(doc_ids)

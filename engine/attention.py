@@ -3,10 +3,10 @@ CPU our compiled kernel (engine/csrc/attention_cpu.cpp) when it builds here: few
 bf16 model's prefill chunks where the CPU has AVX512-BF16.
 
 Every cache hands the model a view whose last `T` keys are the tokens of this call, and every
-earlier key is visible to all of them (ALGORITHM.md section 7: stale slots are never in a view).
+earlier key is visible to all of them (docs/ALGORITHM.md section 7: stale slots are never in a view).
 So the only mask is over that tail: causal for a chain, an ancestor matrix for a token tree.
 GQA folds each KV head's query heads into the query length, one SDPA call on
-[B, Hkv, G*T, D]: on this CPU 2.7x faster than `enable_gqa=True` at 32K keys (ASSETS.md).
+[B, Hkv, G*T, D]: on this CPU 2.7x faster than `enable_gqa=True` at 32K keys (docs/ASSETS.md).
 On CPU a call with a tail is split in two (keys before the tail unmasked, the tail masked) and
 merged by log-sum-exp, so no [T, S] mask is ever built (`_split_attention`).
 """

@@ -1,6 +1,6 @@
 """The few device decisions outside the kernels: which device and dtype, and how to time.
 
-Nothing else in the engine names "cuda" or synchronises (STYLE.md section 5).
+Nothing else in the engine names "cuda" or synchronises (docs/STYLE.md section 5).
 """
 
 from __future__ import annotations

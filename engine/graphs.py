@@ -1,4 +1,4 @@
-"""CUDA graphs for the one-token steps over fixed-capacity caches, off by default (STYLE.md 5).
+"""CUDA graphs for the one-token steps over fixed-capacity caches, off by default (docs/STYLE.md 5).
 
 `StaticDecodeStep` is a one-token forward of a model over a StreamingLLM cache (the model
 drafter's steps) or the retrieval cache (the middle level's single-token chains) whose shapes

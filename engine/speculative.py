@@ -1,9 +1,9 @@
-"""The level stack and its decoding step (ALGORITHM.md sections 2, 3, 6, 7).
+"""The level stack and its decoding step (docs/ALGORITHM.md sections 2, 3, 6, 7).
 
 A `Scorer` is a checking level: model weights + a cache. The top scorer holds the full cache.
 The middle level (`CheckingDrafter`) is a scorer plus the drafter below it, and is itself a
 drafter for the level above: it runs its own rounds of propose -> score -> verify until it has
-`gamma` tokens, and passes them up with its distribution q at each (ALGORITHM.md section 3).
+`gamma` tokens, and passes them up with its distribution q at each (docs/ALGORITHM.md section 3).
 `LevelStack` owns the committed tokens and runs the top level's rounds. Every level uses the one
 acceptance rule, `sampling.verify`. All randomness comes from one `Coins` per request, in call order:
 a drafter's draws, then the coins of the check of its proposal.
@@ -33,7 +33,7 @@ Prefill = Callable[[list[int], object], Steps[None]]  # (ids, cancel flag) -> fo
 
 @dataclass
 class LevelStats:
-    """Counters of one checking level (ALGORITHM.md section 9)."""
+    """Counters of one checking level (docs/ALGORITHM.md section 9)."""
 
     name: str
     n_checks: int = 0
@@ -67,7 +67,7 @@ class LevelStats:
 
 
 class GammaTuner:
-    """Draft length that maximises expected tokens per second (ALGORITHM.md section 6).
+    """Draft length that maximises expected tokens per second (docs/ALGORITHM.md section 6).
 
     Expected tokens per check with per-token acceptance a and draft length g: (1 - a^(g+1)) / (1 - a);
     cost: g * drafter seconds per token + check seconds, interpolated between the measured numbers
@@ -326,7 +326,7 @@ class LevelStack:
     top itself, as `ngram>full` or `draft>full` would, whenever the middle level is not expected
     to be faster: its forwards can cost about a top step (short contexts, CPUs), and copied text
     is drafted best by the n-gram database alone. Each check is still an exact check of whichever
-    level proposed (ALGORITHM.md section 3), and which one proposes depends only on past timings
+    level proposed (docs/ALGORITHM.md section 3), and which one proposes depends only on past timings
     and acceptance, never on this check's coins.
     """
 

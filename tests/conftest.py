@@ -65,7 +65,7 @@ def tiny_engine(levels: str, family: str = "llama", seed: int = 0, vocab: int = 
     target = ours(tiny_hf(family, seed, vocab)).to(getattr(torch, dtype))
     sharpen_draft = overrides.pop("sharpen_draft", False)
     draft = ours(tiny_hf(family, seed + 1, vocab)) if "draft" in levels else None
-    if sharpen_draft:  # the target itself, sharpened towards its argmax (ALGORITHM.md section 1)
+    if sharpen_draft:  # the target itself, sharpened towards its argmax (docs/ALGORITHM.md section 1)
         draft = ours(tiny_hf(family, seed, vocab))
         draft.lm_head.weight.data = draft.lm_head.weight.data.clone() * 3
     draft = draft and draft.to(getattr(torch, dtype))

@@ -1,4 +1,4 @@
-"""Look up first, then the small model: Hierarchy Drafting's order of drafters (ALGORITHM.md section 5).
+"""Look up first, then the small model: Hierarchy Drafting's order of drafters (docs/ALGORITHM.md section 5).
 
 When the answer copies the book, the context n-gram database drafts for free and is accepted
 long; when it does not, a match of one or two common tokens ("of the") is mostly rejected and

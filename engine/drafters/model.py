@@ -1,5 +1,5 @@
 """A model drafter: a small model (or the target itself: self-speculation, MagicDec) that reads
-only a StreamingLLM cache (sinks + recent window, ALGORITHM.md section 5).
+only a StreamingLLM cache (sinks + recent window, docs/ALGORITHM.md section 5).
 
 It feeds the committed tokens it has not seen, then samples `gamma` tokens from its own
 sampling distribution `r` (same penalties and temperature / top-k / top-p / min-p as the request,

@@ -1,4 +1,4 @@
-"""Context n-gram database: a model-free drafter (ALGORITHM.md section 5, after Hierarchy Drafting).
+"""Context n-gram database: a model-free drafter (docs/ALGORITHM.md section 5, after Hierarchy Drafting).
 
 One index over the committed sequence (document, chat, this answer): each n-gram (1..max_ngram
 tokens) maps to the positions that follow its occurrences, in increasing order. A lookup tries

@@ -1,4 +1,4 @@
-"""The full KV cache offloaded to host memory (ALGORITHM.md section 8, "Offloaded").
+"""The full KV cache offloaded to host memory (docs/ALGORITHM.md section 8, "Offloaded").
 
 Every layer's K and V live in host memory (pinned on CUDA, so copies run asynchronously); the
 first `n_resident_layers` layers also stay on the device and are never copied. During a forward,

@@ -1,4 +1,4 @@
-"""The retrieval cache of the middle level (ALGORITHM.md section 4).
+"""The retrieval cache of the middle level (docs/ALGORITHM.md section 4).
 
 Per layer and KV head, `budget` entries copied from the full cache, laid out as
 [sinks | retrieved chunks, best score first | recent window + accepted tokens | scratch].

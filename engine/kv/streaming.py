@@ -1,7 +1,7 @@
 """StreamingLLM cache: `sink` first tokens + a window of recent tokens, positions renumbered.
 
 Used by the bottom level (a small draft model, or the target itself for self-speculation,
-ALGORITHM.md section 5). Keys are stored rotated at their in-cache position; when the window
+docs/ALGORITHM.md section 5). Keys are stored rotated at their in-cache position; when the window
 slides by n, the kept keys are rotated back by n (RoPE composes: R(p - n) = R(-n) R(p)), so the
 drafter always runs at positions < sink + window, within its trained length. Evicting happens in
 `make_room`, before the new tokens' positions are chosen.

@@ -1,9 +1,10 @@
 """Ingestion (app/documents.py) on real documents and on bad files built here.
 
-Real assets (Debian doc PDFs, a two-column groff PDF, the Austen EPUB, Canterbury text, a
-scanned and two encrypted PDFs) come from `.ci/fetch_assets.sh` into the asset cache; a test
-whose asset is missing skips and says how to fetch it. Assertions are on content: phrases,
-page labels, chapter titles, what is gone (ligature and control characters, running headers).
+Real assets (Debian doc PDFs, a two-column groff PDF, Canterbury text, a scanned and two
+encrypted PDFs) come from `.ci/fetch_assets.sh` into the asset cache (docs/ASSETS.md); a test
+whose asset is missing skips and says how to fetch it. The Austen EPUB is committed, in
+tests/data. Assertions are on content: phrases, page labels, chapter titles, what is gone
+(ligature and control characters, running headers).
 """
 
 from __future__ import annotations
@@ -38,13 +39,13 @@ from app.formats.cleaning import run_together_words
 from app.formats.document import heading_kinds
 
 ASSETS = Path(os.environ.get("BOOKCHAT_CACHE", Path.home() / ".cache" / "bookchat")) / "assets"
-SHARED_BOOKS = Path(__file__).resolve().parents[3] / "shared" / "books"
+DATA = Path(__file__).resolve().parents[1] / "data"  # committed: public domain (docs/ASSETS.md)
 HAS_CRYPTOGRAPHY = importlib.util.find_spec("cryptography") is not None
 
 
 def asset(name: str) -> Path:
-    """A fetched real document, or a skip that says how to get it."""
-    for path in (ASSETS / name, SHARED_BOOKS / name):
+    """A committed or fetched real document, or a skip that says how to get it."""
+    for path in (DATA / name, ASSETS / name):
         if path.is_file():
             return path
     pytest.skip(f"{name} is not in {ASSETS}: run `bash .ci/fetch_assets.sh` first")

@@ -1,4 +1,4 @@
-"""Fixtures for the browser test (UI-TESTING.md): the app on a free port, Debian's Chromium
+"""Fixtures for the browser test (docs/UI-TESTING.md): the app on a free port, Debian's Chromium
 driven by Playwright (never `playwright install`), a real PDF of a few pages, screenshots saved
 under tests/e2e/artifacts/ (gitignored) for a person to look at."""
 

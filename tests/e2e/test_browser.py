@@ -1,4 +1,4 @@
-"""The app in headless Chromium (UI-TESTING.md): upload a real PDF, watch the prefill finish,
+"""The app in headless Chromium (docs/UI-TESTING.md): upload a real PDF, watch the prefill finish,
 ask, see the answer stream and the metrics move, stop a second answer, and check that a bad file
 leaves the book and chat alone, with no Gradio error pill anywhere. Screenshots land in
 tests/e2e/artifacts/; look at them."""
