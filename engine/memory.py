@@ -1,6 +1,6 @@
 """Memory planner: the bytes each part of the engine needs on each device, before prefill.
 
-Pure arithmetic over `ModelConfig` shapes (ALGORITHM.md section 8): weights, full KV cache,
+Pure arithmetic over `ModelConfig` shapes (docs/ALGORITHM.md section 8): weights, full KV cache,
 retrieval cache, drafter (weights + StreamingLLM cache) and prefill activations, per GPU rank
 (tensor parallel: layer weights and KV heads split evenly; embeddings, drafter and logits
 replicated) and on the host. When the full cache does not fit on the GPUs, it lives in host
