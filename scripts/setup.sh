@@ -27,9 +27,11 @@ if ! command -v c++ >/dev/null; then  # torch builds the CPU kernels with it (en
   { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends g++ >/dev/null; } ||
     echo "   could not install g++: the engine runs on torch SDPA"
 fi
-echo "== CPU attention and linear kernels (built once, cached by torch)"
+# every kernel the default path loads, so that the first `python app.py` compiles nothing
+echo "== CPU kernels: attention, linears, GGUF blocks (engine/csrc; compiled once, minutes each on 2 cores, cached by torch)"
 .venv/bin/python -c "from engine.attention import cpu_kernel; print('   attention ready' if cpu_kernel() else '   attention not built: torch SDPA')"
 .venv/bin/python -c "from engine.device import cpu_linear_kernel; print('   linears ready' if cpu_linear_kernel() else '   linears not built: float32 weights')"
+.venv/bin/python -c "from engine.quant import cpu_quant_kernel; print('   GGUF blocks ready' if cpu_quant_kernel() else '   GGUF blocks not built: GGUF models load dequantized')"
 
 if [ "$DEV" = 1 ]; then
   if [ ! -x /usr/bin/chromium ]; then
@@ -39,7 +41,9 @@ if [ "$DEV" = 1 ]; then
   echo "== test assets"
   bash .ci/fetch_assets.sh
   .venv/bin/python -m engine.models --only smollm2-135m --only qwen2.5-coder-0.5b --only qwen2.5-coder-1.5b
+  .venv/bin/python -m engine.models --only qwen2.5-coder-1.5b --only qwen2.5-coder-0.5b --no-convert  # the app's tokenizers
 else  # the default: the 1.5B, drafted for by the 0.5B (engine/config.py PAIRED_DRAFTS)
-  # the GGUF files only: on a CPU the engine reads their blocks as they are (a GPU converts on first load)
+  # the GGUF files and their tokenizers: on a CPU the engine reads their blocks as they are (a GPU
+  # converts on first load)
   .venv/bin/python -m engine.models --only qwen2.5-coder-1.5b --only qwen2.5-coder-0.5b --no-convert
 fi

@@ -1,7 +1,8 @@
 """Building the compiled kernels (engine/extensions.py through engine.device.build_cpu_extension):
 a build lock left by a killed build is removed and the build runs; a live builder is waited for
 with a message and a time limit, then the fallback runs; the same source from another checkout
-finds the same build. A tiny pybind11 module stands in for the kernels (a few seconds to build).
+finds the same build; a first build says so, a later load says nothing. A tiny pybind11 module
+stands in for the kernels (quick to build).
 """
 
 from __future__ import annotations
@@ -108,3 +109,14 @@ def test_the_same_source_from_another_checkout_finds_the_same_build(source, tmp_
     assert (folder / "build.ninja").read_text() == ninja and str(tmp_path / "checkout") not in ninja
     other.write_text(SOURCE.replace("a + b", "b + a"))
     assert extensions.build_dir(name, other, FLAGS) != folder  # a changed kernel builds beside it
+
+
+def test_a_first_build_says_what_it_does_and_a_later_load_says_nothing(source, caplog):
+    name = "bookchat_test_say"
+    with caplog.at_level(logging.WARNING):
+        assert build_cpu_extension(name, source, "the fallback").add(2, 2) == 4
+    assert f"compiling {name}, once (a C++ build: minutes on a 2-core CPU" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert build_cpu_extension(name, source, "the fallback") is not None
+    assert "compiling" not in caplog.text
