@@ -42,6 +42,7 @@ from engine.memory import Workload, free_memory_bytes, resident_kv_layers
 from engine.model import Forward, QueryLog, Segment, Steps, Transformer, drive, run
 from engine.quant import is_quantized, quick_view
 from engine.sampling import Coins, GeneratorCoins
+from engine.sources import chunk_ranges, chunk_shares
 from engine.speculative import CheckingDrafter, GammaTuner, LevelStack, LevelStats, Scorer, shared_prefix
 
 Progress = Callable[[int, int], None]  # (tokens done, tokens total)
@@ -400,6 +401,27 @@ class Session:
     @property
     def length(self) -> int:
         return len(self.stack.tokens)
+
+    @parallel.everywhere
+    def score_document(self, question_ids: list[int], start: int, end: int) -> list[tuple[int, int, float]]:
+        """(start, end, share) of every chunk of document positions [start, end) (chunks of the
+        retrieval level's size): its share of the question's attention (engine/sources.py), for
+        any level stack. The question is run through the target for its queries and its KV is
+        dropped: the session, its query log and the answer asked next are as without this call.
+        Under tensor parallel: the heads of rank 0."""
+        if not question_ids:
+            raise EmptyPrompt("question")
+        self.engine.check_ids(question_ids, "question", self.length)
+        C = self.engine.config.retrieval.chunk_tokens
+        with self.lock:
+            n_kept = self.full.length
+            log = QueryLog(self.engine.target.config.n_layers, len(question_ids))
+            try:
+                self.engine.prefill(self.full, self.tokens[n_kept:] + question_ids, log)
+            finally:  # slots past the length are stale: the next question writes its own
+                self.full.truncate(n_kept)
+            shares = chunk_shares(log.queries, self.full.k, start, min(end, n_kept), C)
+        return chunk_ranges(shares, start, C)
 
     @parallel.everywhere
     def truncate(self, length: int) -> None:
