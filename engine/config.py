@@ -95,6 +95,16 @@ class OutOfMemoryPlan(EngineError):
     pass
 
 
+class UnsupportedModel(EngineError, ValueError):
+    """A checkpoint the forward would run wrong: refused from its header, before any weight is read."""
+
+    def __init__(self, what: str, why: str):
+        from engine.families import FAMILY_NAMES  # the one list of what runs
+
+        self.what, self.why = what, why
+        super().__init__(f"{what} cannot run here: {why}. The families that run: {', '.join(FAMILY_NAMES.values())}.")
+
+
 class Cancelled(EngineError):
     def __init__(self, what: str = "operation"):
         super().__init__(f"The {what} was cancelled.")
@@ -119,7 +129,7 @@ class Busy(EngineError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Decoder shapes, read from a Hugging Face config (Llama and Qwen2 families)."""
+    """Decoder shapes and family switches, read from a Hugging Face config (engine/families.py)."""
 
     n_layers: int
     dim: int
@@ -132,6 +142,15 @@ class ModelConfig:
     has_qkv_bias: bool
     has_tied_embeddings: bool
     max_positions: int
+    # the per-family switches of the forward (engine/families.py refuses a config that needs others)
+    has_qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each head's q and k before RoPE
+    is_gemma: bool = False  # (1 + w) norms, sqrt(dim) embedding scale, norms after attention and MLP, tanh GELU
+    query_scale: float | None = None  # Gemma: query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5)
+    attn_softcap: float | None = None  # Gemma 2: scores become cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: the same on the logits
+    sliding_window: int | None = None  # keys a sliding layer's query sees, its own included
+    sliding_layers: tuple[bool, ...] = ()  # per layer: whether it attends within `sliding_window` only
+    has_local_rope: bool = False  # Gemma 3: sliding layers rotate with their own RoPE base
 
     @classmethod
     def from_hf(cls, hf) -> ModelConfig:
@@ -139,6 +158,10 @@ class ModelConfig:
         n_kv_heads = getattr(hf, "num_key_value_heads", None) or n_heads
         if n_heads % n_kv_heads:
             raise ValueError(f"{n_heads} query heads are not a multiple of {n_kv_heads} KV heads")
+        window = getattr(hf, "sliding_window", None)
+        layer_types = getattr(hf, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * \
+            hf.num_hidden_layers  # Mistral, Phi-3: one window on every layer, or none
+        is_gemma = hf.model_type in ("gemma2", "gemma3_text")
         return cls(
             n_layers=hf.num_hidden_layers,
             dim=hf.hidden_size,
@@ -151,6 +174,14 @@ class ModelConfig:
             has_qkv_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
             has_tied_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             max_positions=hf.max_position_embeddings,
+            has_qk_norm=hf.model_type in ("qwen3", "gemma3_text"),
+            is_gemma=is_gemma,
+            query_scale=hf.query_pre_attn_scalar ** -0.5 if is_gemma else None,
+            attn_softcap=getattr(hf, "attn_logit_softcapping", None),
+            final_softcap=getattr(hf, "final_logit_softcapping", None),
+            sliding_window=window if "sliding_attention" in layer_types else None,
+            sliding_layers=tuple(t == "sliding_attention" for t in layer_types),
+            has_local_rope=hf.model_type == "gemma3_text",
         )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:

@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import EngineError, ModelConfig, ModelNotFound, TokenizerMismatch
+from engine.families import check_hf_config, check_tensor_names, refuse_unsupported
 
 COMPLETE_MARKER = ".bookchat-complete"  # written last: a folder without it is half-converted
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -138,6 +139,7 @@ def _save_hf_folder(gguf_path: Path, out_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     where, name = gguf_path.parent, gguf_path.name
+    refuse_unsupported(gguf_path)  # before transformers reads (and drops) what it does not know
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)  # a local file: no network
         model = AutoModelForCausalLM.from_pretrained(
@@ -196,6 +198,42 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tens
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 state[name] = f.get_tensor(name).to(dtype)
     return state
+
+
+def safetensors_names(model_dir: Path) -> list[str]:
+    """The tensor names of a folder's weights, from the files' headers (no weight is read)."""
+    names = []
+    for shard in _safetensors_files(Path(model_dir)):
+        with safe_open(shard, framework="pt") as f:
+            names.extend(f.keys())
+    return names
+
+
+def parameter_names(model) -> set[str]:
+    return {name for name, _ in model.named_parameters()}
+
+
+def split_fused(state: dict, cfg: ModelConfig) -> dict:
+    """Phi-3's fused qkv_proj and gate_up_proj as the q/k/v and gate/up linears our model has (a
+    value is a tensor, a (tensor, ggml type) pair or None): rows split, so a GGUF's blocks split
+    whole. Other checkpoints pass through."""
+    q_rows, kv_rows = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    parts = {"self_attn.qkv_proj": (("q_proj", "k_proj", "v_proj"), [q_rows, kv_rows, kv_rows]),
+             "mlp.gate_up_proj": (("gate_proj", "up_proj"), [cfg.intermediate] * 2)}
+    out = {}
+    for name, value in state.items():
+        module, _, what = name.rpartition(".")
+        fused = next((f for f in parts if module.endswith(f)), None)
+        if fused is None:
+            out[name] = value
+            continue
+        names, rows = parts[fused]
+        tensor, qtype = value if isinstance(value, tuple) else (value, None)
+        pieces = tensor.split(rows) if tensor is not None else [None] * len(rows)
+        for sub, piece in zip(names, pieces):
+            key = f"{module.removesuffix(fused.split('.')[1])}{sub}.{what}"
+            out[key] = piece if not isinstance(value, tuple) else (piece, qtype)
+    return out
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
@@ -288,7 +326,9 @@ def load_model(source: str, dtype: torch.dtype, device: torch.device, yarn_facto
         return load_quantized_model(*gguf, dtype=dtype, yarn_factor=yarn_factor)
     model_dir = resolve_model(source)
     model, hf_config = meta_model(model_dir, yarn_factor)
-    state = {k: v.to(device) for k, v in load_state_dict(model_dir, dtype).items()}
+    check_tensor_names(f"The model in {model_dir}", set(split_fused(dict.fromkeys(safetensors_names(model_dir)),
+                                                                    model.config)), parameter_names(model))
+    state = {k: v.to(device) for k, v in split_fused(load_state_dict(model_dir, dtype), model.config).items()}
     model.load_state_dict(state, strict=False, assign=True)
     if model.config.has_tied_embeddings:  # `assign` untied them; a file's own lm_head copy is dropped here
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -301,6 +341,7 @@ def meta_model(folder: Path, yarn_factor: float = 1.0):
     from engine.model import Transformer
 
     hf_config = load_hf_config(folder)
+    check_hf_config(hf_config)
     extend_context(hf_config, yarn_factor)
     with torch.device("meta"):
         return Transformer(ModelConfig.from_hf(hf_config), hf_config), hf_config
@@ -308,10 +349,10 @@ def meta_model(folder: Path, yarn_factor: float = 1.0):
 
 def finish_model(model, hf_config, device: torch.device, origin: Path):
     """The RoPE buffers made for real on `device`; a weight still on meta is one `origin` lacks."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    from engine.model import rotary_embedding
 
     with torch.device(device):
-        model.model.rotary_emb = LlamaRotaryEmbedding(config=hf_config)
+        model.model.rotary_emb = rotary_embedding(hf_config)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise EngineError(f"{origin} lacks weights for {', '.join(missing[:5])}")

@@ -1,8 +1,11 @@
-"""One lean decoder forward for the Llama and Qwen2 families, over a pluggable KV cache.
+"""One lean decoder forward for the Llama, Mistral, Qwen2/3, Gemma 2/3 and Phi-3 families, over a
+pluggable KV cache; a few switches of `ModelConfig` say what a family adds (q/k norms, Gemma's
+norms and scales, soft-capping, sliding-window layers), engine/families.py refuses the rest.
 
-Submodules keep Hugging Face's names, so HF weights load 1:1 with `load_state_dict`; RoPE
-(default, llama3, yarn, linear, dynamic) is transformers' own rotary module (applied in one
-call of our CPU kernel in a float32 or bf16 model there, bit for bit the same). The forward knows
+Submodules keep Hugging Face's names, so HF weights load 1:1 with `load_state_dict` (Phi-3's fused
+linears are split at load, engine/loading.py); RoPE (default, llama3, yarn, linear, dynamic,
+longrope; Gemma 3's two bases) is transformers' own rotary module (applied in one call of our CPU
+kernel in a float32 or bf16 model there, bit for bit the same). The forward knows
 nothing of speculation, offloading or tensor parallelism: it takes token ids, their absolute
 positions and a cache (engine/kv), and returns logits. Token trees are verified by passing the
 tail mask (engine/attention.py). `QueryLog` records recent queries for retrieval scoring.
@@ -17,13 +20,23 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
 from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
     rotate_half,
 )
 
-from engine.attention import KERNEL_DTYPES, cpu_attention, cpu_kernel, is_tree_mask, masked_attention, sdpa_attention
+from engine.attention import (
+    KERNEL_DTYPES,
+    cpu_attention,
+    cpu_kernel,
+    is_tree_mask,
+    masked_attention,
+    sdpa_attention,
+    tail_mask,
+)
 from engine.config import ModelConfig
 from engine.kv import KVCache
 
@@ -57,6 +70,9 @@ class Segment:
     # whether `tail` is a token tree (not causal): pass it where the tail is built on the host, so
     # the kernels never look at the mask (flash-attn takes chains only)
     is_tree: bool | None = None
+    # sliding layers' view: (first key read, [T, S'] mask over the keys from there, or None when
+    # none is hidden); set by the forward (`sliding_window_keys`), None: the whole view
+    window: tuple[int, torch.Tensor | None] | None = None
 
     def __post_init__(self):
         if self.is_tree is None:
@@ -99,6 +115,52 @@ def drive(steps: Generator, serve: Callable[[Forward], torch.Tensor] = forward_a
             yield item
 
 
+def sliding_window_keys(seg: Segment, window: int) -> tuple[int, torch.Tensor | None] | None:
+    """What a sliding layer's queries see of `seg`'s view: a key at position j is visible from
+    position p when p - window < j <= p (transformers' rule), so keys before the earliest query's
+    window are sliced off and the rest masked. Only for a cache whose key i is the token at
+    position i (the full and StreamingLLM caches: `keys_at_positions`); the retrieval cache's
+    selection is a draft's view and is read whole. One host read of the positions per forward."""
+    if not getattr(seg.cache, "keys_at_positions", False):
+        return None
+    pos = seg.pos  # [T]
+    if seg.key_mask is not None:  # a static-shape step's view is the whole capacity, slot i at position i
+        slots = torch.arange(seg.key_mask.shape[1], device=pos.device)
+        return 0, seg.key_mask & (slots[None, :] > pos[:, None] - window)
+    T = pos.shape[0]
+    first, last = pos.aminmax()
+    first, last = int(first), int(last)
+    if last < window:
+        return None
+    start, n_keys = max(0, first - window + 1), seg.cache.length + T
+    if T == 1:
+        return start, None
+    key_pos = torch.cat([torch.arange(start, n_keys - T, device=pos.device), pos])  # [S']
+    visible = key_pos[None, :] > pos[:, None] - window  # [T, S']
+    visible[:, -T:] &= seg.tail
+    return start, visible
+
+
+def capped_attention(
+    q: torch.Tensor,  # [B, H, T, D]
+    k: torch.Tensor,  # [B, Hkv, S, D]
+    v: torch.Tensor,  # [B, Hkv, S, D]
+    key_mask: torch.Tensor | None,  # [T, S] bool; None: every key
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:  # [B, H, T, D]
+    """Gemma 2's attention: scores soft-capped to (-cap, cap) before the softmax, which SDPA cannot
+    do; the softmax in float32 and cast back, as transformers' eager attention."""
+    B, H, T, D = q.shape
+    G = H // k.shape[1]
+    scores = q.reshape(B, k.shape[1], G * T, D) @ k.transpose(2, 3) * scale  # [B, Hkv, G*T, S]
+    scores = torch.tanh(scores / softcap) * softcap
+    if key_mask is not None:
+        scores = scores.masked_fill(~key_mask.repeat(G, 1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return (probs @ v).reshape(B, H, T, D)
+
+
 def run(steps: Steps[R]) -> R:
     """`drive` steps that yield only forwards, here; return their value."""
     try:
@@ -109,22 +171,25 @@ def run(steps: Steps[R]) -> R:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, is_offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.is_offset = is_offset  # Gemma: scaled by 1 + w, in float32, then cast (as HF's Gemma norms)
         self.kernel = None  # engine/csrc/attention_cpu.cpp, for a float32 or bf16 model on CPU (set_attention)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:  # one call for torch's 6 ops (~3 vs 35-70 us a row)
             return self.kernel.rms_norm(x.contiguous(), self.weight, self.eps)
+        if self.is_offset:
+            return (F.rms_norm(x.float(), self.weight.shape, eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
         # in float32 whatever x is (as HF: float64 models too), cast back, then the weight; torch's
         # rms_norm is bitwise equal to the pow/mean/rsqrt chain on torch 2.13, in fewer passes
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, is_sliding: bool = False):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         bias = cfg.has_qkv_bias
@@ -132,6 +197,13 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        if cfg.has_qk_norm:  # over each head's D values, before RoPE
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, cfg.is_gemma)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, cfg.is_gemma)
+        self.is_sliding, self.softcap = is_sliding, cfg.attn_softcap
+        self.scale = cfg.query_scale or cfg.head_dim ** -0.5
+        # SDPA and the kernels scale by head_dim ** -0.5: a Gemma query is pre-scaled to its own scale
+        self.q_factor = self.scale * cfg.head_dim ** 0.5
         self.attend = sdpa_attention  # replaced once by Transformer.set_attention
         self.kernel = None  # engine/csrc/attention_cpu.cpp's RoPE, for a float32 or bf16 model on CPU (set_attention)
 
@@ -139,6 +211,8 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
         if self.kernel is not None:  # in place, bit for bit apply_rotary_pos_emb's
             q, k = q.contiguous(), k.contiguous()
@@ -151,10 +225,25 @@ class Attention(nn.Module):
             if seg.query_log is not None:
                 seg.query_log.record(layer_idx, q[:, :, a:b])
             k_all, v_all = seg.cache.update(layer_idx, k[:, :, a:b], v[:, :, a:b])  # this call's keys last
-            outs.append(self.attend(q[:, :, a:b], k_all, v_all, seg.tail, seg.is_tree) if seg.key_mask is None
-                        else masked_attention(q[:, :, a:b], k_all, v_all, seg.key_mask))
+            outs.append(self._attend(q[:, :, a:b], k_all, v_all, seg))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+    def _attend(self, q, k, v, seg: Segment):  # q [B, H, T, D], k and v [B, Hkv, S, D] -> [B, H, T, D]
+        """The configured kernel over the view, unless a sliding layer's window hides keys of it
+        (`Segment.window`: the keys sliced, a mask over the rest) or the scores are soft-capped."""
+        mask = seg.key_mask
+        if self.is_sliding and seg.window is not None:
+            start, mask = seg.window
+            k, v = k[:, :, start:], v[:, :, start:]
+        if self.softcap:
+            has_tail = mask is None and seg.tail is not None and q.shape[2] > 1
+            return capped_attention(q, k, v, tail_mask(k.shape[2], seg.tail) if has_tail else mask, self.scale,
+                                    self.softcap)
+        q = q if self.q_factor == 1 else q * self.q_factor
+        if mask is not None:
+            return masked_attention(q, k, v, mask)
+        return self.attend(q, k, v, seg.tail, seg.is_tree)
 
 
 class MLP(nn.Module):
@@ -163,31 +252,56 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.dim, cfg.intermediate, bias=False)
         self.up_proj = nn.Linear(cfg.dim, cfg.intermediate, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate, cfg.dim, bias=False)
+        self.is_gelu = cfg.is_gemma  # GeGLU with tanh GELU; SwiGLU otherwise
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        gate = F.gelu(gate, approximate="tanh") if self.is_gelu else F.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, bool(cfg.sliding_layers) and cfg.sliding_layers[layer_idx])
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.dim, cfg.rms_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.rms_eps)
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.rms_eps, cfg.is_gemma)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.rms_eps, cfg.is_gemma)
+        self.is_gemma = cfg.is_gemma
+        if cfg.is_gemma:  # Gemma: post_attention_layernorm normalizes the attention's output, these the MLP's
+            self.pre_feedforward_layernorm = RMSNorm(cfg.dim, cfg.rms_eps, True)
+            self.post_feedforward_layernorm = RMSNorm(cfg.dim, cfg.rms_eps, True)
 
     def forward(self, x, cos, sin, segments, bounds, layer_idx):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments, bounds, layer_idx)
+        h = self.self_attn(self.input_layernorm(x), cos, sin, segments, bounds, layer_idx)
+        if self.is_gemma:
+            x = x + self.post_attention_layernorm(h)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def rotary_embedding(hf_config) -> nn.Module:
+    """transformers' own rotary module for the config: Gemma 3's (a RoPE base per layer type) or Llama's."""
+    if hf_config.model_type == "gemma3_text":
+        return Gemma3RotaryEmbedding(config=hf_config)
+    rotary = LlamaRotaryEmbedding(config=hf_config)
+    if rotary.rope_type == "longrope":  # Phi-3's long factors at every position, as llama.cpp's for a long
+        # context; transformers picks them per call (by its last position): a key would depend on the chunking
+        original = hf_config.rope_parameters["original_max_position_embeddings"]
+        long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](hf_config, rotary.inv_freq.device, seq_len=original + 1)
+        rotary.original_inv_freq = long_inv_freq
+        rotary.inv_freq.copy_(long_inv_freq)
+    return rotary
 
 
 class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig, hf_config):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.rms_eps)
-        self.rotary_emb = LlamaRotaryEmbedding(config=hf_config)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, layer_idx) for layer_idx in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.rms_eps, cfg.is_gemma)
+        self.rotary_emb = rotary_embedding(hf_config)
 
 
 class Transformer(nn.Module):
@@ -212,7 +326,7 @@ class Transformer(nn.Module):
         kernel = cpu_kernel() if attend is cpu_attention and self.dtype in KERNEL_DTYPES else None
         for module in self.modules():
             if isinstance(module, RMSNorm):
-                module.kernel = kernel if module.weight.shape[0] % 32 == 0 else None
+                module.kernel = kernel if module.weight.shape[0] % 32 == 0 and not module.is_offset else None
             elif isinstance(module, Attention):
                 module.kernel = kernel if module.head_dim % 16 == 0 else None
 
@@ -242,10 +356,14 @@ class Transformer(nn.Module):
             if s.tail is None and s.ids.shape[1] > 1:
                 s.tail = torch.ones(s.ids.shape[1], s.ids.shape[1], dtype=torch.bool, device=ids.device).tril()
         x = self.model.embed_tokens(ids).to(self.dtype)  # [B, T, dim]; a bf16-stored table widens
+        if self.config.is_gemma:  # sqrt(dim) rounded to the model's dtype, as HF's Gemma
+            x = x * torch.tensor(self.config.dim ** 0.5, dtype=x.dtype)
+        for s in segments if self.config.sliding_window else ():
+            s.window = sliding_window_keys(s, self.config.sliding_window)
         pos = torch.cat([s.pos for s in segments])
-        cos, sin = self.model.rotary_emb(x, pos.expand(B, T))
+        ropes = self.rope_tables(x, pos.expand(B, T))
         for layer_idx, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, segments, bounds, layer_idx)
+            x = layer(x, *ropes[layer_idx], segments, bounds, layer_idx)
         rows = []
         for s, end in zip(segments, bounds[1:]):
             s.cache.advance(s.ids.shape[1])
@@ -253,11 +371,29 @@ class Transformer(nn.Module):
         rows = torch.cat(rows)
         logits = self.lm_head(self.model.norm(x[:, rows] if rows.shape[0] < T else x))
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if self.config.final_softcap:  # Gemma 2
+            logits = torch.tanh(logits / self.config.final_softcap) * self.config.final_softcap
         return list(logits.split([s.n_logits for s in segments], dim=1))
 
-    def rotate(self, k: torch.Tensor, delta: int) -> torch.Tensor:
-        """Rotate post-RoPE keys ([..., n, D]) by `delta` positions (pure rotation, no scaling)."""
+    def rope_tables(self, x: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) of each layer at positions `pos` ([B, T]), each [B, T, D]: one table for
+        every layer, or Gemma 3's two (sliding layers rotate with their own base)."""
         rotary = self.model.rotary_emb
-        cos, sin = rotary(k, torch.full((1, 1), delta, device=k.device))  # [1, 1, D]
-        scale = rotary.attention_scaling
-        return k * (cos[0] / scale) + rotate_half(k) * (sin[0] / scale)
+        if not self.config.has_local_rope:
+            return [rotary(x, pos)] * self.config.n_layers
+        tables = {kind: rotary(x, pos, kind) for kind in ("full_attention", "sliding_attention")}
+        return [tables["sliding_attention" if s else "full_attention"] for s in self.config.sliding_layers]
+
+    def rotate(self, k: torch.Tensor, delta: int) -> torch.Tensor:
+        """Rotate post-RoPE keys ([L, ..., n, D], every layer's) by `delta` positions (pure
+        rotation, no scaling); a model with one RoPE table takes any leading shape."""
+        rotary = self.model.rotary_emb
+        tables = self.rope_tables(k, torch.full((1, 1), delta, device=k.device))  # each [1, 1, D]
+        kinds = ["sliding_attention" if s else "full_attention" for s in self.config.sliding_layers]
+        scales = [getattr(rotary, f"{kind}_attention_scaling") for kind in kinds] if self.config.has_local_rope \
+            else [rotary.attention_scaling] * len(tables)
+        if not self.config.has_local_rope:
+            (cos, sin), scale = tables[0], scales[0]
+            return k * (cos[0] / scale) + rotate_half(k) * (sin[0] / scale)
+        return torch.stack([k[i] * (cos[0] / s) + rotate_half(k[i]) * (sin[0] / s)
+                            for i, ((cos, sin), s) in enumerate(zip(tables, scales))])

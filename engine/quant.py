@@ -193,11 +193,13 @@ def gguf_header_dir(gguf_path: Path, sha256: str) -> Path:
     """A small folder read once from the GGUF and cached under the file's sha256: the Hugging Face
     config and tokenizer (chat template included) by transformers, and `tensors.json`, where
     each tensor's bytes lie, so later loads map the file without parsing its metadata again."""
+    from engine.families import refuse_unsupported
     from engine.loading import cache_root, complete_folder, is_complete
 
     out_dir = cache_root() / "models" / f"{gguf_path.stem}-{sha256[:16]}-header"
     if is_complete(out_dir) and (out_dir / "tensors.json").is_file():
         return out_dir
+    refuse_unsupported(gguf_path)  # before transformers reads (and drops) what it does not know
     from gguf import GGUFReader
     from transformers import AutoConfig, AutoTokenizer
 
@@ -220,20 +222,38 @@ def gguf_header_dir(gguf_path: Path, sha256: str) -> Path:
 
 _LAYER_MODULES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                   "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                  "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+                  "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                  "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# llama.cpp's names where a family's differ: Gemma's four norms a layer, Phi-3's fused linears
+_FAMILY_MODULES = {
+    "gemma": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+              "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
 
 
-def _hf_name(gguf_name: str) -> str:
-    """Our (Hugging Face) parameter name of a GGUF tensor of a Llama / Qwen2 file."""
+def gguf_tensor_name(gguf_name: str, family: str) -> str | None:
+    """Our (Hugging Face) parameter name of a tensor of a GGUF of `family` (a model_type), or None
+    for a tensor the model has no parameter for (engine/families.py refuses such a file)."""
     fixed = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
              "output_norm.weight": "model.norm.weight"}
     if gguf_name in fixed:
         return fixed[gguf_name]
-    _, layer, kind, what = gguf_name.split(".")
-    module = _LAYER_MODULES.get(kind)
-    if module is None:
-        raise EngineError(f"unexpected tensor {gguf_name!r} in a Llama / Qwen2 GGUF")
-    return f"model.layers.{layer}.{module}.{what}"
+    parts = gguf_name.split(".")
+    if len(parts) != 4 or parts[0] != "blk":
+        return None
+    _, layer, kind, what = parts
+    modules = _LAYER_MODULES | _FAMILY_MODULES.get("gemma" if family.startswith("gemma") else family, {})
+    has_qk_norm = family in ("qwen3", "gemma3_text")
+    module = modules.get(kind) if has_qk_norm or not kind.endswith(("q_norm", "k_norm")) else None
+    return None if module is None else f"model.layers.{layer}.{module}.{what}"
+
+
+def _hf_name(gguf_name: str, family: str) -> str:
+    name = gguf_tensor_name(gguf_name, family)
+    if name is None:
+        raise EngineError(f"unexpected tensor {gguf_name!r} in a {family} GGUF")
+    return name
 
 
 def _unpermute_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
@@ -253,12 +273,13 @@ def read_gguf_tensors(gguf_path: Path, header: Path, hf_config,
     from gguf.quants import dequantize
 
     file = np.memmap(gguf_path, dtype=np.uint8, mode="c")
-    is_llama = hf_config.model_type == "llama"
+    family = hf_config.model_type
+    is_llama = family in ("llama", "mistral")  # llama.cpp permutes q / k rows of its "llama" architecture only
     n_heads = hf_config.num_attention_heads
     n_kv_heads = getattr(hf_config, "num_key_value_heads", None) or n_heads
     tensors = {}
     for t in json.loads((header / "tensors.json").read_text()):
-        name, qtype = _hf_name(t["name"]), t["type"]
+        name, qtype = _hf_name(t["name"], family), t["type"]
         data = file[t["offset"]:t["offset"] + t["n_bytes"]].view(np.dtype(t["dtype"])).reshape(t["shape"])
         keeps_blocks = qtype in KERNEL_TYPES
         if not keeps_blocks:
@@ -267,6 +288,8 @@ def read_gguf_tensors(gguf_path: Path, header: Path, hf_config,
             data = _unpermute_rows(data, n_heads)
         elif is_llama and ".self_attn.k_proj." in name:
             data = _unpermute_rows(data, n_kv_heads)
+        elif family.startswith("gemma") and name.endswith("norm.weight"):
+            data = data - 1  # llama.cpp stores Gemma's norms as 1 + w, as its forward multiplies
         mapped = keeps_blocks and qtype in mapped_types and isinstance(data, np.memmap)
         tensors[name] = (torch.from_numpy(data if mapped else np.array(data)), qtype if keeps_blocks else None)
     return tensors

@@ -55,8 +55,10 @@ def tiny_hf(family: str = "llama", seed: int = 0, vocab: int = 128, n_layers: in
 
 
 def ours(hf) -> Transformer:
+    from engine.loading import split_fused  # Phi-3's fused linears, as loading splits them
+
     model = Transformer(ModelConfig.from_hf(hf.config), hf.config).double()
-    model.load_state_dict(hf.state_dict(), strict=False)
+    model.load_state_dict(split_fused(hf.state_dict(), model.config), strict=False)
     return model.eval()
 
 

@@ -40,6 +40,7 @@ class SlotCache:
     fixed capacity, and `_grow` refuses)."""
 
     grow_hint = "open the book with --offload"  # what to do when growing runs out of memory
+    keys_at_positions = True  # key i of a view is the token at position i (a sliding layer's window reads it)
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device):
@@ -118,6 +119,7 @@ class StaticSlots:
 
     def __init__(self, cache: SlotCache, slot_idx: torch.Tensor):  # slot_idx: [T] long
         self.cache, self.slot_idx = cache, slot_idx
+        self.keys_at_positions = cache.keys_at_positions
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
         self.cache.k[layer_idx].index_copy_(2, self.slot_idx, k)  # [B, Hkv, S_max, D] <- [B, Hkv, T, D]

@@ -53,6 +53,8 @@ def score_chunks(queries: torch.Tensor, keys: torch.Tensor, chunk_tokens: int) -
 
 
 class RetrievalCache(SlotCache):
+    keys_at_positions = False  # a selection: a sliding layer of the middle level reads all of it (a draft)
+
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int,
                  budget_tokens: int, sink_tokens: int, window_tokens: int, chunk_tokens: int,
                  scratch_tokens: int, dtype: torch.dtype, device: torch.device):

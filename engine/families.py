@@ -1,0 +1,240 @@
+"""Which checkpoints the forward (engine/model.py) runs exactly, read from headers only.
+
+`inspect_model(path)` describes a Hugging Face folder or a .gguf without reading a weight: family,
+quantization, native context, size on disk, and `error`, the `UnsupportedModel` that loading would
+raise (None: it runs). `check_hf_config` and `check_tensor_names` are the two rules loading applies:
+every config field that changes the forward is one the model handles (rope types, activations,
+soft-capping, sliding windows, biases; anything else differing from the family's defaults is
+refused, as are MoE and multipliers), and every tensor in the file has a parameter to go to.
+It does not load models (engine/loading.py, engine/quant.py do) and does not pair drafts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.config import EngineError, ModelNotFound, UnsupportedModel
+
+# model_type -> the name a reader knows; the families engine/model.py runs
+FAMILY_NAMES = {"llama": "Llama 2/3.x", "mistral": "Mistral", "qwen2": "Qwen2/2.5", "qwen3": "Qwen3 (dense)",
+                "gemma2": "Gemma 2", "gemma3_text": "Gemma 3 (text)", "phi3": "Phi-3/3.5"}
+GEMMAS = ("gemma2", "gemma3_text")
+# llama.cpp's general.architecture -> model_type (Mistral files say "llama")
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+                      "gemma3": "gemma3_text", "phi3": "phi3"}
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")  # transformers' init functions
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# fields the forward reads (ModelConfig.from_hf, the rotary module); their values are checked below
+READ_FIELDS = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+               "rope_parameters", "layer_types", "sliding_window", "query_pre_attn_scalar", "hidden_act",
+               "hidden_activation", "attention_bias", "mlp_bias", "attn_logit_softcapping",
+               "final_logit_softcapping", "use_bidirectional_attention", "original_max_position_embeddings"}
+# fields that do not touch an inference forward, or only feed `layer_types`
+IGNORED_FIELDS = {"initializer_range", "use_cache", "attention_dropout", "resid_pdrop", "embd_pdrop", "pad_token_id",
+                  "bos_token_id", "eos_token_id", "pretraining_tp", "use_sliding_window", "max_window_layers",
+                  "_sliding_window_pattern", "sliding_window_pattern", "torch_dtype", "dtype"}
+# a field of another family that changes the forward, found in a config of ours: never ignored
+FOREIGN_FIELD = re.compile(r"softcap|multiplier|expert|moe|logit_scale|clip_qkv|quantization_config")
+
+
+def check_hf_config(hf) -> None:
+    """Raise UnsupportedModel unless every field of `hf` that changes the forward is one
+    engine/model.py handles; the message names the field."""
+    from transformers import PretrainedConfig
+
+    family = hf.model_type
+    what = f"A {family!r} model ({', '.join(getattr(hf, 'architectures', None) or [family])})"
+    if family not in FAMILY_NAMES:
+        raise UnsupportedModel(what, f"its architecture {family!r} is not one the engine's forward implements")
+    defaults, base = type(hf)().to_dict(), set(PretrainedConfig().to_dict())
+    for field, value in hf.to_dict().items():
+        why = _unhandled(hf, field, value)
+        if why is None and field not in READ_FIELDS | IGNORED_FIELDS | base:
+            is_foreign = field not in defaults and FOREIGN_FIELD.search(field)
+            if is_foreign or (field in defaults and value != defaults[field]):
+                why = f"its config field {field}={value!r} changes the forward in a way the engine does not implement"
+        if why:
+            raise UnsupportedModel(what, why)
+
+
+def _unhandled(hf, field: str, value) -> str | None:
+    """Why the value of a field the forward reads is one it cannot run, or None."""
+    family = hf.model_type
+    if field in ("hidden_act", "hidden_activation") and value != ("gelu_pytorch_tanh" if family in GEMMAS else "silu"):
+        return f"its activation {field}={value!r} is not the family's"
+    if field == "mlp_bias" and value or field == "attention_bias" and value and family != "qwen2":
+        return f"{field}=True (biases on the output projections) is not implemented"
+    if field == "use_bidirectional_attention" and value:
+        return "bidirectional attention (an encoder) is not a decoder the engine runs"
+    if field == "layer_types" and not set(value) <= set(LAYER_TYPES):
+        return f"its layer types {sorted(set(value) - set(LAYER_TYPES))} are not implemented"
+    if field == "layer_types" and "sliding_attention" in value and not getattr(hf, "sliding_window", None):
+        return "it has sliding-window layers without a window size"
+    if field in ("attn_logit_softcapping", "final_logit_softcapping") and value and family != "gemma2":
+        return f"{field} is implemented for Gemma 2 only"
+    if field == "rope_parameters":
+        params = value.values() if family == "gemma3_text" else [value]
+        for rope in params:
+            if rope.get("rope_type", "default") not in ROPE_TYPES:
+                return f"its RoPE type {rope.get('rope_type')!r} is not one of {', '.join(ROPE_TYPES)}"
+            if rope.get("partial_rotary_factor", 1.0) != 1.0:
+                return f"partial RoPE (partial_rotary_factor={rope['partial_rotary_factor']}) is not implemented"
+    return None
+
+
+def check_tensor_names(what: str, file_names: set[str], model_names: set[str]) -> None:
+    """Raise UnsupportedModel when a tensor of the file has no parameter to go to (it would go
+    unused: the model would run without it), or a parameter no tensor."""
+    unused, missing = sorted(file_names - model_names - {"lm_head.weight"}), sorted(model_names - file_names)
+    if unused:
+        raise UnsupportedModel(what, f"its tensors {', '.join(unused[:4])} would go unused")
+    if missing:
+        raise UnsupportedModel(what, f"it lacks the tensors {', '.join(missing[:4])}")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A checkpoint as the model picker lists it, from its header alone."""
+
+    path: Path
+    family: str  # model_type ("qwen3", "gemma3_text") or the file's own architecture name
+    architecture: str  # the HF class ("Qwen3ForCausalLM") or the GGUF's general.architecture
+    quantization: str  # "bfloat16", "Q4_K_M" (the GGUF's file type), ...
+    native_context_tokens: int
+    size_bytes: int  # of the weight files
+    dequantized_types: tuple[str, ...]  # GGUF block types loaded as float32 (4 bytes a weight), not kept
+    error: UnsupportedModel | None  # None: it runs here
+
+    @property
+    def runs(self) -> bool:
+        return self.error is None
+
+
+def inspect_model(path: str | Path) -> ModelInfo:
+    """Describe a Hugging Face folder or a .gguf without reading weights. A checkpoint we cannot
+    run comes back with `error` set (never raised); a path that is no model at all, or a file
+    that cannot be parsed (truncated), raises ModelNotFound / EngineError."""
+    path = Path(path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _inspect_gguf(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return _inspect_folder(path)
+    raise ModelNotFound(f"{path} is neither a .gguf file nor a Hugging Face folder with a config.json.")
+
+
+def refuse_unsupported(path: str | Path) -> None:
+    """Raise the UnsupportedModel `inspect_model(path)` finds, if any."""
+    error = inspect_model(path).error
+    if error is not None:
+        raise error
+
+
+def _inspect_folder(path: Path) -> ModelInfo:
+    from transformers import AutoConfig
+
+    try:
+        hf = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, KeyError, OSError) as error:
+        return _refused(path, json.loads((path / "config.json").read_text()), str(error).split("\n")[0])
+    files = sorted(path.glob("*.safetensors"))
+    error = None
+    try:
+        check_hf_config(hf)
+        if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+            raise UnsupportedModel(f"{path}", "the folder has no tokenizer (tokenizer.json or tokenizer.model)")
+        if not files:
+            raise UnsupportedModel(f"{path}", "the folder has no *.safetensors weights")
+    except UnsupportedModel as refusal:
+        error = refusal
+    dtype = str(getattr(hf, "dtype", None) or "float32").removeprefix("torch.")
+    return ModelInfo(path, hf.model_type, (getattr(hf, "architectures", None) or [hf.model_type])[0], dtype,
+                     _native_context(hf), sum(f.stat().st_size for f in files), (), error)
+
+
+def _refused(path: Path, config: dict, why: str) -> ModelInfo:
+    """A folder transformers cannot even configure (an architecture it does not know)."""
+    family = str(config.get("model_type", "unknown"))
+    error = UnsupportedModel(f"A {family!r} model", f"transformers cannot read its config ({why})")
+    return ModelInfo(path, family, (config.get("architectures") or [family])[0], str(config.get("torch_dtype", "?")),
+                     int(config.get("max_position_embeddings") or 0), 0, (), error)
+
+
+def _native_context(hf) -> int:
+    rope = hf.rope_parameters if hf.model_type != "gemma3_text" else {}
+    return int((rope or {}).get("original_max_position_embeddings") or hf.max_position_embeddings)
+
+
+def _inspect_gguf(path: Path) -> ModelInfo:
+    from gguf import GGUFReader, LlamaFileType
+
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError) as error:
+        raise EngineError(f"{path} is not a readable GGUF file ({error}): it may be truncated; download it again.") \
+            from error
+    fields = {name: _field(reader, name) for name in reader.fields}
+    arch = str(fields.get("general.architecture", "unknown"))
+    file_type = fields.get("general.file_type")
+    quantization = LlamaFileType(file_type).name.removeprefix("MOSTLY_") if file_type is not None else "?"
+    types = {t.tensor_type.name for t in reader.tensors}
+    error, dequantized = None, ()
+    try:
+        family = gguf_family(arch, fields)
+        dequantized = check_gguf(path, fields, reader.tensors, family)
+    except UnsupportedModel as refusal:
+        error, family = refusal, arch
+    return ModelInfo(path, family, arch, quantization if quantization != "?" else "/".join(sorted(types)),
+                     int(fields.get(f"{arch}.context_length") or 0), path.stat().st_size, dequantized, error)
+
+
+def _field(reader, name: str):
+    from gguf import GGUFValueType
+
+    field = reader.fields[name]
+    if field.types and field.types[0] == GGUFValueType.ARRAY:
+        return None  # vocabularies and merges: large, never needed here
+    return field.contents()
+
+
+def gguf_family(arch: str, fields: dict) -> str:
+    """The model_type of a GGUF of architecture `arch`, or UnsupportedModel."""
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModel(f"A GGUF of architecture {arch!r}", "its architecture is not one the engine implements")
+    if arch == "llama" and "mistral" in str(fields.get("general.name", "")).lower():
+        return "mistral"
+    return GGUF_ARCHITECTURES[arch]
+
+
+# {arch}.* metadata the loader understands (transformers maps them into the config, or they name
+# what the tensors show); any other key of the architecture may change the forward: refused
+GGUF_KNOWN_KEYS = {"context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
+                   "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
+                   "rope.freq_base", "rope.dimension_count", "attention.key_length", "attention.value_length",
+                   "attention.sliding_window"}
+
+
+def check_gguf(path: Path, fields: dict, tensors, family: str) -> tuple[str, ...]:
+    """Raise UnsupportedModel for a GGUF the loader would run wrong: a metadata key of its
+    architecture that changes the forward, a tensor kind with no parameter, a block type gguf
+    cannot dequantize. Returns the block types that load dequantized (not kept as blocks)."""
+    from gguf.quants import _type_traits
+
+    from engine.quant import KERNEL_TYPES, gguf_tensor_name
+
+    arch, what = str(fields["general.architecture"]), f"The GGUF {path.name} ({family})"
+    for key in fields:
+        if key.startswith(f"{arch}.") and key.removeprefix(f"{arch}.") not in GGUF_KNOWN_KEYS:
+            raise UnsupportedModel(what, f"its metadata {key}={fields[key]!r} is not one the loader handles")
+    for t in tensors:
+        if gguf_tensor_name(t.name, family) is None:
+            raise UnsupportedModel(what, f"its tensor {t.name} would go unused")
+    plain = ("F32", "F16", "BF16")
+    types = {t.tensor_type for t in tensors}
+    unreadable = sorted(q.name for q in types if q.name not in plain and q not in _type_traits)
+    if unreadable:
+        raise UnsupportedModel(what, f"its block types {', '.join(unreadable)} cannot be dequantized by gguf")
+    return tuple(sorted(q.name for q in types if q.name not in plain and int(q) not in KERNEL_TYPES))
