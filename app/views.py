@@ -68,6 +68,9 @@ def render_metrics(state: str, stats: Stats | None, book: BookSession | None, co
         if rows:
             blocks.append("\n".join(["| level | accepted | tokens/check | checks |", "|:--|--:|--:|--:|", *rows]))
             blocks.append(LEVELS_LEGEND)
+    if stats is not None and stats.kv_host_memory == "pageable":
+        blocks.append("⚠ The book's memory is in pageable host memory (this system refused pinned memory): "
+                      "each step copies it to the GPU more slowly.")
     if cpu_note:
         blocks.append(cpu_note)
     if book is not None and book.save_error:

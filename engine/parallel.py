@@ -35,14 +35,18 @@ from torch import nn
 from engine.batch import Batcher
 from engine.config import EngineError
 from engine.model import Transformer
+from engine.quant import QuantEmbedding, QuantLinear, is_quantized
 from engine.sampling import Coins
 
 log = logging.getLogger(__name__)
 
-# Every collective ends within this; ranks > 0 wait inside one for rank 0's next call, so rank 0
-# sends a no-op call when idle (`HEARTBEAT_S`). A rank that fails or hangs is noticed then.
-COLLECTIVE_TIMEOUT = timedelta(minutes=5)
-HEARTBEAT_S = 60.0
+# Every collective ends within this, or raises on every rank still in it (NCCL too: blocking
+# waits, `nccl_environment`), which rank 0 turns into `RankFailed`. Ranks > 0 wait inside one for
+# rank 0's next call, so rank 0 sends a no-op call when idle (every `HEARTBEAT_FRACTION` of it).
+# The ranks of one forward meet at every layer, so a rank that fails or hangs is noticed soon.
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+HEARTBEAT_FRACTION = 0.25
+HEARTBEAT_S = COLLECTIVE_TIMEOUT.total_seconds() * HEARTBEAT_FRACTION
 START_TIMEOUT = timedelta(minutes=5)  # the ranks meet this soon after spawning, or one failed
 LOAD_TIMEOUT = timedelta(hours=2)  # spawned ranks wait this long for rank 0's model (a GGUF converts once)
 READY_KEY = "bookchat/ready"
@@ -70,11 +74,38 @@ def _all_reduce(module: nn.Module, inputs, output: torch.Tensor) -> torch.Tensor
     return output
 
 
+def dequantize(model: Transformer) -> Transformer:
+    """`model` with every GGUF block linear and embedding (engine/quant.py) replaced in place by a
+    plain one of the model's dtype, the file's values exactly (float32, then that dtype): a row of
+    blocks cannot be split by columns, and the blocks' kernel runs on a CPU only. Tied embeddings
+    stay tied."""
+    dtype = model.model.norm.weight.dtype
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, QuantLinear):
+                dense = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                                  device="meta")
+                dense.weight = nn.Parameter(child.dequantized().to(dtype), requires_grad=False)
+                if child.bias is not None:
+                    dense.bias = nn.Parameter(child.bias.to(dtype), requires_grad=False)
+                setattr(module, name, dense)
+            elif isinstance(child, QuantEmbedding):
+                table = torch.empty(child.weight.shape[0], child.dim)  # [V, dim] float32
+                table = child.kernel.dequantize(child.weight, child.qtype, table)
+                setattr(module, name, nn.Embedding.from_pretrained(table.to(dtype), freeze=True))
+    if model.config.has_tied_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
 def shard(model: Transformer, rank: int, n_ranks: int) -> Transformer:
     """Make `model` rank `rank`'s shard of `n_ranks` in place (see the module doc); its config
-    then holds this rank's head counts and MLP width, so caches built from it are per rank."""
+    then holds this rank's head counts and MLP width, so caches built from it are per rank. GGUF
+    blocks are dequantized first (`dequantize`): sliced as bytes, they would be garbage."""
     c = model.config
     c.check_shardable(n_ranks)
+    if is_quantized(model):
+        dequantize(model)
     H, Hkv, F, D = c.n_heads // n_ranks, c.n_kv_heads // n_ranks, c.intermediate // n_ranks, c.head_dim
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -233,8 +264,9 @@ class Leader:
     sessions it opens are rank 0's own, whose changes go to every rank (`everywhere`); their
     answers run in batch rounds on every rank (engine/batch.py)."""
 
-    def __init__(self, engine, workers: list, store=None):
+    def __init__(self, engine, workers: list, store=None, timeout: timedelta = COLLECTIVE_TIMEOUT):
         self.engine, self.workers, self.store = engine, workers, store
+        self.heartbeat_s = timeout.total_seconds() * HEARTBEAT_FRACTION
         self.ranks, self.next_sids = Ranks(engine), itertools.count()
         self.lock = threading.RLock()  # one call at a time: the ranks' collectives pair up in order
         self.batcher = Batcher(max_active=64)  # the answers of `Session.ask` (the app has its own): as many as come
@@ -280,7 +312,7 @@ class Leader:
         raise RankFailed(self.failure) from error
 
     def _heartbeat(self) -> None:
-        while not self.closed.wait(HEARTBEAT_S):
+        while not self.closed.wait(self.heartbeat_s):
             if self.lock.acquire(blocking=False):  # busy: the ranks are talking anyway
                 try:
                     if self.failure is None and not self.closed.is_set():
@@ -307,6 +339,9 @@ class Leader:
                 dist.broadcast_object_list([(None, ())], src=0)
             for worker in self.workers:
                 worker.join(timeout=60 if self.failure is None else 5)
+                if worker.is_alive():  # hung (in a forward, a kernel): it cannot rejoin, end it
+                    worker.kill()
+                    worker.join(timeout=5)
             _leave_group()
 
 
@@ -352,45 +387,67 @@ def rank_device(device: torch.device) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank())))
 
 
-def _join(rank: int, n_ranks: int, store, device: torch.device) -> None:
+def nccl_environment(n_ranks: int) -> dict[str, str]:
+    """NCCL's settings for this machine's GPUs 0..n_ranks-1, set in os.environ before the group
+    is made (a user's own values win); returns them. GPUs without peer-to-peer access (RTX 4090s
+    and other consumer cards) hang in NCCL's P2P transport, a known NCCL issue: it goes through
+    host memory instead (`NCCL_P2P_DISABLE`). Blocking waits make a timed-out collective raise
+    in the thread that waits, so rank 0 says `RankFailed`; without them NCCL's watchdog ends the
+    process."""
+    settings = {"TORCH_NCCL_BLOCKING_WAIT": "1"}
+    if any(not torch.cuda.can_device_access_peer(i, j) for i in range(n_ranks) for j in range(n_ranks) if i != j):
+        settings["NCCL_P2P_DISABLE"] = "1"
+    for name, value in settings.items():
+        os.environ.setdefault(name, value)
+    return settings
+
+
+def _join(rank: int, n_ranks: int, store, device: torch.device, timeout: timedelta = COLLECTIVE_TIMEOUT) -> None:
     """Join the group: through `store` (spawned ranks), or without one at torchrun's MASTER_ADDR
     and MASTER_PORT (torch's "env://")."""
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        nccl_environment(n_ranks)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=n_ranks, timeout=COLLECTIVE_TIMEOUT)
+    # the ranks meet within START_TIMEOUT (spawning, importing torch); collectives then get `timeout`
+    dist.init_process_group(backend, store=store, rank=rank, world_size=n_ranks, timeout=max(timeout, START_TIMEOUT))
+    dist.distributed_c10d._set_pg_timeout(timeout)
 
 
-def _serve(make_engine: Callable, rank: int, n_ranks: int, port: int, device: torch.device, n_threads: int):
+def _serve(make_engine: Callable, rank: int, n_ranks: int, port: int, device: torch.device, n_threads: int,
+           timeout: timedelta = COLLECTIVE_TIMEOUT):
     torch.set_num_threads(n_threads)
     store = dist.TCPStore("127.0.0.1", port, n_ranks, False, timeout=START_TIMEOUT)
-    _join(rank, n_ranks, store, device)
+    _join(rank, n_ranks, store, device, timeout)
     engine = make_engine()
     store.wait([READY_KEY], LOAD_TIMEOUT)  # not in a collective: rank 0 may load (or convert) for long
     follow(engine, store)
 
 
-def start(make_engine: Callable[[], object], n_ranks: int, device: torch.device) -> Leader:
+def start(make_engine: Callable[[], object], n_ranks: int, device: torch.device,
+          timeout: timedelta = COLLECTIVE_TIMEOUT) -> Leader:
     """Rank 0's engine over `n_ranks` processes; `make_engine()` builds one rank's engine (its
     shard) once the process group is up, and must pickle. Under torchrun every process calls
     this: ranks > 0 serve until rank 0 closes, then exit. Otherwise this process is rank 0 and
-    spawns ranks 1..n-1 on this machine (NCCL on CUDA, gloo on CPU)."""
+    spawns ranks 1..n-1 on this machine (NCCL on CUDA, gloo on CPU). `timeout`: of every
+    collective (tests shorten it)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         assert int(os.environ["WORLD_SIZE"]) == n_ranks, f"torchrun started {os.environ['WORLD_SIZE']} ranks"
-        _join(int(os.environ["RANK"]), n_ranks, None, device)
+        _join(int(os.environ["RANK"]), n_ranks, None, device, timeout)
         if dist.get_rank() > 0:
             follow(make_engine())
             sys.exit(0)
-        return Leader(make_engine(), [])
+        return Leader(make_engine(), [], timeout=timeout)
     store = dist.TCPStore("127.0.0.1", 0, n_ranks, True, timeout=START_TIMEOUT,
                           wait_for_workers=False)  # port 0: the system picks a free one
     context = mp.get_context("spawn")
     workers = [context.Process(target=_serve, daemon=True,
-                               args=(make_engine, rank, n_ranks, store.port, device, torch.get_num_threads()))
+                               args=(make_engine, rank, n_ranks, store.port, device, torch.get_num_threads(),
+                                     timeout))
                for rank in range(1, n_ranks)]
     for worker in workers:
         worker.start()
-    _join(0, n_ranks, store, device)
-    leader = Leader(make_engine(), workers, store)
+    _join(0, n_ranks, store, device, timeout)
+    leader = Leader(make_engine(), workers, store, timeout)
     store.set(READY_KEY, "1")
     return leader

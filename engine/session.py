@@ -69,6 +69,9 @@ class Stats:
     # plain decoding, whatever the caller (an app, a browser) takes between steps.
     step_ms_mean: float = 0.0
     plain_ms: float = 0.0
+    # an offloaded full cache's host memory: "pinned", or "pageable" where pinning was refused
+    # (kv/offload.py: its copies then wait for the host); "" when the cache is not offloaded
+    kv_host_memory: str = ""
 
     @property
     def tokens_per_s(self) -> float:
@@ -503,7 +506,8 @@ class Session:
                      ttft_s=t_first - t_start, tbt_ms_last=1000 * tbt_last_s, tbt_ms_mean=1000 * mean_s,
                      drafter_s=self.stack.drafter_s,
                      step_ms_mean=1000 * (steps_s / n_after_first if n_after_first else tbt_last_s),
-                     plain_ms=1000 * plain_s)
+                     plain_ms=1000 * plain_s,
+                     kv_host_memory=self.full.host_memory if isinstance(self.full, OffloadCache) else "")
 
     def _reading(self, seen_version):
         """Token ranges the retrieval cache reads, when they changed since `seen_version`."""

@@ -1,6 +1,8 @@
 """The full KV cache offloaded to host memory (docs/ALGORITHM.md section 8, "Offloaded").
 
-Every layer's K and V live in host memory (pinned on CUDA, so copies run asynchronously); the
+Every layer's K and V live in host memory (pinned on CUDA, so copies run asynchronously; where
+the system refuses that much pinned memory, as WSL2 does, pageable memory: the same values,
+copies that wait for the host, `host_memory` says which); the
 first `n_resident_layers` layers also stay on the device and are never copied. During a forward,
 the filled entries (only `length` of them) of the next offloaded layer are copied host->device into
 one half of a double buffer on a side stream while the current layer computes on the other half;
@@ -44,6 +46,11 @@ def limit_pinned_caching() -> str:
         except RuntimeError as error:  # never run on a GPU: a refusal must not stop the offload
             log.warning("could not limit pinned-memory rounding (%s): set PYTORCH_ALLOC_CONF=%s", error, ours)
     return torch._C._accelerator_getAllocatorSettings()
+
+
+def wants_pinned_memory(device: torch.device) -> bool:
+    """Host blocks are pinned for a CUDA device (copies overlap compute); on CPU there is no copy to overlap."""
+    return device.type == "cuda"
 
 
 class SideStream:
@@ -94,7 +101,7 @@ class OffloadCache(SlotCache):
         assert 0 <= n_resident_layers <= n_layers, f"{n_resident_layers} resident of {n_layers} layers"
         self.n_layers, self.n_resident_layers, self.device = n_layers, n_resident_layers, device
         self.entry_shape = (batch, n_kv_heads, head_dim)
-        self.dtype, self.is_pinned = dtype, device.type == "cuda"
+        self.dtype, self.is_pinned = dtype, wants_pinned_memory(device)
         self.side = SideStream(device)
         self.length = 0
         self.n_copied_bytes = 0  # host->device, for tests and benchmarks
@@ -104,11 +111,23 @@ class OffloadCache(SlotCache):
         self.host_k, self.host_v = self._new(n_layers, capacity, True), self._new(n_layers, capacity, True)
         self._allocate_device(capacity)
 
+    @property
+    def host_memory(self) -> str:
+        """"pinned" (asynchronous copies) or "pageable" (on CPU, or pinning was refused)."""
+        return "pinned" if self.is_pinned else "pageable"
+
     def _new(self, n_layers: int, capacity: int, on_host: bool) -> torch.Tensor:
         shape = (n_layers, capacity, *self.entry_shape)  # [L, S_max, B, Hkv, D]
-        if on_host:
-            return torch.empty(shape, dtype=self.dtype, pin_memory=self.is_pinned)
-        return torch.empty(shape, dtype=self.dtype, device=self.device)
+        if not on_host:
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+        if self.is_pinned:
+            try:
+                return torch.empty(shape, dtype=self.dtype, pin_memory=True)
+            except RuntimeError as error:  # cudaHostAlloc refused (WSL2 caps pinned memory)
+                log.warning("pinned host memory for the offloaded KV cache was refused (%s): using pageable "
+                            "memory, whose copies wait for the host", error)
+                self.is_pinned = False  # every later block too: write-backs then copy synchronously
+        return torch.empty(shape, dtype=self.dtype)
 
     def _allocate_device(self, capacity: int) -> None:
         """Device K/V of the resident layers and the two-layer buffer."""

@@ -24,3 +24,11 @@ def test_the_speedup_compares_the_stack_with_a_plain_step_taken_in_the_same_answ
     not_yet = Stats([], n_tokens=3, tbt_ms_mean=140.0, step_ms_mean=100.0)
     assert speedup_note(not_yet, probe_ms=70.0) == " · **0.50×** vs plain (70 ms/token at opening)"
     assert speedup_note(not_yet, probe_ms=None) == ""
+
+
+def test_an_offloaded_book_in_pageable_memory_is_said_in_the_metrics():
+    """Issue 54 row 8: the engine fell back to pageable host memory; the reader is told why it is slower."""
+    stats = Stats([LevelStats("full")], n_tokens=3, tbt_ms_mean=100.0, kv_host_memory="pageable")
+    assert "refused pinned memory" in render_metrics("answering", stats, None, Counters())
+    pinned = Stats([LevelStats("full")], n_tokens=3, tbt_ms_mean=100.0, kv_host_memory="pinned")
+    assert "pinned memory" not in render_metrics("answering", pinned, None, Counters())

@@ -236,8 +236,9 @@ def test_a_gpu_that_cannot_hold_the_book_refuses_before_allocating(monkeypatch, 
     free = {"cuda": 6_000_000, "cpu": 1 << 40}  # 4,096 tokens (document + chat room) do not fit
     monkeypatch.setattr(engine_module, "free_memory_bytes", lambda device: free[torch.device(device).type])
     engine.device = torch.device("cuda")
-    # the tiny engine's retrieval settings (4-token chunks) size the planned rebuild
-    with pytest.raises(OutOfMemoryPlan, match="largest length that fits is 2,254 tokens"):
+    # the tiny engine's retrieval settings (4-token chunks) size the planned rebuild; its 16 KiB
+    # of scoring queries are counted too (16 tokens of KV), its logits only for the rows asked for
+    with pytest.raises(OutOfMemoryPlan, match="largest length that fits is 2,250 tokens"):
         engine.open(random_ids(3000, 128, 1))
 
 
@@ -283,3 +284,31 @@ def test_an_offloaded_cache_whose_host_copy_cannot_grow_stays_usable(monkeypatch
     assert offload.capacity == 8 and offload.length == 6
     full.truncate(6)
     call((full, offload), 2, seed=1)  # still the on-chip cache's views, resident layer included
+
+
+def test_refused_pinned_memory_falls_back_to_pageable_and_says_so(monkeypatch):
+    """Issue 54 row 8: where the system refuses pinned host memory (WSL2 caps it far below a
+    book's KV cache), the offloaded cache takes pageable memory, answers the same tokens, and
+    the metrics say so. The refusal is simulated: torch.empty(pin_memory=True) raises."""
+    from engine.kv import offload
+
+    real_empty, n_refused = torch.empty, [0]
+
+    def empty(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            n_refused[0] += 1
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        return real_empty(*args, **kwargs)
+
+    sampling = SamplingConfig(max_new_tokens=16)
+    on_chip = tiny_engine("ngram>retrieval>full").open(doc_with_repeats())
+    want = [t for e in on_chip.ask(random_ids(4, 128, 4), sampling) for t in e.tokens]
+    monkeypatch.setattr(offload, "wants_pinned_memory", lambda device: True)  # as on CUDA
+    monkeypatch.setattr(offload, "limit_pinned_caching", lambda: "")
+    monkeypatch.setattr(offload.torch, "empty", empty)
+    engine = tiny_engine("ngram>retrieval>full", offload_kv=True, resident_kv_layers=1)
+    session = engine.open(doc_with_repeats())
+    events = list(session.ask(random_ids(4, 128, 4), sampling))
+    assert n_refused[0] == 1 and session.full.host_memory == "pageable" and not session.full.is_pinned
+    assert [t for e in events for t in e.tokens] == want
+    assert events[-1].stats.kv_host_memory == "pageable"
