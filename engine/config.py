@@ -2,7 +2,7 @@
 
 Everything here is plain data. Model shapes come from the Hugging Face config in one place
 (`ModelConfig.from_hf`); engine and sampling defaults work offline on a 2-core CPU.
-The level stacks are described in ALGORITHM.md section 2; `LEVEL_STACKS` lists the ones we run.
+The level stacks are described in docs/ALGORITHM.md section 2; `LEVEL_STACKS` lists the ones we run.
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class RetrievalConfig:
-    """The middle level's cache (ALGORITHM.md section 4)."""
+    """The middle level's cache (docs/ALGORITHM.md section 4)."""
 
     budget_tokens: int = 1024  # KV entries per head the middle level reads; ~6% of a 16K book
     sink_tokens: int = 16  # attention sinks at the start of the document
@@ -244,7 +244,7 @@ class EngineConfig:
     # level attention over the whole context, and on real answers extra candidates bought fewer
     # tokens than their nodes cost (benchmarks/RESULTS.md, issue 7)
     n_ngram_candidates: int = 1
-    gamma_bottom: int | None = None  # None: adaptive (ALGORITHM.md section 6)
+    gamma_bottom: int | None = None  # None: adaptive (docs/ALGORITHM.md section 6)
     gamma_middle: int | None = None
     max_gamma: int = 8  # upper bound for adaptive draft lengths
     offload_kv: bool = False  # full cache in host memory, streamed to the GPU per layer (kv/offload.py)
@@ -254,7 +254,7 @@ class EngineConfig:
     # compiled AVX2 attention for decoding and checks on CPU (engine/csrc; built once, ~30 s):
     # 1.7x faster than SDPA at 32K keys; SDPA where it cannot build
     use_cpu_kernel: bool = True
-    use_cuda_graphs: bool = False  # off by default, as torch.compile (STYLE.md 5); eager on CPU
+    use_cuda_graphs: bool = False  # off by default, as torch.compile (docs/STYLE.md 5); eager on CPU
     # the levels below the top (the draft model, and the target's weights in the middle level and
     # `selfspec`) read the GGUF's blocks with int8 activations, as llama.cpp does (engine/quant.py
     # `quick_view`): lossy, which costs only acceptance, as the top's check stays exact. Off: exact

@@ -1,4 +1,4 @@
-"""Tensor parallelism over several GPUs (ALGORITHM.md section 8, "Two GPUs"); gloo on CPU in tests.
+"""Tensor parallelism over several GPUs (docs/ALGORITHM.md section 8, "Two GPUs"); gloo on CPU in tests.
 
 `shard` turns a loaded Transformer into one rank's part, as gpt-fast's tp.py does: query heads, KV
 heads (GQA-aware: the query heads of a KV head stay with it) and MLP columns split evenly;

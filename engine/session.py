@@ -1,4 +1,4 @@
-"""Engine and Session: the face of the engine (DESIGN.md "The engine's face").
+"""Engine and Session: the face of the engine (docs/DESIGN.md "The engine's face").
 
 `Engine` holds the loaded target (and draft) model; `Engine.open(doc_ids)` prefills a document
 once into a full cache and returns a `Session`; `Session.ask(question_ids, sampling)` appends
@@ -54,7 +54,7 @@ OFFLOAD_PREFILL_CHUNK_TOKENS = 8192  # see Engine.prefill_chunk_tokens
 
 @dataclass
 class Stats:
-    """Metrics streamed with every event (ALGORITHM.md section 9)."""
+    """Metrics streamed with every event (docs/ALGORITHM.md section 9)."""
 
     levels: list[LevelStats]  # checking levels, bottom-most checker first, "full" last
     n_tokens: int = 0
