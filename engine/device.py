@@ -44,18 +44,24 @@ def cpu_has_amx_bf16() -> bool:
 
 def cpu_has_avx512_bf16() -> bool:
     """bf16 dot products in AVX-512 (Zen 4, Cooper Lake and later): oneDNN's packed bf16
-    linears run on them, twice float32's rate on half its bytes."""
+    linears run on them, at a higher rate than float32's on half its bytes."""
     return "avx512_bf16" in cpu_flags()
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto": bfloat16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16, else float32. Without
-    them torch's bf16 matmuls of more than one row are tens of times slower than float32's.
-    Every linear of the 0.5B, AVX512-BF16 EPYC without AMX, 2 threads, T = 1 / 9 tokens: 51 / 55
-    ms in packed bf16 vs 89 / 85 in packed float32 (benchmarks/RESULTS.md)."""
+    """"auto": bfloat16 on CUDA GPUs that compute in it (Ampere, sm80, and later; float16 on older
+    ones: T4, V100, which only emulate bf16) and on CPUs with AMX-BF16 or AVX512-BF16, else
+    float32. Without them torch's bf16 matmuls of more than one row are many times slower than
+    float32's; with them packed bf16 linears beat packed float32 ones (benchmarks/history/2026-11-
+    results.md, "oneDNN-packed linears")."""
     if name != "auto":
         return getattr(torch, name)
-    if device.type == "cuda" or cpu_has_amx_bf16() or cpu_has_avx512_bf16():
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported(including_emulation=False):  # of the current device: this rank's
+            return torch.bfloat16
+        log.warning("this GPU has no native bfloat16: the model runs in float16")
+        return torch.float16
+    if cpu_has_amx_bf16() or cpu_has_avx512_bf16():
         return torch.bfloat16
     return torch.float32
 
@@ -65,17 +71,15 @@ def linear_layout(device: torch.device, dtype: torch.dtype, weights_fit_bf16: bo
     - "bf16-stored": float32 on a CPU with AVX2 whose weights are all exactly bf16 values (a
       checkpoint published or converted in bf16, as every packaged model): stored as bf16 and
       multiplied in float32 by engine/csrc/linear_cpu.cpp, the same products as float32 on half
-      the bytes. Every linear of the 0.5B, AVX2 EPYC, 2 threads, T = 1 / 5 / 9 tokens: 46 / 89 /
-      111 ms vs 103 / 134 / 180 packed (benchmarks/RESULTS.md);
+      the bytes read, faster than packed float32 where reading the weights is the cost;
     - "packed": on a CPU where oneDNN prepacks linears (engine/layouts.py `PackedLinear`), for
-      float32, and for bf16 where the CPU has AVX512-BF16 but no AMX. Every linear of the 0.5B,
-      AVX2 EPYC, float32, 2 threads, T = 1 / 5 / 9 tokens: 94 / 80 / 96 ms vs 100 / 244 / 293
-      input-major; AVX512-BF16 EPYC, bf16, T = 1 / 9: 51 / 55 ms vs 98 / 103 as loaded
-      (benchmarks/RESULTS.md): a check of several drafted tokens reads the weights once, as one
-      token does, so speculation pays on such CPUs too;
-    - "input-major": float32 on a CPU without it (MKL: 99 vs 125 ms for one token as loaded);
+      float32, and for bf16 where the CPU has AVX512-BF16 but no AMX: a check of several drafted
+      tokens reads the weights once, as one token does, so speculation pays on such CPUs too;
+    - "input-major": float32 on a CPU without it (MKL's faster orientation for one row);
     - "as loaded" otherwise: CUDA, and bf16 on AMX (not measured packed there) or on CPUs
-      without bf16 instructions (its kernels want rows, 8x slower input-major)."""
+      without bf16 instructions (their kernels want rows).
+    Each choice was measured against the others: benchmarks/history/2026-11-results.md ("oneDNN-
+    packed linears", "bf16-stored weights")."""
     if device.type != "cpu":
         return "as loaded"
     if dtype == torch.float32:
@@ -89,10 +93,10 @@ def linear_layout(device: torch.device, dtype: torch.dtype, weights_fit_bf16: bo
 
 def build_cpu_extension(name: str, source: Path, fallback: str, wait_s: float = extensions.WAIT_S,
                         extra_cflags: tuple[str, ...] = ()):
-    """A C++ extension of engine/csrc compiled by torch on first use (~30-50 s, cached in
-    ~/.cache/torch_extensions; engine/extensions.py), or None where it cannot be: no AVX2, no C++
-    compiler or ninja, or another process still building it after `wait_s`. `fallback` says, in
-    the one log line, what runs instead."""
+    """A C++ extension of engine/csrc compiled by torch on first use (once, and scripts/setup.sh
+    does it ahead; cached in ~/.cache/torch_extensions; engine/extensions.py), or None where it
+    cannot be: no AVX2, no C++ compiler or ninja, or another process still building it after
+    `wait_s`. `fallback` says, in the one log line, what runs instead."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         log.warning("this CPU has no AVX2: %s", fallback)
         return None
