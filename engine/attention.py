@@ -184,10 +184,30 @@ def has_flash_attn() -> bool:
     return True
 
 
+FLASH_MIN_CAPABILITY = (8, 0)  # flash-attn 2 runs on Ampere and later (its README); T4 / V100 cannot
+
+
+def flash_attn_runs_on(device: torch.device) -> bool:
+    """Whether flash-attn is importable and `device` is a GPU its kernels run on; says once why not."""
+    if not has_flash_attn():
+        return False
+    capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < FLASH_MIN_CAPABILITY:
+        _say_no_flash(f"{torch.cuda.get_device_name(device)} is sm{capability[0]}{capability[1]}, flash-attn 2 "
+                      f"needs sm{FLASH_MIN_CAPABILITY[0]}{FLASH_MIN_CAPABILITY[1]} or later")
+        return False
+    return True
+
+
+@functools.cache
+def _say_no_flash(reason: str) -> None:
+    log.warning("%s: attention runs on torch SDPA, the exact fallback", reason)
+
+
 def pick_attention(device: torch.device, use_flash_attn: bool = True, use_cpu_kernel: bool = False):
-    """Choose the kernel once, at construction: flash-attn on CUDA when wanted and importable;
-    on CPU the compiled kernel when wanted and it builds."""
-    if use_flash_attn and device.type == "cuda" and has_flash_attn():
+    """Choose the kernel once, at construction: flash-attn on a CUDA GPU it runs on (sm80+) when
+    wanted and importable; on CPU the compiled kernel when wanted and it builds."""
+    if use_flash_attn and device.type == "cuda" and flash_attn_runs_on(device):
         return flash_attention
     if use_cpu_kernel and device.type == "cpu" and cpu_kernel() is not None:
         return cpu_attention
