@@ -310,3 +310,17 @@ def test_a_bf16_model_takes_the_kernels_norms_and_rope_and_keeps_its_logits():
     want = logits()
     assert torch.allclose(got, want, atol=2e-2, rtol=2e-2)
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("capability, want", [((7, 5), "sdpa"), ((7, 0), "sdpa"), ((8, 0), "flash"), ((8, 9), "flash")])
+def test_flash_attn_is_picked_only_on_gpus_it_runs_on(monkeypatch, capability, want):
+    """Issue 54 row 6: flash-attn 2 needs sm80+; on a T4 (sm75) or V100 (sm70) that has it
+    installed, importing it is not enough: its first prefill would fail. (CUDA is faked.)"""
+    from engine import attention
+
+    monkeypatch.setattr(attention, "has_flash_attn", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
+    picked = attention.pick_attention(torch.device("cuda", 0))
+    assert picked is {"flash": attention.flash_attention, "sdpa": sdpa_attention}[want]
+    assert attention.pick_attention(torch.device("cuda", 0), use_flash_attn=False) is sdpa_attention
