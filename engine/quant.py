@@ -7,9 +7,9 @@ sub-block's scale out of its sum (x times the codes, summed, then scaled once): 
 sum in another float32 grouping, one FMA per 8 weights instead of two. On CPUs with AVX512-BF16
 a bf16 model's Q4_K and Q6_K linears multiply the bf16 activations with the integer codes in
 exact bf16 products and apply each group's float32 scale to the group's sum: the same exact
-products, summed in float32 in another grouping, in 0.6x the time; decoding reads them (and
-Q5_0) from a copy with 16 weight rows interleaved (`QuantLinear.interleaved`), one scale per 16
-rows, in about 0.5-0.75x the time again (the memory's speed at 2 threads).
+products, summed in float32 in another grouping, in less time; decoding reads them (and Q5_0)
+from a copy with 16 weight rows interleaved (`QuantLinear.interleaved`), one scale per 16 rows,
+which reads the weights at about the memory's speed at 2 threads (benchmarks/RESULTS.md).
 
 `load_quantized_model` builds our Transformer straight from a .gguf (CPU, float32 or bf16, kernel
 built); tokenizer and Hugging Face config come from transformers' GGUF reader, cached as a small
@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,8 @@ import torch.nn as nn
 
 from engine.config import EngineError
 from engine.layouts import scratch
+
+log = logging.getLogger(__name__)
 
 # ggml type ids the kernel reads; others (and F16 / BF16) are dequantized to float32 at load
 KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
@@ -63,9 +66,9 @@ class QuantLinear(nn.Module):
     `BLOCK_ROWS` weight rows at a time to the activations' dtype (bf16 or float32) for a GEMM,
     summed in another order and, in a bf16 model, in bf16 products: the prefill then computes in
     another precision than decoding does, the same prefill for plain and speculative decoding,
-    so losslessness (every stack gives plain decoding's tokens) is untouched. A 512-row chunk of
-    the 0.5B's 4864 x 896 projection, 1 thread, AVX512-BF16 EPYC: 26 ms in bf16 vs 101 in
-    float32 (896 x 4864: 41 vs 95); the dequantizing cast to bf16 adds 0.7 ms."""
+    so losslessness (every stack gives plain decoding's tokens) is untouched. Where the CPU has
+    bf16 instructions the bf16 GEMM is the faster one (benchmarks/history/2026-11-results.md,
+    "Prefill attention in BF16 dot products")."""
 
     KERNEL_MAX_ROWS = 128
     BLOCK_ROWS = 4096  # weight rows dequantized at a time for the GEMM (16 MB float32 at in = 896)
@@ -88,9 +91,9 @@ class QuantLinear(nn.Module):
     def quick(self) -> QuantLinear:
         """A twin over the same blocks and bias (no copy) whose calls of at most KERNEL_MAX_ROWS
         rows run quant_cpu.cpp `quick_linear`: activations rounded to int8 per 32 values and
-        integer dot products: about 0.5% relative error on real activations, and every linear
-        of the 1.5B at one row 2.6x faster (0.5B: 1.6x; 5 rows: 1.9x, 1.3x; 1 thread, AVX-512
-        VNNI, benchmarks/kernels.py --only quick). Lossy: for a middle level only. Where the
+        integer dot products: a small relative error on real activations, and faster, most at
+        one row (`python -m benchmarks.kernels --only quick`; history, "Int8 drafts"). Lossy:
+        for a middle level only. Where the
         kernel has no quick path for this type (Q4_1) the twin is exact; prefill-size calls keep
         the dequantizing GEMM either way."""
         twin = QuantLinear(self.weight, self.qtype, self.in_features, self.bias, self.kernel, self.out_dtype)
@@ -137,8 +140,8 @@ class QuantLinear(nn.Module):
         return self.kernel.dequantize(self.weight, self.qtype, torch.empty(self.out_features, self.in_features))
 
     def _dequantized(self, block: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [rows, in], in scratch
-        """float32, or bf16 as `.to(torch.bfloat16)` rounds them, written straight by the kernel: the
-        1.5B's tiles for a prefill chunk took 0.30 s through float32 tiles and a copy, 0.22 s so."""
+        """float32, or bf16 as `.to(torch.bfloat16)` rounds them, written straight by the kernel (no
+        float32 tile and copy: history, "A bf16 prefill's weight tiles")."""
         shape = (block.shape[0], self.in_features)
         tile = scratch(f"dequantized {dtype}", shape[0] * shape[1], dtype).view(shape)
         return self.kernel.dequantize(block, self.qtype, tile)
@@ -200,6 +203,8 @@ def gguf_header_dir(gguf_path: Path, sha256: str) -> Path:
     if is_complete(out_dir) and (out_dir / "tensors.json").is_file():
         return out_dir
     refuse_unsupported(gguf_path)  # before transformers reads (and drops) what it does not know
+    log.warning("reading the tokenizer and config of %s with transformers, once (a minute or so; "
+                "scripts/setup.sh does it ahead); later loads read them from %s", gguf_path.name, out_dir)
     from gguf import GGUFReader
     from transformers import AutoConfig, AutoTokenizer
 

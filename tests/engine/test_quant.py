@@ -351,3 +351,25 @@ def test_a_packaged_gguf_keeps_its_blocks_in_bf16_and_with_yarn():
     if packaged_model_dir(name, assemble=False) is not None:
         plain, _ = load_model(name, torch.bfloat16, torch.device("cpu"), keep_gguf_blocks=False)
         assert not is_quantized(plain)
+
+
+def test_a_first_load_says_it_reads_the_tokenizer_once_and_a_later_load_says_nothing(tmp_path, monkeypatch, caplog):
+    """The header folder (transformers' GGUF reader: config and tokenizer) is one-time work at the
+    first start unless scripts/setup.sh did it: it is said in the log, once."""
+    import logging
+
+    from engine.models import PACKAGED_MODELS, gguf_path
+    from engine.quant import gguf_header_dir
+
+    path = gguf_path("smollm2-135m")
+    if not path.is_file():
+        pytest.skip("smollm2-135m is not assembled")
+    monkeypatch.setenv("BOOKCHAT_CACHE", str(tmp_path))  # a fresh cache: the header is not there yet
+    with caplog.at_level(logging.WARNING, logger="engine.quant"):
+        first = gguf_header_dir(path, PACKAGED_MODELS["smollm2-135m"].sha256)
+    assert f"reading the tokenizer and config of {path.name} with transformers, once" in caplog.text
+    assert str(first) in caplog.text and first.is_relative_to(tmp_path)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="engine.quant"):
+        assert gguf_header_dir(path, PACKAGED_MODELS["smollm2-135m"].sha256) == first
+    assert "reading the tokenizer" not in caplog.text
