@@ -90,8 +90,8 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        # the bias added apart: the same sum, and with grad mode on torch 2.13 the fused bias
-        # makes a one-row call 100x slower (0.16 vs 22 ms for 896 x 896); inference mode does not
+        # the bias added apart: the same sum, and with grad mode on (torch 2.13) the fused bias
+        # makes a one-row call many times slower; inference mode does not
         out = torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
         return out if self.bias is None else out.add_(self.bias)
 
@@ -124,7 +124,7 @@ class Bf16Linear(nn.Module):
     large packed batch) widen blocks of weights to float32 (input-major) for BLAS, whose sums
     round differently in the last bits."""
 
-    KERNEL_MAX_ROWS = 128  # every layer linear of the 0.5B: kernel 628 vs BLAS 810 ms at 64 rows, 1248 vs 1232 at 128
+    KERNEL_MAX_ROWS = 128  # the kernel beats BLAS up to about here (every linear of the 0.5B, measured at 64 and 128)
     BLOCK_GROUPS = 1024  # groups of 8 weight rows widened at a time for BLAS (an LM head whole: 0.5 GB)
 
     def __init__(self, linear: nn.Linear, kernel):
@@ -146,7 +146,7 @@ class Bf16Linear(nn.Module):
         return out if self.bias is None else out.add_(self.bias)
 
     def _widened(self, block: torch.Tensor) -> torch.Tensor:  # [in, 8 * groups] float32
-        """`block`'s weights as float32, input-major, in this thread's `scratch`. Widening costs
-        ~5% of a 512-row product (2.3 vs 43 ms)."""
+        """`block`'s weights as float32, input-major, in this thread's `scratch`. Widening is a small
+        part of a prefill-sized product."""
         n = block.shape[0] * 8 * self.in_features
         return self.kernel.widen_weight(block, scratch("widened", n).view(self.in_features, -1))
