@@ -251,8 +251,8 @@ class EngineConfig:
     resident_kv_layers: int | None = None  # with offload_kv: first layers kept on the GPU; None: planner
     n_gpus: int = 1  # tensor-parallel ranks (engine/parallel.py); 1 runs in this process
     use_flash_attn: bool = True  # on CUDA when installed; torch SDPA otherwise (exact either way)
-    # compiled AVX2 attention for decoding and checks on CPU (engine/csrc; built once, ~30 s):
-    # 1.7x faster than SDPA at 32K keys; SDPA where it cannot build
+    # compiled AVX2 attention for decoding and checks on CPU (engine/csrc; built once by setup):
+    # faster than SDPA at long context (benchmarks/history/2026-11-results.md); SDPA where it cannot build
     use_cpu_kernel: bool = True
     use_cuda_graphs: bool = False  # off by default, as torch.compile (docs/STYLE.md 5); eager on CPU
     # the levels below the top (the draft model, and the target's weights in the middle level and
@@ -326,7 +326,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    "ngram>retrieval>full without a draft")
     p.add_argument("--yarn", type=float, default=c.yarn_factor, metavar="FACTOR",
                    help="YaRN context extension for books beyond the native context (4: 131,072 tokens for "
-                   "Qwen2.5; changes answers on short books too; reading 112K tokens took 66 minutes on 2 CPU cores)")
+                   "Qwen2.5; changes answers on short books too; a book that long takes hours to read on a CPU: "
+                   "the app shows this machine's estimate)")
     p.add_argument("--device", default=c.device, help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--dtype", default=c.dtype, help="auto, float32, bfloat16, float16")
     p.add_argument("--gpus", type=int, default=c.n_gpus, help="tensor parallel over N GPUs")
