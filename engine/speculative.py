@@ -131,8 +131,9 @@ class GammaTuner:
         return tokens / (g * (self.draft_s_per_token or 0.0) + self._check_seconds(g + 1))
 
     def _check_seconds(self, n: int) -> float:
-        """Seconds to check n tokens: costs are not linear in n on every CPU (AVX2 with MKL:
-        2 tokens ~ 2x 1), so interpolated between measured counts; a fitted line beyond them."""
+        """Seconds to check n tokens: costs are not linear in n on every CPU (on some, 2 tokens cost
+        about twice 1, on others about as much), so interpolated between measured counts; a fitted
+        line beyond them."""
         lower = [m for m in self.check_s if m <= n]
         upper = [m for m in self.check_s if m >= n]
         if not (lower and upper):
