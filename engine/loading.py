@@ -325,6 +325,7 @@ def load_model(source: str, dtype: torch.dtype, device: torch.device, yarn_facto
 
         return load_quantized_model(*gguf, dtype=dtype, yarn_factor=yarn_factor)
     model_dir = resolve_model(source)
+    refuse_unsupported(model_dir)  # from the headers: config, tokenizer, weight files
     model, hf_config = meta_model(model_dir, yarn_factor)
     check_tensor_names(f"The model in {model_dir}", set(split_fused(dict.fromkeys(safetensors_names(model_dir)),
                                                                     model.config)), parameter_names(model))

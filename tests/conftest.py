@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Llama / Qwen2 models (float64, seeded) and the engine around them."""
+"""Shared fixtures: tiny random models of every family the engine runs (float64, seeded) and the
+engine around them."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import os
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from engine.config import EngineConfig, ModelConfig, RetrievalConfig
 from engine.model import Transformer
@@ -35,18 +35,43 @@ def packaged_or_skip(name: str):
     return model_dir
 
 
+WINDOW = 24  # the sliding window of the tiny windowed models: a 123-token book runs past it
+SLIDING_FULL = ["sliding_attention", "full_attention"]  # Gemma's interleaving, in two layers
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+            "long_factor": [1.0 + i / 4 for i in range(8)], "short_factor": [1.0 + i / 16 for i in range(8)]}
+# family -> (transformers' config and model classes, config fields beyond the shapes)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"head_dim": 16, "sliding_window": None}),
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", {"head_dim": 16, "sliding_window": WINDOW}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "sliding_window": WINDOW,
+                                                     "query_pre_attn_scalar": 24, "layer_types": SLIDING_FULL}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "sliding_window": WINDOW,
+                                                         "query_pre_attn_scalar": 24, "layer_types": SLIDING_FULL}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "phi3-longrope": ("Phi3Config", "Phi3ForCausalLM", {"rope_parameters": LONGROPE, "max_position_embeddings": 256,
+                                                        "original_max_position_embeddings": 64}),
+}
+
+
 def tiny_hf(family: str = "llama", seed: int = 0, vocab: int = 128, n_layers: int = 2, rope=None,
-            tie: bool | None = None, max_positions: int = 4096):
-    """A Hugging Face model with random weights: hidden 64, 4 query / 2 KV heads, float64."""
+            tie: bool | None = None, max_positions: int = 4096, **fields):
+    """A Hugging Face model of `family` (a FAMILIES key) with random weights: hidden 64, 4 query /
+    2 KV heads, float64; `fields` override its config."""
+    import transformers
+
     torch.manual_seed(seed)
-    Cfg, Model = (LlamaConfig, LlamaForCausalLM) if family == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    config_name, model_name, extra = FAMILIES[family]
     kwargs = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=n_layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-                  tie_word_embeddings=(family == "qwen2") if tie is None else tie,
-                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+                  tie_word_embeddings=(family in ("qwen2", "gemma2", "gemma3")) if tie is None else tie,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None) | extra | fields
     if rope is not None:
         kwargs["rope_parameters"] = rope
-    hf = Model(Cfg(**kwargs)).double().eval()
+    config = getattr(transformers, config_name)(**kwargs)
+    hf = getattr(transformers, model_name)(config).double().eval()
     with torch.no_grad():  # larger weights than the default init: peaked, varied distributions
         for p in hf.parameters():
             if p.dim() == 2:
