@@ -69,7 +69,7 @@ _FORMAT_NAMES = {"pdf": "PDF", "epub": "EPUB", "docx": "DOCX", "txt": "text", "m
 
 
 def _read(kind: str, path: str, password: str | None, limits: Limits, progress: Progress) -> Document:
-    # Readers are imported on use: pypdf costs ~0.2 s to import and most books are not PDFs.
+    # Readers are imported on use: importing pypdf takes a noticeable time and most books are not PDFs.
     if kind == "pdf":
         from app.formats.pdf import load_pdf
         return load_pdf(path, password, limits, progress)

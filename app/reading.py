@@ -1,6 +1,6 @@
 """A book's reading (its prefill) in parts, kept when it stops and taken up again from there.
 
-A whole novel takes an hour to read on 2 CPU cores. `Reading` reads a book in parts of
+A whole novel takes a long time to read on a CPU (benchmarks/RESULTS.md §5). `Reading` reads a book in parts of
 `READ_PART_TOKENS` (engine `Engine.open(n_first=...)`, then `Session.read`), each a whole number
 of the engine's prefill chunks, so the forwards are those of one uninterrupted reading and the KV
 is the same, bit for bit. What was read is saved in the library (`partial.pt`, verified like a
@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from engine.session import Engine, Session
 
 # Tokens a part (rounded down to whole prefill chunks), and how often at most the reading so far
-# is saved after a part: a crash loses at most this much reading. A save of 112K tokens (3.2 GB)
-# took 16 s on 2 cores (benchmarks/reading.py): 1-2% of a one-hour reading in all.
+# is saved after a part: a crash loses at most this much reading. A save writes the whole cache
+# read so far, so it is not done after every part (`python -m benchmarks.reading` times both).
 READ_PART_TOKENS = 4096
 SAVE_READING_EVERY_S = 600.0
 

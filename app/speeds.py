@@ -5,8 +5,9 @@ Every prefill the app runs and every plain-decoding probe (the speedup's baselin
 about to be prefilled gets a time estimate before it starts (issue 21). A prefill of n tokens
 costs about n + share * n^2 / 2 tokens' worth of linear work (each token attends to those before
 it; `ModelConfig.attention_share` from the model's shapes), so the estimate scales the nearest
-measured length by that: from 8K tokens of the 1.5B it says 67 minutes for 112K, where 66 were
-measured (linear scaling said 18). Estimates improve as books of that length are read.
+measured length by that (tests/app/test_speeds.py checks it against a whole novel's reading,
+where scaling linearly says a quarter of the time). Estimates improve as books of that length are
+read.
 """
 
 from __future__ import annotations

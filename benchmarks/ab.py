@@ -1,6 +1,6 @@
 """The same answers from two checkouts of the engine, interleaved: is a change within noise?
 
-A refactoring must not slow decoding (issue 26), and this host moves 10-20% between runs, so
+A refactoring must not slow decoding (issue 26), and a shared host moves more than that between runs, so
 the old and the new code are measured side by side, alternating, each round a fresh process per
 checkout (`--trees OLD,NEW`, e.g. a `git worktree` of the old commit). Every process restores
 the same prefill snapshot (made once, by the first checkout, with `Session.save`), then answers

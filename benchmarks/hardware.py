@@ -64,9 +64,9 @@ def measure_hardware(n_repeats: int = 5, copy_mib: int = 512,
 
 
 def read_gb_s(src: torch.Tensor | None = None, n_repeats: int = 3) -> float:
-    """Bytes read / s of a sum over `src` (default 256 MiB of float32). Cheap enough (~50 ms) to
-    run before every measured answer: this machine's host changes its memory bandwidth between
-    phases (17-33 GB/s within one day) without it showing in the load average."""
+    """Bytes read / s of a sum over `src` (default 256 MiB of float32). Cheap enough to run
+    before every measured answer: a shared host's memory bandwidth changes between phases of a
+    day without it showing in the load average."""
     src = torch.ones(64 << 20) if src is None else src
     return src.numel() * src.element_size() / _best_s(lambda: src.sum(), n_repeats) / 1e9
 

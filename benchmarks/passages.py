@@ -48,8 +48,8 @@ def sentences(book: str) -> list[str]:
 
 
 class PassageIndex:
-    """Every run of `window` sentences of a book and its terms, built once per book (a 130K-character
-    book: about 1 s), so a question is scored in milliseconds."""
+    """Every run of `window` sentences of a book and its terms, built once per book, so
+    a question is scored quickly."""
 
     def __init__(self, book: str, window: int = 4):
         self.said, self.window = sentences(book), window

@@ -16,7 +16,7 @@ Ratios are ours / llama.cpp in speed (> 1: we are faster). One run each; the mac
 so the load average is recorded before every measurement. Without llama.cpp built, `--quick`
 skips and a full run measures ours only (llama-bench is looked for again after each depth).
 
-    nice -n 19 bash scripts/build_llamacpp.sh          # once, 10-20 min
+    nice -n 19 bash scripts/build_llamacpp.sh          # once (a long C++ build)
     python -m benchmarks.peers --contexts 8192 --threads 1
     python -m benchmarks.peers --quick                 # smoke test; skips when llama.cpp is absent
 """

@@ -81,7 +81,7 @@ def load_text(path: str, kind: str, limits: Limits) -> Document:
     """A .txt (chapters from 'Chapter N' lines) or Markdown (sections from headings) file."""
     with open(path, "rb") as file:
         text, note = decode_text_noted(file.read(), path)
-    check_chars(len(text), limits)  # before cleaning: a 200 MB file is refused in a second
+    check_chars(len(text), limits)  # before cleaning: a file over the limit is refused at once
     text = clean_text(text)
     stem = os.path.splitext(os.path.basename(path))[0]
     builder = DocumentBuilder(limits)
