@@ -4,6 +4,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 # OpenMP threads spin briefly at barriers, then sleep (libgomp; set before torch loads it, the
@@ -31,6 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(always on with --share)")
     p.add_argument("--max-open-books", type=int, default=4, help="books kept in memory across all users")
     p.add_argument("--library", default=str(default_root()), help="folder of books, chats and snapshots")
+    p.add_argument("--models-dir", action="append", default=[], metavar="FOLDER",
+                   help="a folder of .gguf files and Hugging Face folders the model picker lists (repeatable; "
+                   "remembered in the library)")
     p.add_argument("--max-file-mb", type=int, default=200, help="largest upload accepted")
     p.add_argument("--max-pages", type=int, default=Limits.max_pages, help="largest PDF, in pages")
     p.add_argument("--max-chars", type=int, default=Limits.max_chars, help="largest extracted text, in characters")
@@ -61,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.server import launch, login
 
     auth = login(args)
+    from app.catalog import Catalog
     from app.documents import Limits
     from app.library import Library
     from app.session import load_engine
@@ -88,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
           f"({engine.device.type}, {engine.dtype}, context {engine.max_context:,} tokens)", flush=True)
     limits = Limits(max_file_bytes=args.max_file_mb * 1024 * 1024, max_pages=args.max_pages,
                     max_chars=args.max_chars)  # the upload itself is capped in launch()
+    catalog = Catalog(args.models_dir, Path(args.library))  # the models already on this machine
     app = App(engine, Library(args.library), limits, args.max_tokens, args.max_new_tokens,
-              private=args.share or args.private, max_open_books=args.max_open_books)
+              private=args.share or args.private, max_open_books=args.max_open_books, catalog=catalog)
     api = None
     if args.api:
         from app.api import api_key, chat_api

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 import gradio as gr
 
+from app.picker import NO_DRAFT, model_choices
 from app.views import Counters, render_metrics, render_plot, render_reading
-from engine import models
 
 if TYPE_CHECKING:
     from app.ui import App
@@ -50,9 +50,11 @@ def build(app: App) -> gr.Blocks:
         with gr.Accordion("Model", open=False, elem_id="model-picker"):
             c.models = gr.Markdown(app.model_table(), elem_id="models")
             with gr.Row():
-                c.model = gr.Dropdown(list(models.PACKAGED_MODELS), value=e.config.target, show_label=False,
+                c.model = gr.Dropdown(model_choices(app.catalog), value=e.config.target, show_label=False,
                                       container=False, elem_id="model", scale=3, allow_custom_value=True,
                                       info="or type a local folder, a .gguf file or a hub id")
+                c.draft = gr.Dropdown(label="Draft (same tokenizer)", elem_id="draft", scale=2, allow_custom_value=True,
+                                      choices=app.draft_choices(e.config.target), value=e.config.draft or NO_DRAFT)
                 c.load_model = gr.Button("Load model", size="sm", elem_id="load-model", scale=1)
             c.long_books = gr.Checkbox(app._yarn() != 1, label=f"Long books: YaRN ×{LONG_BOOKS_YARN:g}",
                                        elem_id="long-books", info=LONG_BOOKS_NOTE,
@@ -163,7 +165,8 @@ def _wire(app: App, demo: gr.Blocks, c: SimpleNamespace) -> None:
     c.confirm_remove.click(app.remove_saved, [c.books], removed, api_name="remove_book", **instant)
     c.keep_book.click(lambda: gr.update(visible=False), None, c.confirm_row, api_name=False)
     switched = [c.model_status, c.models, c.title, c.chatbot, c.sampling_note, c.status, *c.sampling, c.level]
-    c.load_model.click(app.switch_model, [c.model, c.long_books], switched, api_name="load_model", **load)
+    c.load_model.click(app.switch_model, [c.model, c.long_books, c.draft], switched, api_name="load_model", **load)
+    c.model.input(app.drafts_offered, c.model, c.draft, api_name=False)  # the drafts that pair with it
     c.defaults.click(app.reset_settings, None, [*c.sampling, c.level], api_name=False)
     c.cancel.click(app.request_stop, None, None, api_name="cancel_prefill", concurrency_limit=None)
     gr.on([c.send.click, c.msg.submit], app.ask, [c.msg, c.chatbot, *c.settings], answering, api_name="ask",

@@ -23,10 +23,12 @@ from pathlib import Path
 import gradio as gr
 
 from app import layout
+from app.catalog import Catalog, render_found
 from app.cpu import CpuWatch, cpu_note
 from app.documents import Document, Limits, PasswordRequired, WrongPassword, chapters
 from app.layout import LONG_BOOKS_NOTE, LONG_BOOKS_YARN, NO_BOOK, asking
 from app.library import Library, book_id_of, chat_export_json, chat_markdown, model_fingerprint, write_export
+from app.picker import NO_DRAFT, check_loadable, drafts, machine_of, suggested_draft
 from app.reading import ReadingStopped
 from app.server import say
 from app.session import BookSession, Prepared, keep_first, load_engine, open_book, pick_chapters, prepare, read_document
@@ -72,8 +74,9 @@ def _picked(pending: Prepared, picked: list[str]) -> Document:
 class App:
     def __init__(self, engine: Engine, library: Library | None, limits: Limits | None = None,
                  max_tokens: int | None = None, max_new_tokens: int = 256, private: bool = False,
-                 max_open_books: int = 4):
+                 max_open_books: int = 4, catalog: Catalog | None = None):
         self.engine, self.library = engine, library
+        self.catalog = catalog  # the models found on this machine (app/catalog.py); None: packaged ones only
         self.chat = PlainChatFormat(engine.tokenizer, end_ids=engine.end_ids)
         self.speeds = Speeds(library.root if library else None)  # measured on this machine, per model
         self.limits, self.max_tokens, self.max_new_tokens = limits or Limits(), max_tokens, max_new_tokens
@@ -570,27 +573,46 @@ class App:
                         f"{self.speeds.describe(current)} | your model |")
         head = "| model | file | context | measured on this machine | quality |\n|:--|--:|--:|:--|:--|"
         draft = f" · draft `{self.engine.config.draft}`" if self.engine.config.draft else ""
-        return f"Loaded: `{current}`{draft} · levels `{self.engine.config.levels}`\n\n{head}\n" + "\n".join(rows)
+        found = render_found(self.catalog.found(), machine_of(self.engine)) if self.catalog else ""
+        found = f"\n\n**On this machine** (never downloaded; the engine reads their headers only)\n\n{found}" \
+            if found else ""
+        loaded = f"Loaded: `{current}`{draft} · levels `{self.engine.config.levels}`"
+        return f"{loaded}\n\n{head}\n" + "\n".join(rows) + found
+
+    def draft_choices(self, target: str | None) -> list[tuple[str, str]]:
+        """(label, source) of the drafts that pair with `target`, the suggested one first, then none."""
+        offered = drafts(self.catalog, machine_of(self.engine), target) if target else []
+        return [*offered, ("none", NO_DRAFT)]
+
+    def drafts_offered(self, target: str | None):
+        """The draft picker for a newly picked target: the drafts that pair with it, the suggested one chosen."""
+        choices = self.draft_choices(target)
+        return gr.update(choices=choices, value=choices[0][1])
 
     def _yarn(self) -> float:
         return getattr(self.engine.config, "yarn_factor", 1.0)  # a remote backend's config has none
 
-    def switch_model(self, name: str | None, long_books: bool, request: gr.Request):
-        """Load another model (and its paired draft), or the same one with YaRN for long books; every
-        open book closes (its KV cache belongs to the old model) and reopens from the library with
-        the new one. One reader's app only."""
+    def switch_model(self, name: str | None, long_books: bool, request: gr.Request, draft: str | None = "auto"):
+        """Load another model with `draft` ("auto": the one that pairs, `NO_DRAFT`: none), or the same one
+        with YaRN for long books; every open book closes (its KV cache belongs to the old model) and
+        reopens from the library with the new one. A model whose files say it will not run here is
+        refused before loading, in one sentence. One reader's app only."""
         user, c = self.user(request), self.c
         if self.private:
             yield {c.model_status: "In a shared app the model is chosen when it starts (`--model`, `--yarn`)."}
             return
         name, yarn = name or self.engine.config.target, LONG_BOOKS_YARN if long_books else 1.0
-        if name == self.engine.config.target and yarn == self._yarn():
+        machine = machine_of(self.engine)
+        draft = suggested_draft(self.catalog, machine, name) if draft in ("auto", None) else draft
+        draft = None if draft in (NO_DRAFT, "") else draft
+        if name == self.engine.config.target and yarn == self._yarn() and draft == self.engine.config.draft:
             yield {c.model_status: f"`{name}` is already loaded" + (" for long books." if yarn != 1 else ".")}
             return
         user.cancel.clear()
         yield {c.model_status: f"Loading `{name}` … (the first time: a download of a few minutes)"}
         try:
-            config = replace(self.engine.config, target=name, draft="auto", levels="auto", yarn_factor=yarn)
+            check_loadable(self.catalog, machine, name, draft)
+            config = replace(self.engine.config, target=name, draft=draft or NO_DRAFT, levels="auto", yarn_factor=yarn)
             engine = yield from self._progress(user, Stages(name), load_engine, config)
         except Exception as error:  # ModelNotFound, TokenizerMismatch, out of memory ...: keep the old one
             yield {c.model_status: f"⚠ Could not load `{name}`: {error} `{self.engine.config.target}` stays loaded.",
