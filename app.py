@@ -8,10 +8,10 @@ from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 # OpenMP threads spin briefly at barriers, then sleep (libgomp; set before torch loads it, the
-# environment wins). The 1.5B at 2K, 2 threads on 2 cores, ms a token quiet / beside a process busy
-# 15% of the time (a browser) / beside one busy core (benchmarks/RESULTS.md, "The app's own cost
-# while it streams"): this 66 / 70 / 137; sleeping at once (OMP_WAIT_POLICY=PASSIVE) 100 / 84 / 115;
-# libgomp's long spin 59 / 64 / 199. A busy machine is named in the metrics panel (app/cpu.py).
+# environment wins). A short spin was the best of three policies measured quiet, beside a browser
+# and beside one busy core (`python -m benchmarks.threads`; benchmarks/history/2026-11-results.md,
+# "The app's own cost while it streams"): sleeping at once is slower quiet, libgomp's long spin
+# slower beside a busy core. A busy machine is named in the metrics panel (app/cpu.py).
 if "OMP_WAIT_POLICY" not in os.environ:  # libgomp lets GOMP_SPINCOUNT override a policy the user set
     os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
