@@ -6,7 +6,8 @@ Every cache hands the model a view whose last `T` keys are the tokens of this ca
 earlier key is visible to all of them (docs/ALGORITHM.md section 7: stale slots are never in a view).
 So the only mask is over that tail: causal for a chain, an ancestor matrix for a token tree.
 GQA folds each KV head's query heads into the query length, one SDPA call on
-[B, Hkv, G*T, D]: on this CPU 2.7x faster than `enable_gqa=True` at 32K keys (docs/ASSETS.md).
+[B, Hkv, G*T, D]: each KV head is read once for its query heads (faster than `enable_gqa=True`
+on a CPU at long context: benchmarks/history/2026-11-results.md, issue 7).
 On CPU a call with a tail is split in two (keys before the tail unmasked, the tail masked) and
 merged by log-sum-exp, so no [T, S] mask is ever built (`_split_attention`).
 """
@@ -65,7 +66,7 @@ def masked_attention(
 
 # CPU: torch's own flash kernel (the one SDPA calls) returns its log-sum-exp, so the keys before
 # the tail (no mask) and the tail (causal or tree) are two calls merged exactly, and no [G*T, S]
-# mask is built per layer (with it, one layer of a 512-token chunk at 8K-32K took 2.3x longer).
+# mask is built per layer (building it cost more than the attention: the history, issue 7).
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -89,11 +90,11 @@ def _split_attention(q, k, v, tail, attend_head=None, is_tree=None):
 
 
 # The compiled CPU kernel: for R = G*T query rows up to this many it beats torch's flash kernel
-# (24 layers at 32K keys, 2 threads: R = 7 / 35 / 63 in 45 / 145 / 247 ms vs 77 / 188 / 279 ms,
-# benchmarks/RESULTS.md); larger float32 calls (prefill chunks) are GEMM-shaped and stay on flash.
-# A bf16 model's prefill chunks, where the kernel takes BF16 dot products, go through its packed
-# path (attention_cpu.cpp `attend_many`): every layer of the 1.5B, a 512-token chunk, 2 threads,
-# AVX512-BF16 EPYC, 2.27x faster than flash at 8K keys, 2.15x at 32K (RESULTS, "Prefill attention").
+# (measured up to R = 63: benchmarks/history/2026-11-results.md, "The compiled CPU attention
+# kernel"); larger float32 calls (prefill chunks) are GEMM-shaped and stay on flash. A bf16
+# model's prefill chunks, where the kernel takes BF16 dot products, go through its packed path
+# (attention_cpu.cpp `attend_many`), faster than flash there (the history, "Prefill attention in
+# BF16 dot products").
 FEW_ROWS = 64
 HEAD_DIMS = (16, 32, 64, 128)  # the kernel's instantiations
 _CPU_SOURCE = Path(__file__).parent / "csrc" / "attention_cpu.cpp"
@@ -101,7 +102,7 @@ _CPU_SOURCE = Path(__file__).parent / "csrc" / "attention_cpu.cpp"
 
 @functools.cache
 def cpu_kernel():
-    """The compiled few-row attention module, built on first use (~30 s, cached by torch in
+    """The compiled few-row attention module, built once (scripts/setup.sh; cached by torch in
     ~/.cache/torch_extensions), or None where it cannot be: no AVX2, no C++ compiler or ninja."""
     return build_cpu_extension("bookchat_attention_cpu", _CPU_SOURCE, "attention on CPU runs on torch SDPA")
 
