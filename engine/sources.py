@@ -1,7 +1,7 @@
 """Where a question reads in the document: the sources of an answer, from the model's own attention.
 
 The document's chunks are scored with the question's post-RoPE queries over the full cache, by
-the retrieval level's rule (`score_chunks`, ALGORITHM.md section 4: per layer and KV head, a
+the retrieval level's rule (`score_chunks`, docs/ALGORITHM.md section 4: per layer and KV head, a
 softmax over chunks of q . mean_key / sqrt(D), summed over the group's queries), here summed over
 every layer and KV head and normalised, so each chunk gets its share of the question's attention.
 `Session.score_document` runs the question through the target to get its queries and then drops
