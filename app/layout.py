@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import gradio as gr
 
+from app import book_view
 from app.picker import NO_DRAFT, model_choices
 from app.views import Counters, render_metrics, render_plot, render_reading
 
@@ -116,6 +117,7 @@ def _centre(app: App, c: SimpleNamespace) -> None:
         c.export_md = gr.Button("Export .md", size="sm", elem_id="export-md")
         c.export_json = gr.Button("Export .json", size="sm", elem_id="export-json")
     c.export_file = gr.File(label="Exported chat", visible=False, elem_id="export-file", interactive=False)
+    book_view.add(c)  # the answer's sources, clickable, and the book view (app/book_view.py)
     d, levels = app.engine.default_sampling, app._levels()
     with gr.Accordion("Settings", open=False, elem_id="settings"):
         c.sampling_note = gr.Markdown(app._sampling_note(), elem_id="sampling-note")
@@ -135,14 +137,18 @@ def _centre(app: App, c: SimpleNamespace) -> None:
             seed = gr.Number(value=0, precision=0, label="Seed")
             level = gr.Dropdown(levels, value=app.engine.config.levels, label="Level stack", elem_id="levels")
             c.defaults = gr.Button("Model's defaults", size="sm", elem_id="defaults")
+        c.reread = gr.Checkbox(False, label="Re-read the sources before answering", elem_id="reread",
+                               info="The passages the question's attention goes to most are quoted after it: "
+                                    "more to read before the first token (README: the prompt, exactly).")
     c.sampling, c.level = [temperature, top_p, top_k, min_p, repetition, presence, frequency], level
-    c.settings = [temperature, top_p, max_new, seed, level, top_k, min_p, repetition, presence, frequency]
+    c.settings = [temperature, top_p, max_new, seed, level, top_k, min_p, repetition, presence, frequency,
+                  c.reread]
 
 
 def _wire(app: App, demo: gr.Blocks, c: SimpleNamespace) -> None:
     loading = [c.status, c.upload, c.cancel, c.password_row, c.fit_row, c.first_n, c.pick, c.chatbot, c.metrics,
-               c.plot, c.reading, c.chapter, c.summarize_chapter, c.title, c.models, c.books, c.chats]
-    answering = [c.msg, c.chatbot, c.metrics, c.plot, c.reading, c.books, c.chats]
+               c.plot, c.reading, c.chapter, c.summarize_chapter, c.title, c.models, c.books, c.chats, c.sources]
+    answering = [c.msg, c.chatbot, c.metrics, c.plot, c.reading, c.books, c.chats, c.sources]
     # Loading is one at a time: while another user's load runs, "queue: 2/3" shows on the status
     # (loading) or the metrics (answering) panel; "minimal" adds no overlay to streamed outputs.
     engine = dict(concurrency_id="engine", concurrency_limit=1, show_progress="minimal")
@@ -179,11 +185,13 @@ def _wire(app: App, demo: gr.Blocks, c: SimpleNamespace) -> None:
         button.click(question, source, c.msg, api_name=False).then(
             app.ask, [c.msg, c.chatbot, *c.settings], answering, api_name=False, **answer)
     c.edit.click(app.edit_last, None, [c.msg], api_name="edit_last")
-    gr.on([c.clear.click, c.chatbot.clear], app.clear, None, [c.chatbot, c.metrics, c.plot, c.books, c.chats],
-          api_name="clear", **instant)  # the chatbot's own trash button starts a new chat too
+    gr.on([c.clear.click, c.chatbot.clear], app.clear, None,
+          [c.chatbot, c.metrics, c.plot, c.books, c.chats, c.sources], api_name="clear",
+          **instant)  # the chatbot's own trash button starts a new chat too
     for button, fmt in ((c.export_md, "md"), (c.export_json, "json")):
         button.click(app.export_file, gr.State(fmt), c.export_file, api_name=False)
-    c.chats.input(app.open_chat, [c.chats], [c.chatbot, c.metrics], api_name="open_chat", **instant)
+    c.chats.input(app.open_chat, [c.chats], [c.chatbot, c.metrics, c.sources], api_name="open_chat", **instant)
+    book_view.wire(app, c)
     gr.api(app.export, api_name="export")
     gr.api(app.engine_counters, api_name="engine_counters")
     demo.load(app.show_library, None, [c.books, c.chats], api_name=False)

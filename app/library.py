@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from app.documents import Document, Section
 from app.snapshots import PARTIAL, SNAPSHOT, load_snapshot, model_fingerprint, save_snapshot, weights_sha256
+from app.sources import export_lines
 from app.storage import atomic_write, read_json, remove_temp_files, write_failure, write_json
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ def chat_markdown(chat: dict) -> str:
     """A chat (`BookSession.to_json()`) as Markdown for people."""
     lines = [f"# {chat.get('book', 'Chat')}", "", f"Exported {time.strftime('%Y-%m-%d %H:%M')}", ""]
     for turn in chat["turns"]:
-        lines += [f"**You:** {turn['question']}", "", turn["answer"], ""]
+        lines += [f"**You:** {turn['question']}", "", turn["answer"], "", *export_lines(turn)]
     return "\n".join(lines)
 
 

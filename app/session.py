@@ -17,12 +17,13 @@ from dataclasses import asdict, dataclass, field
 
 from app.documents import Document, Limits, Section, load_document
 from app.library import Library, model_fingerprint
+from app.sources import Quote, QuoteIndex, Source, find_passages, footer, with_passages
 from app.speeds import duration, time_left
 from app.storage import write_failure
 from app.tokens import TokenMap
 from engine import models
 from engine.chat import ChatFormat
-from engine.config import Cancelled, DocumentTooLong, EmptyPrompt, EngineConfig, SamplingConfig
+from engine.config import Cancelled, DocumentTooLong, EmptyPrompt, EngineConfig, EngineError, SamplingConfig
 from engine.loading import cache_root
 from engine.session import Engine, Session, Stats
 
@@ -84,6 +85,9 @@ class Turn:
     end: int = 0  # after the answer
     finish_reason: str | None = None  # "stop", "length", "cancelled"
     ids: list[int] = field(default_factory=list)  # tokens [start, end): restores the chat exactly
+    sources: list[dict] = field(default_factory=list)  # app.sources.Source.to_json(), best first
+    quotes: list[dict] = field(default_factory=list)  # app.sources.Quote.to_json() of the answer's quotes
+    reread: bool = False  # the sources were quoted after the question (app.sources.with_passages)
 
 
 @dataclass(frozen=True)
@@ -116,15 +120,26 @@ class BookSession:
         self.batcher = None  # engine.batch.Batcher: answers decoded together with other readers'
         self.n_read_before = 0  # tokens a stopped reading had kept, read on from when this book opened
         self.read_before_in: str | None = None  # or the title of another book they were read in
+        self.is_cut = False  # the text ends where "keep the first N tokens" cut the book
+        self._quotes: QuoteIndex | None = None  # built at the first answer
 
-
-    def ask(self, question: str, sampling: SamplingConfig, cancel=None) -> Iterator[Update]:
+    def ask(self, question: str, sampling: SamplingConfig, cancel=None, reread: bool = False) -> Iterator[Update]:
+        """Answer `question`; its sources are found first and, with `reread`, quoted after it."""
         if not (question := question.strip()):
             raise EmptyPrompt("question")
         s, last = self.session, self.turns[-1] if self.turns else None
         ended = last is not None and last.ids[-1:] == [self.chat.end_of_turn_id]
         q_ids = self.chat.question_ids(question, is_first=last is None, previous_answer_ended=ended)
-        turn, answer_ids = Turn(question, start=s.length, answer_start=s.length + len(q_ids)), []
+        sources = self.find_sources(q_ids)
+        while reread and sources:  # the passages leave room for the answer, or the last ones go
+            reread_ids = self.chat.question_ids(with_passages(question, sources), last is None, ended)
+            if s.length + len(reread_ids) + sampling.max_new_tokens < self.engine.max_context:
+                q_ids = reread_ids
+                break
+            sources = sources[:-1]
+        turn = Turn(question, start=s.length, answer_start=s.length + len(q_ids),
+                    sources=[x.to_json() for x in sources], reread=reread and bool(sources))
+        answer_ids = []
         if self.batcher is not None:
             events = self.batcher.ask(s, q_ids, sampling, cancel=cancel, stop_ids=self.chat.stop_ids)
         else:
@@ -139,18 +154,37 @@ class BookSession:
             if s.length >= turn.answer_start:  # the question is in: keep the (maybe partial) turn
                 turn.end, turn.ids = s.length, s.tokens[turn.start:s.length]
                 turn.answer, turn.finish_reason = self._decode(answer_ids), turn.finish_reason or "cancelled"
+                turn.quotes = [q.to_json() for q in self.quote_index().check(turn.answer)]
                 self.turns.append(turn)
                 self.autosave()
             else:  # failed or cancelled before the question got in: undo any partial prefill
                 s.truncate(turn.start)
 
-    def edit_last(self, question: str | None, sampling: SamplingConfig, cancel=None) -> Iterator[Update]:
+    def edit_last(self, question: str | None, sampling: SamplingConfig, cancel=None,
+                  reread: bool = False) -> Iterator[Update]:
         """Replace the last turn: the same question (regenerate) or an edited one."""
         if not self.turns:
             raise EmptyPrompt("chat (ask a question first)")
         last = self.turns.pop()
         self.session.truncate(last.start)
-        return self.ask(last.question if question is None else question, sampling, cancel)
+        return self.ask(last.question if question is None else question, sampling, cancel, reread)
+
+    def find_sources(self, q_ids: list[int]) -> list[Source]:
+        """The passages the question's attention goes to most (engine `Session.score_document`);
+        none from a remote engine, or when the question does not fit (asking then says why)."""
+        if not hasattr(self.session, "score_document"):  # app/remote.py: the server has the cache
+            return []
+        try:
+            ranges = self.session.score_document(q_ids, self.tokens.shift, self.doc_len)
+        except EngineError:
+            return []
+        chars = [(self.tokens.char(a), self.tokens.char(b), share) for a, b, share in ranges]
+        return find_passages(self.document, chars, is_cut=self.is_cut)
+
+    def quote_index(self) -> QuoteIndex:
+        if self._quotes is None or self._quotes.document is not self.document:
+            self._quotes = QuoteIndex(self.document)
+        return self._quotes
 
     def clear(self) -> None:
         """Start a new, empty chat; the old one stays in the library."""
@@ -170,7 +204,8 @@ class BookSession:
     def messages(self) -> list[dict]:
         """The chat for gr.Chatbot; a stopped answer says so."""
         return [m for t in self.turns for m in ({"role": "user", "content": t.question}, {
-            "role": "assistant", "content": t.answer + (" *(stopped)*" if t.finish_reason == "cancelled" else "")})]
+            "role": "assistant", "content": t.answer + (" *(stopped)*" if t.finish_reason == "cancelled" else "")
+            + _footer(t)})]
 
     def to_json(self) -> dict:
         title = self.turns[0].question[:60] if self.turns else "New chat"
@@ -206,6 +241,12 @@ class BookSession:
 
     def _decode(self, ids: list[int]) -> str:
         return self.engine.tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+def _footer(turn: Turn) -> str:
+    """The sources and checked quotes under an answer (a chat saved before them has none)."""
+    text = footer([Source.from_json(x) for x in turn.sources], [Quote.from_json(q) for q in turn.quotes])
+    return "\n\n" + text if text else ""
 
 
 def read_document(path: str, password: str | None, limits: Limits, engine: Engine, chat: ChatFormat,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from app import layout
+from app import book_view, layout
 from app.catalog import Catalog, render_found
 from app.cpu import CpuWatch, cpu_note
 from app.documents import Document, Limits, PasswordRequired, WrongPassword, chapters
@@ -317,6 +317,7 @@ class App:
         book.batcher = self.batcher
         how = self._timed(user, book, restored, time.perf_counter() - started)
         user.book, user.pending, user.editing, user.notice = book, part_of, False, None
+        book.is_cut = part_of is not None  # a part of a longer book: its sources say where it ends
         user.book_ids.add(book.book_id)
         user.titles[book.book_id] = book.document.title
         titles = [s.title for s in chapters(book.document)]
@@ -326,7 +327,7 @@ class App:
                      "tokens): what is read already is not read again.")
         yield {c.status: stages.set("Prefill", how, True) + "\n\nReady: ask a question." + note,
                c.cancel: gr.update(visible=False), c.password_row: gr.update(visible=False),
-               c.chatbot: asking(book.document.title), c.plot: render_plot([]),
+               c.chatbot: asking(book.document.title), c.plot: render_plot([]), c.sources: book_view.choices(None),
                c.metrics: render_metrics("ready", None, book, user.counters),
                c.reading: render_reading(book, None), c.title: f"### {book.document.title}",
                c.chapter: gr.update(choices=titles, value=titles[0] if titles else None, visible=bool(titles)),
@@ -401,25 +402,25 @@ class App:
     def ask(self, message: str, history: list, temperature: float, top_p: float, max_new_tokens: float,
             seed: float, levels: str, request: gr.Request, top_k: float | None = None, min_p: float | None = None,
             repetition_penalty: float | None = None, presence_penalty: float | None = None,
-            frequency_penalty: float | None = None):
+            frequency_penalty: float | None = None, reread: bool | None = None):
         """Answer `message` (or, after Edit, replace the last question with it); `history` is shown only.
         Sampling settings an API caller leaves out keep the model's defaults. (Gradio passes `request`
-        in its place, before the inputs that follow it.)"""
+        in its place, before the inputs that follow it.) `reread`: quote the sources after the question."""
         user = self.user(request)
         replace, user.editing = user.editing, False
         settings = (temperature, top_p, max_new_tokens, seed, levels, top_k, min_p, repetition_penalty,
-                    presence_penalty, frequency_penalty)
+                    presence_penalty, frequency_penalty, bool(reread))
         yield from self._answer(user, message, replace, settings)
 
     def regenerate(self, temperature: float, top_p: float, max_new_tokens: float, seed: float, levels: str,
                    request: gr.Request, top_k: float | None = None, min_p: float | None = None,
                    repetition_penalty: float | None = None, presence_penalty: float | None = None,
-                   frequency_penalty: float | None = None):
+                   frequency_penalty: float | None = None, reread: bool | None = None):
         book = self.user(request).book
         self.user(request).editing = True  # replace the last turn with a new answer to its question
         question = book.turns[-1].question if book and book.turns else ""
         yield from self.ask(question, [], temperature, top_p, max_new_tokens, seed, levels, request, top_k, min_p,
-                            repetition_penalty, presence_penalty, frequency_penalty)
+                            repetition_penalty, presence_penalty, frequency_penalty, reread)
 
     def sampling_config(self, settings: tuple) -> SamplingConfig:
         """The UI's settings by name; any left out keep the model's defaults (Engine.default_sampling)."""
@@ -449,7 +450,7 @@ class App:
             last_turn = book.turns[-1] if book.turns else None
             try:
                 drawn_at, reading = 0.0, None
-                for update in run(question, sampling, user.cancel):
+                for update in run(question, sampling, user.cancel, reread=settings[10]):
                     stats, reading = update.stats, update.reading or reading
                     points.append((stats.tbt_ms_last, stats.levels[-1].acceptance if stats.levels else 0.0))
                     state = {"cancelled": "stopped", "length": "done (length limit)"}.get(update.finish_reason, "done")
@@ -471,7 +472,7 @@ class App:
             state = f"error — {error}"
         if book.turns:
             user.chat_ids.add(book.chat_id)
-        yield {c.chatbot: book.messages(),
+        yield {c.chatbot: book.messages(), c.sources: book_view.choices(book),
                c.metrics: render_metrics(state, stats, book, user.counters, cpu_note(watch)),
                c.plot: render_plot(points), **self._library_view(user)}
 
@@ -488,7 +489,7 @@ class App:
         if user.book:
             user.book.clear()
         return {self.c.chatbot: [], self.c.metrics: render_metrics("ready", None, user.book, user.counters),
-                self.c.plot: render_plot([]), **self._library_view(user)}
+                self.c.plot: render_plot([]), self.c.sources: book_view.choices(None), **self._library_view(user)}
 
     def export(self, fmt: str, request: gr.Request) -> str:
         """The open chat as Markdown or JSON text ("" when no book is open)."""
@@ -526,7 +527,8 @@ class App:
             user.book.load_chat(self.library.load_chat(user.book.book_id, chat_id))
         except (TypeError, KeyError, ValueError) as error:
             return {c.metrics: render_metrics(f"That chat could not be opened ({error}).", None, None, user.counters)}
-        return {c.chatbot: user.book.messages(), c.metrics: render_metrics("ready", None, user.book, user.counters)}
+        return {c.chatbot: user.book.messages(), c.metrics: render_metrics("ready", None, user.book, user.counters),
+                c.sources: book_view.choices(user.book)}
 
     def engine_counters(self, request: gr.Request) -> dict:
         """This session's prefills (documents) and prefilled tokens (documents and questions)."""
