@@ -41,6 +41,7 @@ from engine.config import ModelConfig
 from engine.kv import KVCache
 
 R = TypeVar("R")
+ROW_BY_ROW = 16  # chain checks up to this many tokens on a windowed or soft-capped layer go row by row
 
 
 class QueryLog:
@@ -201,6 +202,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, cfg.is_gemma)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, cfg.is_gemma)
         self.is_sliding, self.softcap = is_sliding, cfg.attn_softcap
+        self.window = cfg.sliding_window
         self.scale = cfg.query_scale or cfg.head_dim ** -0.5
         # SDPA and the kernels scale by head_dim ** -0.5: a Gemma query is pre-scaled to its own scale
         self.q_factor = self.scale * cfg.head_dim ** 0.5
@@ -231,19 +233,30 @@ class Attention(nn.Module):
 
     def _attend(self, q, k, v, seg: Segment):  # q [B, H, T, D], k and v [B, Hkv, S, D] -> [B, H, T, D]
         """The configured kernel over the view, unless a sliding layer's window hides keys of it
-        (`Segment.window`: the keys sliced, a mask over the rest) or the scores are soft-capped."""
-        mask = seg.key_mask
-        if self.is_sliding and seg.window is not None:
+        (`Segment.window`: the keys sliced, a mask over the rest) or the scores are soft-capped.
+        A chain check on those paths runs row by row over each row's own keys: every row is then
+        what decoding its token alone computes, bit for bit (as the kernel's rows are)."""
+        mask, T = seg.key_mask, q.shape[2]
+        windowed = self.is_sliding and seg.window is not None
+        if windowed:
             start, mask = seg.window
             k, v = k[:, :, start:], v[:, :, start:]
+        if (self.softcap or mask is not None) and 1 < T <= ROW_BY_ROW and not seg.is_tree and seg.key_mask is None:
+            S, window = k.shape[2], self.window if windowed else None
+            bounds = [(0 if window is None else max(0, start + S - T + t - window + 1) - start, S - T + t + 1)
+                      for t in range(T)]
+            return torch.cat([self._attend_keys(q[:, :, t:t + 1], k[:, :, a:b], v[:, :, a:b], None, None)
+                              for t, (a, b) in enumerate(bounds)], dim=2)
+        return self._attend_keys(q, k, v, mask, seg.tail if T > 1 else None, seg.is_tree)
+
+    def _attend_keys(self, q, k, v, mask, tail, is_tree=False):
         if self.softcap:
-            has_tail = mask is None and seg.tail is not None and q.shape[2] > 1
-            return capped_attention(q, k, v, tail_mask(k.shape[2], seg.tail) if has_tail else mask, self.scale,
-                                    self.softcap)
+            mask = tail_mask(k.shape[2], tail) if mask is None and tail is not None else mask
+            return capped_attention(q, k, v, mask, self.scale, self.softcap)
         q = q if self.q_factor == 1 else q * self.q_factor
         if mask is not None:
             return masked_attention(q, k, v, mask)
-        return self.attend(q, k, v, seg.tail, seg.is_tree)
+        return self.attend(q, k, v, tail, is_tree)
 
 
 class MLP(nn.Module):

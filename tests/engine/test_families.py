@@ -188,3 +188,13 @@ def test_a_saved_folder_loads_to_transformers_logits(family, tmp_path):
     ids = torch.randint(0, 128, (1, 90), generator=torch.Generator().manual_seed(5))
     got = model(ids, torch.arange(90), cache_for(model, 96), n_logits=90)
     assert torch.allclose(got, hf(ids).logits, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["mistral-window", "gemma2", "gemma3"])
+@pytest.mark.parametrize("levels", ["selfspec>full", "ngram+draft>full", "draft>retrieval>full"])
+def test_bf16_greedy_equals_plain_past_the_window_with_the_cpu_kernels(levels, family):
+    """In bf16 a check's rows must round as decoding's do: a windowed (or soft-capped) layer's
+    check runs each row over its own keys (model.Attention._attend), not one masked call."""
+    doc, questions = random_ids(123, 1), [random_ids(n, 10 + n) for n in (5, 9, 3)]
+    plain = chat(tiny_engine("plain", family, dtype="bfloat16"), doc, questions)
+    assert chat(tiny_engine(levels, family, dtype="bfloat16"), doc, questions) == plain
