@@ -94,7 +94,10 @@ class ModelDrafter:
         for i in range(gamma):
             histories = draft_histories(self.tokens + drafted, Draft.chain([]), sampling)
             r = token_probs(logits.double()[None], histories, sampling)[0]
-            x = int(r.argmax()) if sampling.is_greedy else coins.sample(r)
+            # greedy too through `coins` (r is one-hot: its draw is the argmax): under tensor parallel
+            # rank 0 draws for every rank (parallel.SharedCoins), whose logits, summed in another
+            # order, could put another token first
+            x = coins.sample(r)
             drafted.append(x)
             probs.append(r)
             if i + 1 < gamma:

@@ -29,6 +29,7 @@ from engine.config import (
 )
 from engine.kv.full import FullCache
 from engine.kv.offload import OffloadCache
+from engine.model import run
 from engine.session import Engine, Session
 from tests.conftest import ours, tiny_hf
 from tests.engine.test_loading import word_tokenizer
@@ -320,3 +321,41 @@ def test_two_gloo_ranks_of_the_packaged_gguf_match_one_process():
         leader.close()
     assert (got_logits - want_logits).abs().max() <= 1e-3 * want_logits.abs().max()
     assert got_tokens == want_tokens and len(got_tokens) == 8
+
+
+def greedy_drafts_with_logits_that_differ_by_rank(ranks: parallel.Ranks) -> list[list[int]]:
+    """Every rank's greedy draft of a tiny model drafter whose logits differ by 2e-6 between the
+    ranks at a near-tie (tokens 5 and 7), as partial sums added in another order can."""
+    from engine.drafters.model import ModelDrafter
+    from engine.kv.streaming import StreamingCache
+    from engine.sampling import GeneratorCoins
+
+    model = ours(tiny_hf("llama")).float()
+    nudge = 1e-6 if dist.get_rank() == 0 else -1e-6
+
+    def near_tie(module, args, logits):
+        top = logits.amax(-1)
+        logits[..., 7], logits[..., 5] = top, top + nudge  # rank 0's argmax is 5, rank 1's is 7
+        return logits
+
+    model.lm_head.register_forward_hook(near_tie)
+    c = model.config
+    cache = StreamingCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, 4, 16, 24, model.rotate, torch.float32,
+                           torch.device("cpu"))
+    drafter = ModelDrafter(model, cache)
+    drafter.reset(random_ids(12, 128, 3))
+    coins = parallel.SharedCoins(GeneratorCoins(torch.Generator().manual_seed(0)))
+    draft = run(drafter.propose(4, SamplingConfig(), coins))  # greedy
+    return parallel.gathered(draft.tokens.tolist())
+
+
+@pytest.mark.timeout(180)
+def test_under_tensor_parallel_a_greedy_draft_is_the_same_on_every_rank():
+    """Issue 54 row 10: each rank took its own argmax, so ranks could feed different ids to their
+    next forwards (out of step); rank 0's draft is shared, as a sampled one already was."""
+    leader = parallel.start(functools.partial(tiny_rank_engine, "llama"), 2, torch.device("cpu"))
+    try:
+        first, second = leader.call(greedy_drafts_with_logits_that_differ_by_rank)
+    finally:
+        leader.close()
+    assert first == second and len(first) == 4 and first[0] == 5  # rank 0's near-tie pick
