@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from app import book_view
+from app import book_view, outline_ui
 from app.picker import NO_DRAFT, model_choices
 from app.views import Counters, render_metrics, render_plot, render_reading
 
@@ -118,6 +118,7 @@ def _centre(app: App, c: SimpleNamespace) -> None:
         c.export_json = gr.Button("Export .json", size="sm", elem_id="export-json")
     c.export_file = gr.File(label="Exported chat", visible=False, elem_id="export-file", interactive=False)
     book_view.add(c)  # the answer's sources, clickable, and the book view (app/book_view.py)
+    outline_ui.panel(app, c)  # the outline and book summary (app/outline_ui.py)
     d, levels = app.engine.default_sampling, app._levels()
     with gr.Accordion("Settings", open=False, elem_id="settings"):
         c.sampling_note = gr.Markdown(app._sampling_note(), elem_id="sampling-note")
@@ -192,6 +193,7 @@ def _wire(app: App, demo: gr.Blocks, c: SimpleNamespace) -> None:
         button.click(app.export_file, gr.State(fmt), c.export_file, api_name=False)
     c.chats.input(app.open_chat, [c.chats], [c.chatbot, c.metrics, c.sources], api_name="open_chat", **instant)
     book_view.wire(app, c)
+    outline_ui.wire(app, c)
     gr.api(app.export, api_name="export")
     gr.api(app.engine_counters, api_name="engine_counters")
     demo.load(app.show_library, None, [c.books, c.chats], api_name=False)

@@ -28,6 +28,7 @@ from app.cpu import CpuWatch, cpu_note
 from app.documents import Document, Limits, PasswordRequired, WrongPassword, chapters
 from app.layout import LONG_BOOKS_NOTE, LONG_BOOKS_YARN, NO_BOOK, asking
 from app.library import Library, book_id_of, chat_export_json, chat_markdown, model_fingerprint, write_export
+from app.outline_ui import Outlines
 from app.picker import NO_DRAFT, check_loadable, drafts, machine_of, suggested_draft
 from app.reading import ReadingStopped
 from app.server import say
@@ -87,6 +88,7 @@ class App:
         self.batcher = Batcher(max_active=max_open_books)
         self.jobs: set[threading.Thread] = set()  # readings and prefills under way (`close` waits for them)
         self.reading_ids: set[str] = set()  # books being read now: not removed meanwhile
+        self.outlines = Outlines(self)  # every reader's outline, made while the engine is idle (issue 56)
 
     def user(self, request: gr.Request) -> User:
         user = self.users.setdefault(request.session_hash or "none", User(username=request.username))
@@ -101,6 +103,7 @@ class App:
             self.users.pop(request.session_hash or "none", None)
             user.cancel.set()
             user.book = user.pending = None
+            self.outlines.forget(user)
 
     def _make_room(self, user: User) -> None:
         """Close the least recently used other books so at most `max_open_books` stay in memory."""
@@ -273,6 +276,8 @@ class App:
         c, stages = self.c, stages or Stages(prepared.document.title)
         estimate = self.prefill_estimate(len(prepared.doc_ids), self._n_read(user, prepared)) if prepared.fits else ""
         stages.set("Tokenize", prepared.fit_message() + estimate, is_done=prepared.fits)
+        if part_of is None:  # the whole book's outline, in the background (a part keeps it)
+            self.outlines.start(user, prepared.document)
         if prepared.fits:
             yield from self._open(user, prepared, stages, part_of)
             return
@@ -621,6 +626,7 @@ class App:
                    c.models: self.model_table()}
             return
         self.engine, self.chat = engine, PlainChatFormat(engine.tokenizer, end_ids=engine.end_ids)
+        self.outlines.use(engine)  # outlines under way stop and say so
         for other in self.users.values():
             other.book = other.pending = None
             other.notice = f"The model changed to {name}: open your book again from the library."
