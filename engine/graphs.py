@@ -8,13 +8,17 @@ a [1, S_max] key mask built from the slot. On CUDA with `use_cuda_graphs`, `Cuda
 captures it once and replays it; anywhere else nothing is built and the forwards go through the
 eager `Forward` path as before (the reference). Tests run the static step uncaptured on CPU
 (`force_static_steps`) against that path. Multi-token forwards and the full cache stay eager.
-The capture (`CudaGraphStep`) has never run on a GPU; see README "Running on GPUs".
+Each step is captured when it is built (with the level stack, `StaticDecodeStep`), never lazily
+on the thread that answers: a capture synchronises the device and its warm-up runs a forward, so
+every capture in the process holds `CAPTURE_LOCK`. The capture has never run on a GPU; see
+README "Running on GPUs".
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Callable
 
 import torch
@@ -27,6 +31,7 @@ log = logging.getLogger(__name__)
 # Tests set this to build the static steps on any device and run them uncaptured: the exact
 # check of the code CUDA captures (as nanochat's flash-attention override).
 force_static_steps = False
+CAPTURE_LOCK = threading.Lock()  # one capture at a time in the process (see the module doc)
 
 
 @functools.cache
@@ -54,6 +59,13 @@ class CudaGraphStep:
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor]] = {}
         self.pool = None  # one memory pool shared by every captured graph
 
+    def capture(self, *inputs: torch.Tensor) -> None:
+        """Capture the graph of `inputs`' signature now (their values only warm it up)."""
+        with torch.cuda.device(self.device):
+            key = tuple((t.shape, t.dtype) for t in inputs)
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(inputs)
+
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
         # streams, capture and replay belong to the current device: make it the step's (cuda:1
         # under cuda:0 as current would capture on the wrong device and replay stale outputs)
@@ -70,6 +82,10 @@ class CudaGraphStep:
             return static_output.clone()  # the static buffer is overwritten by the next replay
 
     def _capture(self, inputs):
+        with CAPTURE_LOCK:
+            return self._capture_alone(inputs)
+
+    def _capture_alone(self, inputs):
         static_inputs = [t.clone() for t in inputs]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -95,7 +111,10 @@ class StaticDecodeStep:
         self.model, self.cache = model, cache
         for t in (cache.k, cache.v):  # never-written slots may hold NaN, which a masked key's
             t[:, :, :, cache.length:].zero_()  # weight 0 does not cancel (0 * NaN); stale ones are finite
-        self.step = CudaGraphStep(self.forward, cache.k.device) if is_captured else self.forward
+        self.step = self.forward
+        if is_captured:  # now, with the stack: the cache's next slot takes the warm-up's K/V (stale, never read)
+            self.step = CudaGraphStep(self.forward, cache.k.device)
+            self.step.capture(*self._inputs(0, cache.length))
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, slot_idx: torch.Tensor) -> torch.Tensor:
         """ids: [1, 1]; pos: [1] absolute (RoPE); slot_idx: [1], the cache's length."""
@@ -107,10 +126,14 @@ class StaticDecodeStep:
     def __call__(self, token: int, pos: int) -> torch.Tensor:  # [1, 1, V]
         c = self.cache
         assert c.length < c.k.shape[3], f"no free slot: {c.length} of {c.k.shape[3]} used"
-        inputs = torch.tensor([token, pos, c.length], device=c.k.device)  # one host->device copy
-        logits = self.step(inputs[:1].view(1, 1), inputs[1:2], inputs[2:])
+        logits = self.step(*self._inputs(token, pos))
         c.advance(1)
         return logits
+
+    def _inputs(self, token: int, pos: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """ids [1, 1], pos [1], slot [1] (the cache's length), in one host->device copy."""
+        inputs = torch.tensor([token, pos, self.cache.length], device=self.cache.k.device)
+        return inputs[:1].view(1, 1), inputs[1:2], inputs[2:]
 
 
 def static_decode_step(model: Transformer, cache: SlotCache, use_cuda_graphs: bool) -> StaticDecodeStep | None:

@@ -14,14 +14,14 @@ This module names no concrete cache or drafter; the engine wires them (engine/se
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from engine.attention import is_tree_mask
 from engine.config import Cancelled, SamplingConfig
-from engine.device import now
 from engine.drafters import Drafter
 from engine.kv import KVCache
 from engine.model import Forward, QueryLog, Segment, Steps, Transformer
@@ -202,21 +202,32 @@ class Scorer:
             self.cache.keep_tail(start, torch.tensor(path))
 
 
+def on_host(q: torch.Tensor, draft: Draft) -> tuple[torch.Tensor, Draft]:
+    """q ([N+1, V]) and the draft's r ([N, V], if any) in host memory, in one copy: `verify` reads
+    a number of them per draft node, each a device sync if they stayed on a GPU."""
+    if draft.probs is None or (q.device.type == "cpu" and draft.probs.device.type == "cpu"):
+        return q.cpu(), draft  # (on a CPU: no copy at all)
+    both = torch.cat([q, draft.probs.to(q.device, q.dtype)]).cpu()  # [N+1 + N, V]
+    return both[:q.shape[0]], replace(draft, probs=both[q.shape[0]:])
+
+
 def check(scorer: Scorer, drafter: Drafter | None, gamma: int, tuner: GammaTuner, stats: LevelStats,
           pending: list[int], tokens: list[int], sampling: SamplingConfig, coins: Coins
           ) -> Steps[tuple[Draft, Verdict, torch.Tensor, float]]:
     """One round of a checking level: `drafter` proposes up to `gamma` tokens after `tokens`;
     the scorer scores them after `pending` (the tokens of `tokens` its cache lacks), `verify`
     accepts a prefix and the cache keeps its KV; the tuner and the counters take the timings.
-    Returns the draft, the verdict, q ([N+1, V]) and the drafter's seconds."""
-    device = scorer.model.lm_head.weight.device
-    t0 = now(device)
+    Returns the draft, the verdict, q ([N+1, V], on the host) and the drafter's seconds.
+    One device sync: the copy of q to the host, which waits for the scorer's forward. The clock
+    needs none: a proposal ends in host values too (its tokens), and so did the last check."""
+    t0 = time.perf_counter()
     draft = (yield from drafter.propose(gamma, sampling, coins)) if drafter else EMPTY_DRAFT
-    t1 = now(device)
+    t1 = time.perf_counter()
     q = yield from scorer.score(pending, len(tokens) - len(pending), draft, sampling, tokens)
+    q, draft = on_host(q, draft)
     verdict = verify(q, draft, coins)
     scorer.keep(len(draft), verdict.path)
-    t2 = now(device)
+    t2 = time.perf_counter()
     tuner.observe(len(draft), t1 - t0, verdict, len(pending) + len(draft), t2 - t1)
     stats.record(verdict, t2 - t1)
     return draft, verdict, q, t1 - t0

@@ -405,3 +405,47 @@ def test_plain_repetition_penalty_over_the_whole_prompt_equals_hugging_face_gene
     hf = tiny_hf("llama").generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
                                    min_new_tokens=12, do_sample=False, repetition_penalty=1.6, pad_token_id=0)
     assert hf[0, len(doc) + len(q):].tolist() == ours
+
+
+class OnDevice(torch.Tensor):
+    """Marks what a model returns as living on a GPU: every read of such a tensor from the host
+    (and each op's result is one too) is recorded, as a device sync would be."""
+
+    HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy,
+                  torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.__index__}
+    reads: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in cls.HOST_READS:
+            cls.reads.append(func.__name__)
+            plain = [a.as_subclass(torch.Tensor) if isinstance(a, OnDevice) else a for a in args]
+            return func(*plain, **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(max_new_tokens=24),
+                                      SamplingConfig(temperature=0.8, top_k=50, max_new_tokens=24, seed=2)],
+                         ids=["greedy", "sampled"])
+def test_a_check_syncs_the_device_once(monkeypatch, sampling):
+    """Issue 54 row 9: a check synchronised the device three times for its clock and read q from
+    it once per draft node (and once more for the residual's draw); now its one sync is the copy
+    of q (and a sampled draft's r) to the host that verify reads. Counted on a CPU run: the
+    model's logits are marked as on a device, and the clock's syncs are spied on."""
+    from engine import device as device_module
+    from engine.model import Transformer
+
+    forward_packed = Transformer.forward_packed
+    monkeypatch.setattr(Transformer, "forward_packed",
+                        lambda self, segments: [t.as_subclass(OnDevice) for t in forward_packed(self, segments)])
+    clock_syncs = []
+    monkeypatch.setattr(device_module, "sync", lambda device: clock_syncs.append(
+        __import__("sys")._getframe(2).f_globals["__name__"]))  # who asked for the time
+    engine = tiny_engine("ngram>retrieval>full", gamma_bottom=3, gamma_middle=3)
+    session = engine.open(random_ids(30, 128, 7) * 3)
+    OnDevice.reads = []
+    events = list(session.ask(random_ids(4, 128, 4), sampling))
+    n_checks = sum(s.n_checks for s in events[-1].stats.levels)
+    assert n_checks > len(events) > 3  # the middle level checked too
+    assert OnDevice.reads == ["cpu"] * n_checks
+    assert "engine.speculative" not in clock_syncs  # the session's clock: twice a step, not per check

@@ -248,3 +248,37 @@ def test_cuda_graphs_capture_and_replay_on_their_own_device(monkeypatch):
     assert ("replay", "cuda:1") in fake.calls and ("capture", "cuda:1") in fake.calls
     assert all(device == "cuda:1" for _, device in fake.calls), fake.calls
     assert fake.current == "cuda:0"  # restored after each call
+
+
+def test_steps_are_captured_when_the_stack_is_built_one_at_a_time(monkeypatch):
+    """Issue 54 row 7: the capture ran lazily, at a step's first call on the thread answering,
+    while other threads prefilled (a capture synchronises the device). Now each static step is
+    captured with the stack, under one process-wide lock; answering only replays, and the answer
+    is the eager one. (torch.cuda is faked: FakeCuda's graphs replay their step for real.)"""
+    fake, locked_at_capture = FakeCuda(), []
+    for name in ("device", "Stream", "current_stream", "stream", "CUDAGraph", "graph"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, **kw: locked_at_capture.append(graphs.CAPTURE_LOCK.locked())
+                        or fake.graph(g, **kw))
+
+    def cuda_graph():  # a real replay writes the captured output's memory; the fake's copy_ needs this mode
+        g = fake.CUDAGraph()
+        replay = g.replay
+        g.replay = torch.inference_mode()(replay)
+        return g
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", cuda_graph)
+    init = graphs.CudaGraphStep.__init__
+    monkeypatch.setattr(graphs.CudaGraphStep, "__init__",
+                        lambda self, step, device, **kw: init(self, fake.captured(step), device, **kw))
+    monkeypatch.setattr(graphs, "graphs_available", lambda device, use_cuda_graphs: use_cuda_graphs)
+    sampling, doc, question = SamplingConfig(max_new_tokens=16), random_ids(60, 128, 3) * 2, random_ids(4, 128, 4)
+    want = [t for e in tiny_engine("ngram>retrieval>full").open(doc).ask(question, sampling) for t in e.tokens]
+    engine = tiny_engine("ngram>retrieval>full")
+    engine.uses_cuda_graphs = True  # as on a CUDA device with use_cuda_graphs
+    session = engine.open(doc)
+    n_captures = [what for what, _ in fake.calls].count("capture")
+    assert n_captures == 1 and locked_at_capture == [True]  # the middle level's step, with the stack
+    got = [t for e in session.ask(question, sampling) for t in e.tokens]
+    assert got == want
+    assert [what for what, _ in fake.calls].count("capture") == 1  # answering replays only
+    assert [what for what, _ in fake.calls].count("replay") > 0
