@@ -436,6 +436,74 @@ def engine_today(hardware: Hardware = RTX4090_X2_X8, acceptances=ENGINE_RETRIEVA
     return rows
 
 
+def prefill_s(hw: Hardware, cfg: ModelConfig, n_tokens: int, chunk_tokens: int,
+              n_resident_kv_layers: int | None = None, dtype_bytes: int = 2) -> float:
+    """Predicted seconds to prefill `n_tokens` in chunks (engine/session.py `prefill_steps`), one
+    rank of `hw`. A chunk is compute-bound (its linears and its causal attention at the roofline,
+    which real GEMMs and flash-attn reach only in part: optimistic); each offloaded layer also
+    copies its filled prefix over PCIe while the previous layer computes (kv/offload.py), and
+    writes its new entries back."""
+    n_ranks = hw.n_gpus
+    layer_params = (weight_bytes(cfg, dtype_bytes, n_ranks) - weight_bytes(replace(cfg, n_layers=0), dtype_bytes)
+                    ) / cfg.n_layers / dtype_bytes
+    kv_token_layer = cfg.kv_bytes_per_token(dtype_bytes) / cfg.n_layers / n_ranks
+    n_resident = cfg.n_layers if n_resident_kv_layers is None else n_resident_kv_layers
+    total_s = 0.0
+    for start in range(0, n_tokens, chunk_tokens):
+        T = min(chunk_tokens, n_tokens - start)
+        attention_flops = 4 * T * (start + T / 2) * cfg.n_heads * cfg.head_dim / n_ranks
+        compute_s = (2 * T * layer_params + attention_flops) / hw.peak_flops
+        copy_s = (start + T) * kv_token_layer / hw.transfer_bytes_per_s  # prefix in, new entries out
+        layers_s = n_resident * compute_s + (cfg.n_layers - n_resident) * max(compute_s, copy_s)
+        total_s += layers_s + 1e-3 * _overhead_ms(hw, cfg.n_layers, n_ranks > 1)
+    return total_s
+
+
+QWEN25_7B = ModelConfig(28, 3584, 28, 4, 128, 18944, 152064, 1e-6, True, False, 131072)  # YaRN x4
+QWEN25_05B = ModelConfig(24, 896, 14, 2, 64, 4864, 151936, 1e-6, True, True, 32768)
+# The mission (issue 54): a 7-8B model over a book on one or two 4090s, KV offloaded, flash-attn
+# prefill in 8192-token chunks (engine/session.py OFFLOAD_PREFILL_CHUNK_TOKENS, no [T, S] masks).
+MISSION_PAIRS = (("Llama-3.1-8B + Llama-3.2-1B", LLAMA31_8B, LLAMA32_1B),
+                 ("Qwen2.5-7B (YaRN) + Qwen2.5-0.5B", QWEN25_7B, QWEN25_05B))
+MISSION_CHUNK_TOKENS = 8192
+MISSION_RATES = AcceptanceRates(retrieval_full=0.9, draft_retrieval=0.6)  # inputs, assumed (see above)
+
+
+def mission_setup(hw: Hardware, target: ModelConfig, draft: ModelConfig, n_tokens: int, budget: int) -> Setup:
+    """What the engine's planner keeps resident for this pair (flash-attn prefill, the engine's
+    own draft cache and logits rows), as a cost-model `Setup`."""
+    gpus = [DeviceBudget(f"cuda:{i}", hw.gpu_memory_bytes - CUDA_CONTEXT_BYTES, "cuda") for i in range(hw.n_gpus)]
+    plan = plan_memory(target, n_tokens, gpus + [DeviceBudget("cpu", HOST_MEMORY_BYTES, "cpu")], draft=draft,
+                       retrieval_budget_tokens=budget, prefill_chunk_tokens=MISSION_CHUNK_TOKENS,
+                       has_tail_masks=False)
+    return Setup(hw, target, n_tokens, draft, budget, STREAMING_CACHE_TOKENS,
+                 plan.n_resident_kv_layers if plan.is_offloaded else None, MISSION_RATES)
+
+
+def mission_rows(budgets=(1024, 4096), max_gammas=(EngineConfig.max_gamma, 16)) -> list[dict]:
+    """Predicted TBT of plain decoding and of draft>retrieval>full (best draft lengths up to each
+    cap, the engine's overheads added), and the prefill time, for the README's GPU section."""
+    rows = []
+    for hw in (RTX4090, RTX4090_X2):
+        for label, target, draft in MISSION_PAIRS:
+            for n_tokens in (32768, 131072):
+                plain_setup = mission_setup(hw, target, draft, n_tokens, 0)
+                plain = stack_tbt_ms(plain_setup, "plain", 1, 1)
+                for budget in budgets:
+                    setup = mission_setup(hw, target, draft, n_tokens, budget)
+                    for max_gamma in max_gammas:
+                        gb, gm, tbt = best_gammas(setup, "draft>retrieval>full", max_gamma)
+                        tbt += engine_overheads_ms(setup, gm, 256)
+                        rows.append({"hardware": hw.name, "pair": label, "n_tokens": n_tokens,
+                                     "retrieval_budget_tokens": budget, "max_gamma": max_gamma,
+                                     "resident_kv_layers": setup.n_resident_kv_layers,
+                                     "plain_tbt_ms": round(plain, 1), "stack_tbt_ms": round(tbt, 1),
+                                     "gammas": f"{gb}/{gm}", "speedup": round(plain / tbt, 2),
+                                     "prefill_s": round(prefill_s(hw, target, n_tokens, MISSION_CHUNK_TOKENS,
+                                                                  setup.n_resident_kv_layers), 1)})
+    return rows
+
+
 def main() -> None:
     reproduction, predictions = reproduce_triforce(), predict_stacks()
     print("GPU cost model -- PREDICTIONS, NOT MEASUREMENTS\n")
@@ -470,6 +538,14 @@ def main() -> None:
         print(f"{r['config'] + link:58} {r['retrieval_acceptance_input']:9.2f} "
               f"{str(r['gamma_bottom']) + '/' + str(r['gamma_middle']):>7} {r['predicted_tbt_ms']:8.1f} "
               f"{r['plain_tbt_ms']:8.1f} {r['speedup']:7.2f}x")
+    mission = mission_rows()
+    print(f"\n{'mission (flash-attn prefill, KV offloaded where needed)':58} {'tokens':>7} {'budget':>6} "
+          f"{'gamma<=':>7} {'resident':>8} {'plain ms':>8} {'stack ms':>8} {'speedup':>8} {'prefill s':>9}")
+    for r in mission:
+        resident = "all" if r["resident_kv_layers"] is None else str(r["resident_kv_layers"])
+        print(f"{r['hardware'] + ', ' + r['pair']:58} {r['n_tokens']:7} {r['retrieval_budget_tokens']:6} "
+              f"{r['max_gamma']:7} {resident:>8} {r['plain_tbt_ms']:8.1f} {r['stack_tbt_ms']:8.1f} "
+              f"{r['speedup']:7.2f}x {r['prefill_s']:9.1f}")
     RESULTS_PATH.parent.mkdir(parents=True, exist_ok=True)
     RESULTS_PATH.write_text(json.dumps({
         "note": "predictions from benchmarks/cost_model.py, not measurements",
@@ -478,7 +554,8 @@ def main() -> None:
         "acceptance_rates": asdict(AcceptanceRates()),
         "acceptance_rates_are": "inputs (assumed), not predictions: the TriForce rows cannot fail on them",
         "reproduction": reproduction, "engine_today": today,
-        "outside_bound": [on_chip], "sensitivity": sensitivity(), "predictions": predictions},
+        "outside_bound": [on_chip], "sensitivity": sensitivity(), "predictions": predictions,
+        "mission": mission},
         indent=1))
     print(f"\nwrote {RESULTS_PATH}")
 

@@ -248,6 +248,10 @@ class EngineConfig:
     gamma_middle: int | None = None
     max_gamma: int = 8  # upper bound for adaptive draft lengths
     offload_kv: bool = False  # full cache in host memory, streamed to the GPU per layer (kv/offload.py)
+    # ... with offload_kv (`gamma_limit`): a top step then waits on PCIe for every offloaded
+    # layer, so longer drafts pay, as TriForce's 16 (benchmarks/cost_model.py `mission_rows`).
+    # The retrieval budget stays: its gain is acceptance, which the cost model takes as an input
+    offload_max_gamma: int = 16
     resident_kv_layers: int | None = None  # with offload_kv: first layers kept on the GPU; None: planner
     n_gpus: int = 1  # tensor-parallel ranks (engine/parallel.py); 1 runs in this process
     use_flash_attn: bool = True  # on CUDA when installed; torch SDPA otherwise (exact either way)
@@ -260,6 +264,11 @@ class EngineConfig:
     # `quick_view`): lossy, which costs only acceptance, as the top's check stays exact. Off: exact
     quick_drafts: bool = True
 
+    @property
+    def gamma_limit(self) -> int:
+        """The upper bound of adaptive draft lengths this configuration runs with."""
+        return self.offload_max_gamma if self.offload_kv else self.max_gamma
+
     def __post_init__(self):
         if self.draft in ("auto", "none", ""):
             object.__setattr__(self, "draft", PAIRED_DRAFTS.get(self.target) if self.draft == "auto" else None)
@@ -271,8 +280,8 @@ class EngineConfig:
         if not 1 <= self.yarn_factor <= 8:
             raise ValueError(f"yarn_factor={self.yarn_factor}: 1 (off) to 8 (4 gives Qwen2.5 131,072 tokens)")
         Levels.parse(self.levels).check_draft(self.draft)
-        if self.prefill_chunk_tokens < 1 or self.max_gamma < 1:
-            raise ValueError("prefill_chunk_tokens and max_gamma must be at least 1")
+        if self.prefill_chunk_tokens < 1 or self.max_gamma < 1 or self.offload_max_gamma < 1:
+            raise ValueError("prefill_chunk_tokens, max_gamma and offload_max_gamma must be at least 1")
         if self.n_gpus < 1 or (self.resident_kv_layers or 0) < 0:
             raise ValueError(f"n_gpus={self.n_gpus} must be at least 1 and resident_kv_layers="
                              f"{self.resident_kv_layers} at least 0")

@@ -226,7 +226,7 @@ class Engine:
         r = self.config.retrieval
         work = Workload(self.dtype.itemsize, self.draft and self.draft.config, r.budget_tokens, r,
                         self.prefill_chunk_tokens, offload_allowed=offload_allowed,
-                        has_tail_masks=self.attend is not flash_attention, n_logit_rows=self.config.max_gamma + 1)
+                        has_tail_masks=self.attend is not flash_attention, n_logit_rows=self.config.gamma_limit + 1)
         return resident_kv_layers(whole, capacity, gpus, host, work)
 
     def prefill(self, cache: FullCache, ids: list[int], query_log: QueryLog | None,
@@ -289,13 +289,13 @@ class Engine:
         cfg, c, levels = self.config, self.target.config, Levels.parse(name)
         levels.check_draft(self.has_draft)
         share = parallel.shared if cfg.n_gpus > 1 else None  # every rank tunes as rank 0 does
-        tuner = functools.partial(GammaTuner, max_gamma=cfg.max_gamma, share=share)
+        tuner = functools.partial(GammaTuner, max_gamma=cfg.gamma_limit, share=share)
         stats = [LevelStats(name) for name in levels.names if name in ("retrieval", "full")]  # checking levels
         bottom = self._bottom_drafter(levels.bottom) if levels.bottom else None
         retrieval, drafter = None, bottom
         if levels.has_retrieval:
             r = cfg.retrieval
-            scratch = 2 + cfg.max_gamma * (cfg.n_ngram_candidates + 1)
+            scratch = 2 + cfg.gamma_limit * (cfg.n_ngram_candidates + 1)
             retrieval = RetrievalCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, r.budget_tokens, r.sink_tokens,
                                        r.window_tokens, r.chunk_tokens, scratch, self.dtype, self.device)
             model = self.drafting(self.target)
@@ -327,7 +327,7 @@ class Engine:
         model = self.drafting(self.draft if name == "draft" else self.target)
         c = model.config
         cache = StreamingCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, cfg.streaming_sink_tokens,
-                               cfg.streaming_window_tokens, cfg.prefill_chunk_tokens + cfg.max_gamma,
+                               cfg.streaming_window_tokens, cfg.prefill_chunk_tokens + cfg.gamma_limit,
                                model.rotate, self.dtype, self.device)
         return ModelDrafter(model, cache, static_decode_step(model, cache, self.uses_cuda_graphs))
 

@@ -312,3 +312,13 @@ def test_refused_pinned_memory_falls_back_to_pageable_and_says_so(monkeypatch):
     assert n_refused[0] == 1 and session.full.host_memory == "pageable" and not session.full.is_pinned
     assert [t for e in events for t in e.tokens] == want
     assert events[-1].stats.kv_host_memory == "pageable"
+
+
+def test_an_offloaded_engine_drafts_longer():
+    """Issue 54, the offloaded case's defaults: a top step waits on PCIe, so the adaptive draft
+    lengths may grow to offload_max_gamma (TriForce's 16) instead of max_gamma."""
+    on_chip, offloaded = tiny_engine("ngram>retrieval>full"), tiny_engine("ngram>retrieval>full", offload_kv=True)
+    assert on_chip.config.gamma_limit == on_chip.config.max_gamma == 8
+    assert offloaded.config.gamma_limit == offloaded.config.offload_max_gamma == 16
+    session = offloaded.open(doc_with_repeats())
+    assert session.stack.tuner.max_gamma == 16 and on_chip.open(doc_with_repeats()).stack.tuner.max_gamma == 8
