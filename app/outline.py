@@ -82,7 +82,7 @@ def split_book(document: Document, n_tokens: Callable[[str], int], max_part_toke
     for i, section in enumerate(found):
         start = section.start_char
         end = found[i + 1].start_char if i + 1 < len(found) else len(text)
-        if start >= len(text):
+        if start > len(text):
             parts.append(Part(section.title, len(text), len(text), "the table of contents points past the text"))
         elif not text[start:end].strip() or end <= start:
             parts.append(Part(section.title, start, start, "empty"))

@@ -108,12 +108,12 @@ class Outlines:
         left = worker.seconds_left(outline)
         eta = f" · about {duration(left)} left (at the rate measured here)" if left else \
             " · the time left shows after the first part"
-        is_mine = any(run.outline is outline for run in worker.runs.values())
-        if is_mine and self._readers_first():
+        if self._readers_first():
             return head + eta + " · paused: a reader's question or a book being read goes first."
         if n_done == n_rows:
             return head + " · now the book summary, from the chapter summaries …"
-        return head + eta + ("" if is_mine else " · waiting for another reader's outline")
+        is_behind = worker.runs and not any(run.outline is outline for run in worker.runs.values())
+        return head + eta + (" · after another reader's outline" if is_behind else "")
 
     def cancel(self, request: gr.Request):
         outline = self.by_user.get(id(self.app.user(request)))
