@@ -214,7 +214,49 @@ def gguf_family(arch: str, fields: dict) -> str:
 GGUF_KNOWN_KEYS = {"context_length", "embedding_length", "block_count", "feed_forward_length", "vocab_size",
                    "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
                    "rope.freq_base", "rope.dimension_count", "attention.key_length", "attention.value_length",
-                   "attention.sliding_window"}
+                   "attention.sliding_window", "attention.sliding_window_pattern", "attn_logit_softcapping",
+                   "final_logit_softcapping", "rope.freq_base_swa", "rope.scaling.original_context_length",
+                   "rope.scaling.attn_factor"}
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}  # llama.cpp's 27B: queries scaled by dim / heads, not head_dim
+
+
+def fix_gguf_config(hf, reader) -> None:
+    """Set the config fields transformers' GGUF reader leaves at the class defaults from the file's
+    own keys and tensors, by llama.cpp's rules (its forward is what the file was made for)."""
+    fields = {name: _field(reader, name) for name in reader.fields}
+    arch, family = fields["general.architecture"], hf.model_type
+
+    def get(key: str, default=None):
+        value = fields.get(f"{arch}.{key}")
+        return default if value is None else value
+
+    if get("attention.key_length") is not None:  # transformers maps it for Gemma only
+        if get("attention.value_length", get("attention.key_length")) != get("attention.key_length"):
+            raise UnsupportedModel(f"A GGUF of architecture {arch!r}", "its keys and values differ in length")
+        hf.head_dim = get("attention.key_length")
+    if family in ("llama", "mistral", "phi3"):  # transformers names a Mistral only if general.name is "mistral"
+        hf.sliding_window = get("attention.sliding_window") or None  # llama.cpp: no key, no window
+    if family in GEMMAS:
+        is_27b = hf.num_hidden_layers == GEMMA_27B_LAYERS[family]
+        hf.query_pre_attn_scalar = hf.hidden_size // hf.num_attention_heads if is_27b else hf.head_dim
+        pattern = reader.fields.get(f"{arch}.attention.sliding_window_pattern")
+        if pattern is not None and pattern.types[-1].name == "BOOL":
+            hf.layer_types = ["sliding_attention" if swa else "full_attention" for swa in pattern.contents()]
+    if family == "gemma2":
+        hf.attn_logit_softcapping = get("attn_logit_softcapping", 50.0)
+        hf.final_logit_softcapping = get("final_logit_softcapping", 30.0)
+    if family == "gemma3_text" and get("rope.freq_base_swa") is not None:
+        hf.rope_parameters["sliding_attention"]["rope_theta"] = get("rope.freq_base_swa")
+    factors = {t.name: t.data.tolist() for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if family == "phi3" and factors:
+        original = get("rope.scaling.original_context_length")
+        hf.rope_parameters = {**hf.rope_parameters, "rope_type": "longrope",
+                              "long_factor": factors["rope_factors_long.weight"],
+                              "short_factor": factors["rope_factors_short.weight"],
+                              "original_max_position_embeddings": original}
+        if get("rope.scaling.attn_factor") is not None:
+            hf.rope_parameters["attention_factor"] = get("rope.scaling.attn_factor")
+        hf.original_max_position_embeddings = original
 
 
 def check_gguf(path: Path, fields: dict, tensors, family: str) -> tuple[str, ...]:
@@ -223,14 +265,15 @@ def check_gguf(path: Path, fields: dict, tensors, family: str) -> tuple[str, ...
     cannot dequantize. Returns the block types that load dequantized (not kept as blocks)."""
     from gguf.quants import _type_traits
 
-    from engine.quant import KERNEL_TYPES, gguf_tensor_name
+    from engine.quant import KERNEL_TYPES, ROPE_FACTOR_TENSORS, gguf_tensor_name
 
     arch, what = str(fields["general.architecture"]), f"The GGUF {path.name} ({family})"
     for key in fields:
         if key.startswith(f"{arch}.") and key.removeprefix(f"{arch}.") not in GGUF_KNOWN_KEYS:
             raise UnsupportedModel(what, f"its metadata {key}={fields[key]!r} is not one the loader handles")
     for t in tensors:
-        if gguf_tensor_name(t.name, family) is None:
+        is_rope_factors = family == "phi3" and t.name in ROPE_FACTOR_TENSORS
+        if gguf_tensor_name(t.name, family) is None and not is_rope_factors:
             raise UnsupportedModel(what, f"its tensor {t.name} would go unused")
     plain = ("F32", "F16", "BF16")
     types = {t.tensor_type for t in tensors}

@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import EngineError, ModelConfig, ModelNotFound, TokenizerMismatch
-from engine.families import check_hf_config, check_tensor_names, refuse_unsupported
+from engine.families import check_hf_config, check_tensor_names, fix_gguf_config, refuse_unsupported
 
 COMPLETE_MARKER = ".bookchat-complete"  # written last: a folder without it is half-converted
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -136,14 +136,18 @@ def convert_gguf(gguf_path: Path, out_dir: Path | None = None, sha256: str | Non
 
 
 def _save_hf_folder(gguf_path: Path, out_dir: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from gguf import GGUFReader
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     where, name = gguf_path.parent, gguf_path.name
     refuse_unsupported(gguf_path)  # before transformers reads (and drops) what it does not know
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)  # a local file: no network
+        config = AutoConfig.from_pretrained(where, gguf_file=name, local_files_only=True)
+        fix_gguf_config(config, GGUFReader(gguf_path))  # what transformers' reader leaves at the defaults
+        check_hf_config(config)
         model = AutoModelForCausalLM.from_pretrained(
-            where, gguf_file=name, dtype=torch.bfloat16, local_files_only=True
+            where, gguf_file=name, config=config, dtype=torch.bfloat16, local_files_only=True
         )
     except (ValueError, KeyError, OSError) as error:
         raise EngineError(f"transformers could not read {gguf_path} as a GGUF model: {error}") from error

@@ -394,7 +394,7 @@ class Transformer(nn.Module):
         rotary = self.model.rotary_emb
         if not self.config.has_local_rope:
             return [rotary(x, pos)] * self.config.n_layers
-        tables = {kind: rotary(x, pos, kind) for kind in ("full_attention", "sliding_attention")}
+        tables = {kind: rotary(x, pos, kind) for kind in rotary.layer_types}  # the kinds the layers have
         return [tables["sliding_attention" if s else "full_attention"] for s in self.config.sliding_layers]
 
     def rotate(self, k: torch.Tensor, delta: int) -> torch.Tensor:

@@ -196,7 +196,7 @@ def gguf_header_dir(gguf_path: Path, sha256: str) -> Path:
     """A small folder read once from the GGUF and cached under the file's sha256: the Hugging Face
     config and tokenizer (chat template included) by transformers, and `tensors.json`, where
     each tensor's bytes lie, so later loads map the file without parsing its metadata again."""
-    from engine.families import refuse_unsupported
+    from engine.families import check_hf_config, fix_gguf_config, refuse_unsupported
     from engine.loading import cache_root, complete_folder, is_complete
 
     out_dir = cache_root() / "models" / f"{gguf_path.stem}-{sha256[:16]}-header"
@@ -211,11 +211,14 @@ def gguf_header_dir(gguf_path: Path, sha256: str) -> Path:
     try:
         config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        reader = GGUFReader(gguf_path)
         tensors = [{"name": t.name, "type": int(t.tensor_type), "offset": int(t.data_offset),
                     "n_bytes": int(t.n_bytes), "shape": list(t.data.shape), "dtype": t.data.dtype.str}
-                   for t in GGUFReader(gguf_path).tensors]
-    except (ValueError, KeyError, OSError) as error:
+                   for t in reader.tensors]
+    except Exception as error:  # tokenizers raises a plain Exception for a vocabulary it cannot build
         raise EngineError(f"transformers could not read {gguf_path} as a GGUF model: {error}") from error
+    fix_gguf_config(config, reader)  # what transformers' reader leaves at the defaults, from the file's keys
+    check_hf_config(config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     with complete_folder(out_dir, {"gguf": str(gguf_path), "sha256": sha256}) as tmp_dir:
@@ -235,6 +238,9 @@ _FAMILY_MODULES = {
               "post_ffw_norm": "post_feedforward_layernorm"},
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
+
+
+ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's LongRoPE
 
 
 def gguf_tensor_name(gguf_name: str, family: str) -> str | None:
@@ -284,6 +290,8 @@ def read_gguf_tensors(gguf_path: Path, header: Path, hf_config,
     n_kv_heads = getattr(hf_config, "num_key_value_heads", None) or n_heads
     tensors = {}
     for t in json.loads((header / "tensors.json").read_text()):
+        if t["name"] in ROPE_FACTOR_TENSORS:  # read into the config (families.fix_gguf_config)
+            continue
         name, qtype = _hf_name(t["name"], family), t["type"]
         data = file[t["offset"]:t["offset"] + t["n_bytes"]].view(np.dtype(t["dtype"])).reshape(t["shape"])
         keeps_blocks = qtype in KERNEL_TYPES
@@ -306,7 +314,8 @@ def load_quantized_model(gguf_path: Path, sha256: str | None = None, dtype: torc
     (float32 or bfloat16) is the model's: of its activations, norms, attention and KV cache; the
     linears multiply in float32 whatever it is. The LM head returns float32 logits, as wide as
     its kernel computes them (a bf16 model's would be rounded to 8 bits of mantissa: ties)."""
-    from engine.loading import file_sha256, finish_model, load_tokenizer, meta_model
+    from engine.families import check_tensor_names
+    from engine.loading import file_sha256, finish_model, load_tokenizer, meta_model, parameter_names, split_fused
 
     kernel = cpu_quant_kernel()
     header = gguf_header_dir(gguf_path, sha256 or file_sha256(gguf_path))
@@ -315,7 +324,9 @@ def load_quantized_model(gguf_path: Path, sha256: str | None = None, dtype: torc
     # a bf16 model on a CPU with BF16 dot products decodes Q5_0, Q4_K and Q6_K from interleaved copies
     # made here; their blocks in the file's order (for prefill, int8 drafts) stay pages of the file
     interleaves = dtype == torch.bfloat16 and kernel.uses_bf16_dots()
-    tensors = read_gguf_tensors(gguf_path, header, hf_config, INTERLEAVED_TYPES if interleaves else ())
+    tensors = split_fused(read_gguf_tensors(gguf_path, header, hf_config, INTERLEAVED_TYPES if interleaves else ()),
+                          cfg)
+    check_tensor_names(f"The GGUF {gguf_path.name}", set(tensors), parameter_names(model))
     plain = _place_quantized(model, tensors, cfg.dim, kernel)
     model.load_state_dict({name: t.to(dtype) for name, t in plain.items()}, strict=False, assign=True)
     for module in model.modules() if interleaves else ():
