@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     limits = Limits(max_file_bytes=args.max_file_mb * 1024 * 1024, max_pages=args.max_pages,
                     max_chars=args.max_chars)  # the upload itself is capped in launch()
     catalog = Catalog(args.models_dir, Path(args.library))  # the models already on this machine
+    catalog.search()  # their headers are read in the background; the picker lists them as they come
     app = App(engine, Library(args.library), limits, args.max_tokens, args.max_new_tokens,
               private=args.share or args.private, max_open_books=args.max_open_books, catalog=catalog)
     api = None

@@ -4,8 +4,8 @@ Searched, never downloaded: the folders the reader names (`--models-dir`, rememb
 `<library>/settings.json`), the Hugging Face cache (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, each
 repo's snapshot that refs/main names), LM Studio's models folders (~/.lmstudio/models,
 ~/.cache/lm-studio/models) and Ollama's (`$OLLAMA_MODELS`, else ~/.ollama/models: each manifest's
-layer of media type `application/vnd.ollama.image.model` names the GGUF blob, loaded through a
-link named .gguf in the engine's cache). Each model is read
+layer of media type `application/vnd.ollama.image.model` names the GGUF blob; a blob is loaded
+through a link with a .gguf name in the engine's cache, `gguf_link`). Each model is read
 by app/model_files.py from its metadata alone, once per file version (`<library>/model-infos.json`).
 A draft pairs with a target when their tokenizers' keys are equal (same vocabulary and special
 tokens) and it has at most half the target's weights; the engine checks the tokenizers again at load.
@@ -15,12 +15,15 @@ This module knows nothing of Gradio.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from app.model_files import Machine, ModelInfo, blockers, dequantized_types, inspect_model, weight_bytes
+from app.speeds import disk_size
 from app.storage import read_json, write_json
 
 OLLAMA_MODEL = "application/vnd.ollama.image.model"
@@ -114,7 +117,9 @@ class Catalog:
         if root and self.models_dirs != remembered:
             write_json(root / "settings.json", {**(settings or {}), "models_dirs": self.models_dirs})
         self._infos: dict = (read_json(root / "model-infos.json") or {}) if root else {}
-        self._found: list[Found] | None = None
+        self._found: list[Found] = []  # grows as the search reads each model's header
+        self._lock = threading.Lock()  # one search and one header read at a time
+        self._search_thread: threading.Thread | None = None
 
     def info(self, path: str | Path) -> ModelInfo:
         """The file's or folder's ModelInfo, read again only when its size or time changed."""
@@ -124,22 +129,37 @@ class Catalog:
         if cached and cached.get("stamp") == stamp:
             return ModelInfo(**cached["info"])
         info = inspect_model(path)
-        self._infos[str(path)] = {"stamp": stamp, "info": asdict(info)}
-        if self.root:
-            with contextlib.suppress(OSError):  # a full disk: the next start reads the files again
-                write_json(self.root / "model-infos.json", self._infos)
+        with self._lock:
+            self._infos[str(path)] = {"stamp": stamp, "info": asdict(info)}
+            if self.root:
+                with contextlib.suppress(OSError):  # a full disk: the next start reads the files again
+                    write_json(self.root / "model-infos.json", self._infos)
         return info
 
-    def found(self, refresh: bool = False) -> list[Found]:
-        if self._found is None or refresh:
-            self._found = self._search()
-        return self._found
+    def search(self) -> None:
+        """Start reading the headers of every model here, in the background (once)."""
+        with self._lock:
+            if self._search_thread is None:
+                self._search_thread = threading.Thread(target=self._search, daemon=True, name="model-search")
+                self._search_thread.start()
 
-    def _search(self) -> list[Found]:
-        found, seen = [], set()
+    @property
+    def is_searching(self) -> bool:
+        return self._search_thread is None or self._search_thread.is_alive()
+
+    def found(self, wait: bool = True) -> list[Found]:
+        """The models found here; without `wait`, those read so far (a first start reads every header)."""
+        self.search()
+        if wait:
+            self._search_thread.join()
+        return list(self._found)
+
+    def _search(self) -> None:
+        remove_stale_links()
+        seen = set()
         for where, root in search_roots([Path(d) for d in self.models_dirs], self.env, self.home):
-            if where == "Ollama":  # through a link with .gguf in its name, which the engine loads
-                located = [(name, ollama_link(name, blob)) for name, blob in ollama_models(root)]
+            if where == "Ollama":
+                located = ollama_models(root)
             elif where == "Hugging Face cache":
                 located = [(repo if path == snap else f"{repo}/{path.name}", path)
                            for repo, snap in hf_snapshots(root) for path in model_paths(snap, 1)]
@@ -149,11 +169,15 @@ class Catalog:
             for label, path in located:
                 if path.resolve() not in seen:  # a file under a named folder and in LM Studio's is one model
                     seen.add(path.resolve())
-                    found.append(Found(str(path), where, label, self.info(path)))
-        return found
+                    self._found.append(Found(str(path), where, label, self.info(path)))
+
+    def loadable(self, source: str) -> str:
+        """What the engine loads for `source`: a .gguf name for a blob (`gguf_link`), else `source`."""
+        path = Path(source).expanduser()
+        return str(gguf_link(path)) if path.is_file() else source
 
     def by_source(self, source: str) -> Found | None:
-        return next((f for f in self.found() if f.source == source), None)
+        return next((f for f in self.found(wait=False) if f.source == source), None)
 
     def drafts_for(self, target: ModelInfo, machine: Machine, pool: list[Found] | None = None) -> list[Found]:
         """The models of `pool` (default: those found here) that can draft for `target`, smallest first."""
@@ -165,17 +189,35 @@ class Catalog:
         return sorted(fits, key=lambda f: f.info.n_params)
 
 
-def ollama_link(name: str, blob: Path) -> Path:
-    """`<cache>/ollama/<name>-<tag>.gguf`, a link to an Ollama blob (its name has no .gguf)."""
+def gguf_link(path: Path) -> Path:
+    """`path` itself, or, where the file it names has no .gguf name (an Ollama blob, a Hugging Face
+    cache blob), `<cache>/links/<sha256 of its path>.gguf`: a hard link, so the name survives the
+    engine resolving the path (a symbolic one across file systems, which the engine may refuse)."""
     from engine.loading import cache_root
 
-    link = cache_root() / "ollama" / f"{name.replace('/', '-').replace(':', '-')}.gguf"
-    if link.is_symlink() and Path(os.readlink(link)) == blob:
+    real = path.resolve()
+    if real.is_dir() or real.suffix == ".gguf":
+        return path
+    link = cache_root() / "links" / f"{hashlib.sha256(str(real).encode()).hexdigest()[:16]}.gguf"
+    if link.exists() and os.path.samefile(link, real):
         return link
     link.parent.mkdir(parents=True, exist_ok=True)
     link.unlink(missing_ok=True)
-    link.symlink_to(blob)
+    try:
+        os.link(real, link)
+    except OSError:  # another file system
+        link.symlink_to(real)
     return link
+
+
+def remove_stale_links() -> None:
+    """Drop the links to models deleted since (a hard link then holds the file's last name)."""
+    from engine.loading import cache_root
+
+    for link in (cache_root() / "links").glob("*.gguf"):
+        with contextlib.suppress(OSError):
+            if (link.is_symlink() and not link.exists()) or (not link.is_symlink() and link.stat().st_nlink == 1):
+                link.unlink()
 
 
 def _stamp(path: Path) -> list[int]:
@@ -195,10 +237,11 @@ def describe(found: Found, machine: Machine) -> dict[str, str]:
     quant = info.quantization or "?"
     dequantized = dequantized_types(info, machine)
     if dequantized and not why:
-        quant += f" ({', '.join(dequantized)} dequantized at load: {weight_bytes(info, machine) / 1e9:.1f} GB)"
-    params = f" · {info.n_params / 1e9:.1f}B" if info.n_params else ""
+        quant += f" ({', '.join(dequantized)} dequantized at load: {disk_size(weight_bytes(info, machine))})"
+    params = "" if not info.n_params else f" · {info.n_params / 1e9:.1f}B" if info.n_params >= 1e9 else \
+        f" · {info.n_params / 1e6:.0f}M"
     return {"model": f"`{found.label}`", "where": found.where, "family": info.family_name if info.family else "?",
-            "size": f"{info.n_bytes / 1e9:.1f} GB{params}" if info.n_bytes else "?", "quantization": quant,
+            "size": f"{disk_size(info.n_bytes)}{params}" if info.n_bytes else "?", "quantization": quant,
             "context": f"{info.n_context // 1024}K" if info.n_context >= 1024 else (str(info.n_context or "?")),
             "runs here": "yes" if not why else f"no: {why}"}
 

@@ -55,7 +55,8 @@ def build(app: App) -> gr.Blocks:
                                       container=False, elem_id="model", scale=3, allow_custom_value=True,
                                       info="or type a local folder, a .gguf file or a hub id")
                 c.draft = gr.Dropdown(label="Draft (same tokenizer)", elem_id="draft", scale=2, allow_custom_value=True,
-                                      choices=app.draft_choices(e.config.target), value=e.config.draft or NO_DRAFT)
+                                      choices=app.draft_choices(e.config.target, wait=False),
+                                      value=e.config.draft or NO_DRAFT)
                 c.load_model = gr.Button("Load model", size="sm", elem_id="load-model", scale=1)
             c.long_books = gr.Checkbox(app._yarn() != 1, label=f"Long books: YaRN ×{LONG_BOOKS_YARN:g}",
                                        elem_id="long-books", info=LONG_BOOKS_NOTE,
@@ -197,5 +198,5 @@ def _wire(app: App, demo: gr.Blocks, c: SimpleNamespace) -> None:
     gr.api(app.export, api_name="export")
     gr.api(app.engine_counters, api_name="engine_counters")
     demo.load(app.show_library, None, [c.books, c.chats], api_name=False)
-    demo.load(app.model_table, None, c.models, api_name=False)  # what this machine measured since the start
+    demo.load(app.refresh_picker, None, [c.models, c.model, c.draft], api_name=False)  # measured, found since
     demo.unload(app.forget)

@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.speeds import disk_size
 from engine.config import EngineError
 
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
@@ -71,12 +72,14 @@ def vocab_key(vocab: dict[str, int], special: set[tuple[str, int]]) -> str:
 def inspect_model(path: str | Path) -> ModelInfo:
     """The `ModelInfo` of a .gguf file or a Hugging Face folder; a broken one gets a `problem`."""
     path = Path(path)
-    info = _inspect_folder(path) if path.is_dir() else _inspect_gguf(path)
+    if not path.is_dir():
+        return _inspect_gguf(path)  # the engine's rules for a GGUF are applied to the same parse
+    info = _inspect_folder(path)
     return info if info.problem else _replace(info, **_engine_verdict(path))
 
 
 def _engine_verdict(path: Path) -> dict:
-    """The family as the engine names it, and why the engine refuses the checkpoint ("" it runs)."""
+    """A folder's family as the engine names it, and why the engine refuses it ("" it runs)."""
     from engine.families import inspect_model as engine_inspect
 
     try:
@@ -92,6 +95,8 @@ def _inspect_gguf(path: Path) -> ModelInfo:
 
     n_bytes = path.stat().st_size if path.exists() else 0
     empty = ModelInfo(str(path), "gguf", path.stem, "", n_bytes, "", 0, 0)
+    if not path.exists():
+        return _replace(empty, problem="its file is missing")
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -102,18 +107,35 @@ def _inspect_gguf(path: Path) -> ModelInfo:
         if magic != b"GGUF":
             return _replace(empty, problem="it is not a GGUF file")
         return _replace(empty, problem="the file is cut short or damaged (an interrupted download?)")
-    fields = {name: reader.fields[name].contents() for name in reader.fields
-              if not name.startswith("tokenizer.ggml.") or name.endswith("_id")}
+    from gguf import GGUFValueType
+
+    fields = {name: None if f.types and f.types[0] == GGUFValueType.ARRAY else f.contents()  # arrays: vocabularies
+              for name, f in reader.fields.items()}
     arch = str(fields.get("general.architecture", ""))
     types: dict[str, list[int]] = {}
     for tensor in reader.tensors:
         counts = types.setdefault(tensor.tensor_type.name, [0, 0])
         counts[0] += int(tensor.n_elements)
         counts[1] += int(tensor.n_bytes)
-    return ModelInfo(
+    info = ModelInfo(
         str(path), "gguf", str(fields.get("general.name") or path.stem), arch, n_bytes,
         _file_type(fields.get("general.file_type"), types), int(fields.get(f"{arch}.context_length") or 0),
         sum(n for n, _ in types.values()), types, _gguf_vocab_key(reader, fields), _gguf_problem(reader, types))
+    return info if info.problem else _replace(info, **_gguf_verdict(path, reader, fields))
+
+
+def _gguf_verdict(path: Path, reader, fields: dict) -> dict:
+    """The engine's family of a GGUF and why it refuses it ("" it runs): engine/families.py's rules."""
+    from engine.config import UnsupportedModel
+    from engine.families import check_gguf, gguf_family
+
+    arch = str(fields.get("general.architecture", ""))
+    try:
+        family = gguf_family(arch, fields)
+        check_gguf(path, fields, reader.tensors, family)
+    except UnsupportedModel as refusal:
+        return {"problem": refusal.why}
+    return {"family": family}
 
 
 def _file_type(file_type, types: dict[str, list[int]]) -> str:
@@ -255,13 +277,7 @@ def blockers(info: ModelInfo, machine: Machine) -> str:
         return info.problem
     need = weight_bytes(info, machine)
     if need > 0.9 * machine.memory_bytes:  # the KV cache and the activations need the rest
-        return (f"its weights take {need / 1e9:.1f} GB in memory and this machine has "
-                f"{machine.memory_bytes / 1e9:.1f} GB")
+        return f"its weights take {disk_size(need)} in memory and this machine has {disk_size(machine.memory_bytes)}"
     return ""
 
 
-def check_runs(info: ModelInfo, machine: Machine) -> None:
-    """Raise NotRunnable with one sentence when `blockers` finds a reason."""
-    why = blockers(info, machine)
-    if why:
-        raise NotRunnable(f"{Path(info.path).name} will not run here: {why}.")

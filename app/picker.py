@@ -43,9 +43,9 @@ def packaged_found(catalog: Catalog) -> list[Found]:
 
 
 def model_choices(catalog: Catalog | None) -> list[tuple[str, str]]:
-    """(label, source) of every model the picker offers: packaged names, then those found here."""
+    """(label, source) of every model the picker offers: packaged names, then those found here so far."""
     packaged = [(name, name) for name in models.PACKAGED_MODELS]
-    found = catalog.found() if catalog else []
+    found = catalog.found(wait=False) if catalog else []
     return packaged + [(f"{f.label} · {f.where}", f.source) for f in found]
 
 
@@ -58,15 +58,19 @@ def info_of(catalog: Catalog | None, source: str) -> ModelInfo | None:
     return found.info if found else catalog.info(path)
 
 
-def drafts(catalog: Catalog | None, machine: Machine, target: str) -> list[tuple[str, str]]:
-    """(label, source) of the drafts that pair with `target`, the suggested one first."""
+def drafts(catalog: Catalog | None, machine: Machine, target: str, wait: bool = True) -> list[tuple[str, str]]:
+    """(label, source) of the drafts that pair with `target`, the suggested one first. Without
+    `wait`: among the models read so far, and a packaged target's own pair."""
     paired = PAIRED_DRAFTS.get(target)
     offered = [(paired, paired)] if paired else []
-    info = info_of(catalog, target) if catalog else None
-    if info is None and catalog and target in models.PACKAGED_MODELS and models.gguf_path(target).is_file():
+    if catalog is None:
+        return offered
+    info = info_of(catalog, target) if wait or catalog.by_source(target) else None
+    is_assembled = target in models.PACKAGED_MODELS and models.gguf_path(target).is_file()
+    if info is None and wait and is_assembled:
         info = catalog.info(models.gguf_path(target))
     if info is not None:
-        pool = [*catalog.found(), *packaged_found(catalog)]
+        pool = [*catalog.found(wait), *(packaged_found(catalog) if wait else [])]
         offered += [(f"{f.label} · {f.where}", f.source) for f in catalog.drafts_for(info, machine, pool)
                     if f.source != paired]
     return offered
@@ -84,13 +88,22 @@ def check_loadable(catalog: Catalog | None, machine: Machine, target: str, draft
     for what, source in (("target", target), ("draft", draft)):
         info = info_of(catalog, source) if source else None
         if info is not None and (why := blockers(info, machine)):
-            raise NotRunnable(f"{_name(catalog, source)} will not run here: {why}.")
+            who = "" if what == "target" else f"its draft {_name(catalog, source)}: "
+            raise NotRunnable(f"{who}{why}{_families(info)}.")
         infos[what] = info
     target_info, draft_info = infos["target"], infos["draft"]
     if target_info and draft_info and target_info.vocab_key != draft_info.vocab_key:
-        raise NotRunnable(f"{_name(catalog, draft)} cannot draft for {_name(catalog, target)}: their tokenizers "
-                          "give different ids (the vocabulary or the special tokens differ), so pick a draft of "
-                          "the same family or none.")
+        raise NotRunnable(f"the draft {_name(catalog, draft)} gives other token ids (its vocabulary or special "
+                          "tokens differ), so pick a draft of the same family or none.")
+
+
+def _families(info: ModelInfo) -> str:
+    """' (the engine runs Llama 2/3.x, ...)' when the engine refused the family itself."""
+    from engine.families import FAMILY_NAMES
+
+    if not info.family or info.family in FAMILY_NAMES or "architecture" not in info.problem:
+        return ""
+    return f" ({info.family}; the engine runs {', '.join(FAMILY_NAMES.values())})"
 
 
 def _name(catalog: Catalog | None, source: str) -> str:

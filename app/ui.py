@@ -29,7 +29,7 @@ from app.documents import Document, Limits, PasswordRequired, WrongPassword, cha
 from app.layout import LONG_BOOKS_NOTE, LONG_BOOKS_YARN, NO_BOOK, asking
 from app.library import Library, book_id_of, chat_export_json, chat_markdown, model_fingerprint, write_export
 from app.outline_ui import Outlines
-from app.picker import NO_DRAFT, check_loadable, drafts, machine_of, suggested_draft
+from app.picker import NO_DRAFT, check_loadable, drafts, machine_of, model_choices, suggested_draft
 from app.reading import ReadingStopped
 from app.server import say
 from app.session import BookSession, Prepared, keep_first, load_engine, open_book, pick_chapters, prepare, read_document
@@ -580,16 +580,26 @@ class App:
                         f"{self.speeds.describe(current)} | your model |")
         head = "| model | file | context | measured on this machine | quality |\n|:--|--:|--:|:--|:--|"
         draft = f" · draft `{self.engine.config.draft}`" if self.engine.config.draft else ""
-        found = render_found(self.catalog.found(), machine_of(self.engine)) if self.catalog else ""
+        found = render_found(self.catalog.found(wait=False), machine_of(self.engine)) if self.catalog else ""
+        if self.catalog and self.catalog.is_searching:
+            found += "\n\n*Reading the headers of the other models on this machine … (reopen the page to see them)*"
         found = f"\n\n**On this machine** (never downloaded; the engine reads their headers only)\n\n{found}" \
             if found else ""
         loaded = f"Loaded: `{current}`{draft} · levels `{self.engine.config.levels}`"
         return f"{loaded}\n\n{head}\n" + "\n".join(rows) + found
 
-    def draft_choices(self, target: str | None) -> list[tuple[str, str]]:
-        """(label, source) of the drafts that pair with `target`, the suggested one first, then none."""
-        offered = drafts(self.catalog, machine_of(self.engine), target) if target else []
+    def draft_choices(self, target: str | None, wait: bool = True) -> list[tuple[str, str]]:
+        """(label, source) of the drafts that pair with `target`, the suggested one first, then none
+        (without `wait`: among the models whose headers are read already)."""
+        offered = drafts(self.catalog, machine_of(self.engine), target, wait) if target else []
         return [*offered, ("none", NO_DRAFT)]
+
+    def refresh_picker(self):
+        """A page opened: the model table, the models found so far (the search runs on meanwhile) and
+        the drafts among them for the loaded target."""
+        config = self.engine.config
+        return (self.model_table(), gr.update(choices=model_choices(self.catalog), value=config.target),
+                gr.update(choices=self.draft_choices(config.target, wait=False), value=config.draft or NO_DRAFT))
 
     def drafts_offered(self, target: str | None):
         """The draft picker for a newly picked target: the drafts that pair with it, the suggested one chosen."""
@@ -619,7 +629,9 @@ class App:
         yield {c.model_status: f"Loading `{name}` … (the first time: a download of a few minutes)"}
         try:
             check_loadable(self.catalog, machine, name, draft)
-            config = replace(self.engine.config, target=name, draft=draft or NO_DRAFT, levels="auto", yarn_factor=yarn)
+            load = self.catalog.loadable if self.catalog else str  # a blob under a .gguf name (Ollama, HF cache)
+            config = replace(self.engine.config, target=load(name), draft=load(draft) if draft else NO_DRAFT,
+                             levels="auto", yarn_factor=yarn)
             engine = yield from self._progress(user, Stages(name), load_engine, config)
         except Exception as error:  # ModelNotFound, TokenizerMismatch, out of memory ...: keep the old one
             yield {c.model_status: f"⚠ Could not load `{name}`: {error} `{self.engine.config.target}` stays loaded.",

@@ -37,7 +37,7 @@ def test_every_place_a_reader_keeps_models_is_listed_with_family_size_quantizati
 
     table = rows(Catalog([named], home=home, env={}))
     assert table["tiny-llama-Q4_0.gguf"] == {
-        "model": "`tiny-llama-Q4_0.gguf`", "where": "models folder", "family": "Llama 2/3.x", "size": "0.0 GB · 0.0B",
+        "model": "`tiny-llama-Q4_0.gguf`", "where": "models folder", "family": "Llama 2/3.x", "size": "0 MB · 0M",
         "quantization": "Q4_0", "context": "8K", "runs here": "yes"}
     assert table["tiny-qwen"]["family"].startswith("Qwen2") and table["tiny-qwen"]["context"] == "32K"
     assert table["tiny-qwen"]["quantization"] == "BF16"
@@ -59,12 +59,21 @@ def test_environment_variables_move_the_hugging_face_cache_and_ollama(home, tmp_
     assert Catalog(home=home, env={"HF_HOME": str(tmp_path / "elsewhere")}).found()[0].label == "org/Moved"
 
 
-def test_an_ollama_model_loads_through_a_link_named_gguf_to_its_blob(home, tmp_path):
+def test_an_ollama_blob_loads_through_a_gguf_name_that_the_engine_accepts_and_that_goes_with_it(home, tmp_path):
+    from engine.families import inspect_model as engine_inspect
+
     blob = ollama_model(home / ".ollama" / "models", "tiny", "latest", write_gguf(tmp_path / "z.gguf"))
-    (found,) = Catalog(home=home, env={}).found()
-    link = Path(found.source)
-    assert link.suffix == ".gguf" and link.resolve() == blob.resolve()
-    assert link.parent == tmp_path / "bookchat-cache" / "ollama"
+    catalog = Catalog(home=home, env={})
+    (found,) = catalog.found()
+    assert found.source == str(blob) and found.info.family == "llama" and not found.info.problem
+    link = Path(catalog.loadable(found.source))
+    assert link.suffix == ".gguf" and link.parent == tmp_path / "bookchat-cache" / "links"
+    assert link.resolve() == link and link.samefile(blob)  # a hard link: the engine's resolve() keeps the name
+    assert engine_inspect(link).runs  # the engine's own check of the file it would load
+    assert catalog.loadable(found.source) == str(link)  # made once
+    blob.unlink()  # its blob gone: the link goes at the next search, and the bytes with it
+    assert rows(Catalog(home=home, env={}))["tiny:latest"]["runs here"] == "no: its file is missing"
+    assert not link.exists()
 
 
 @pytest.mark.parametrize(("make", "why"), [
@@ -94,19 +103,21 @@ def test_a_broken_or_foreign_model_gets_a_row_saying_why_and_the_others_still_li
 
 
 def test_dequantized_blocks_are_named_with_what_they_cost_and_too_big_weights_do_not_run(tmp_path):
-    path = write_gguf(tmp_path / "q51.gguf", qtype="Q5_1")
-    info = inspect_model(path)
-    n_q51 = info.tensor_types["Q5_1"][0]  # weights in Q5_1 blocks: float32 once dequantized
     from app.catalog import Found
 
+    path = write_gguf(tmp_path / "q51.gguf", qtype="Q5_1", dim=4096)
+    info = inspect_model(path)
+    n_weights = info.tensor_types["Q5_1"][0] + info.tensor_types["F32"][0]  # float32 once dequantized
     row = describe(Found(str(path), "models folder", path.name, info), CPU)
-    cost = (n_q51 * 4 + info.tensor_types["F32"][0] * 4) / 1e9
-    assert row["quantization"] == f"Q5_1 (Q5_1 dequantized at load: {cost:.1f} GB)" and row["runs here"] == "yes"
+    assert row["quantization"] == f"Q5_1 (Q5_1 dequantized at load: {n_weights * 4 / 1e6:.0f} MB)", row
+    assert row["runs here"] == "yes" and row["size"] == f"{path.stat().st_size / 1e6:.0f} MB · 0M"
     kept = describe(Found(str(path), "models folder", path.name, info), Machine("cpu", 10**9, 4, frozenset({"Q5_1"})))
-    assert kept["quantization"] == "Q5_1"
-    tiny_machine = Machine("cpu", 20_000, 4, frozenset())
-    assert describe(Found(str(path), "", path.name, info), tiny_machine)["runs here"] == \
-        "no: its weights take 0.0 GB in memory and this machine has 0.0 GB"
+    assert kept["quantization"] == "Q5_1"  # a kernel type: its blocks as they are, no cost named
+
+    folder = write_folder(tmp_path / "big", n_params=64 * 40_000)  # 2.56M weights, 10 MB in float32
+    small = Machine("cpu", 5 * 10**6, 4, frozenset())
+    assert describe(Found(str(folder), "", "big", inspect_model(folder)), small)["runs here"] == \
+        "no: its weights take 10 MB in memory and this machine has 5 MB"
 
 
 def test_the_models_folder_is_remembered_and_a_changed_file_is_read_again(home, tmp_path, monkeypatch):

@@ -51,7 +51,9 @@ def models(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def catalog(models, tmp_path_factory) -> Catalog:
-    return Catalog([models], home=tmp_path_factory.mktemp("home"), env={})  # each model's header read once
+    catalog = Catalog([models], home=tmp_path_factory.mktemp("home"), env={})  # each model's header read once
+    catalog.found()  # the search done: the first table lists them all
+    return catalog
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +74,9 @@ def test_the_picker_offers_the_draft_that_pairs_and_the_level_stacks_follow(app,
     assert app.drafts_offered(target)["value"] == draft
     assert app.draft_choices(draft) == [("none", "none")]  # nothing here is small enough to draft for it
     assert "| `draft` | models folder |" in app.model_table() and "| `broken/cut.gguf` |" in app.model_table()
+    table, model_update, draft_update = app.refresh_picker()  # what a page opened now shows
+    assert ("target · models folder", target) in model_update["choices"] and model_update["value"] == target
+    assert draft_update["choices"][0] == ("draft · models folder", draft) and draft_update["value"] == "none"
 
     req = request("reader")
     updates = run(app.switch_model(target, False, req, "auto"))
@@ -86,17 +91,19 @@ def test_the_picker_offers_the_draft_that_pairs_and_the_level_stacks_follow(app,
     assert "ngram>full" in stacks and not any("draft" in s for s in stacks), stacks
 
 
+RUNS = "Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3 (dense), Gemma 2, Gemma 3 (text), Phi-3/3.5"  # engine/families.py
+
+
 @pytest.mark.parametrize(("bad", "draft", "why"), [
-    ("broken/mamba.gguf", "none", "`broken/mamba.gguf` will not run here: its architecture is not one the engine "
-     "implements."),
-    ("broken/q81.gguf", "none", "`broken/q81.gguf` will not run here: its Q8_1 blocks are a type the gguf package "
-     "cannot read."),
-    ("broken/cut.gguf", "none", "`broken/cut.gguf` will not run here: the file is cut short or damaged (an "
-     "interrupted download?)."),
-    ("broken/no-tokenizer", "none", "`broken/no-tokenizer` will not run here: it has no tokenizer files "
-     "(tokenizer.json or tokenizer.model)."),
-    ("target", "other-tokenizer", "`other-tokenizer` cannot draft for `target`: their tokenizers give different ids "
-     "(the vocabulary or the special tokens differ), so pick a draft of the same family or none."),
+    ("broken/mamba.gguf", "none",
+     f"its architecture is not one the engine implements (mamba; the engine runs {RUNS})."),
+    ("broken/q81.gguf", "none", "its Q8_1 blocks are a type the gguf package cannot read."),
+    ("broken/cut.gguf", "none", "the file is cut short or damaged (an interrupted download?)."),
+    ("broken/no-tokenizer", "none", "it has no tokenizer files (tokenizer.json or tokenizer.model)."),
+    ("target", "other-tokenizer", "the draft `other-tokenizer` gives other token ids (its vocabulary or special "
+     "tokens differ), so pick a draft of the same family or none."),
+    ("target", "broken/cut.gguf", "its draft `broken/cut.gguf`: the file is cut short or damaged (an interrupted "
+     "download?)."),
 ])
 def test_a_model_that_cannot_load_is_refused_in_one_sentence_and_the_book_and_chat_stay(app, models, tmp_path,
                                                                                          bad, draft, why):
