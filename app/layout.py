@@ -25,9 +25,10 @@ if TYPE_CHECKING:
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 FILE_TYPES = [".pdf", ".epub", ".txt", ".md", ".markdown", ".html", ".htm", ".docx"]
 LONG_BOOKS_YARN = 4.0  # Qwen2.5's documented YaRN factor: 4 x 32,768 = 131,072 tokens
+# no figure measured elsewhere: the time before a book is read is this machine's estimate (app/speeds.py)
 LONG_BOOKS_NOTE = ("up to 4× the model's native context (131,072 tokens for Qwen2.5). Answers may get less "
-                   "precise, also on short books (on a 112K-token novel the 1.5B got 4 of 14 facts right, "
-                   "7 of 14 at 32K), and reading a 112K-token book took 66 minutes on a 2-core CPU.")
+                   "precise, also on short books, and a book that long takes far longer to read: the time "
+                   "shown before a book is read is this machine's own estimate.")
 NO_BOOK = "Upload a book, then ask about it."  # the empty chat's placeholder; with a book: `asking`
 QUICK = {"Summarize the book": "Summarize the book in a few paragraphs.",
          "Who are the main characters?": "Who are the main characters? Describe each in one sentence."}

@@ -152,7 +152,8 @@ def test_too_long_book_waits_for_a_choice_then_loads_the_beginning(app_url, tmp_
     n_prefills = counters(client)["n_prefills"]
     status = client.predict(handle_file(str(book)), "", api_name="/load_book")[0]
     assert "of 7,168 — too long by" in status and "Choose what to read" in status
-    assert "Long books" in status and "took 66 minutes" in status  # the way to a longer context, with its cost
+    assert "Long books" in status and "takes far longer to read" in status  # the way to a longer context, its cost
+    assert "minutes" not in status.split("Long books")[1]  # no figure measured on another machine
     assert counters(client)["n_prefills"] == n_prefills  # nothing was prefilled or cut silently
     status = client.predict(512, [], api_name="/load_selection")[0]  # no chapter ticked: the beginning
     assert "first 512 tokens" in status and "Ready" in status
