@@ -42,6 +42,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     t.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     t.add_argument("--out", default="bookchat-selftest.json", help="the report to attach to a bug report")
     t.add_argument("--only", action="append", help="run only this check (repeat)")
+    t.add_argument("--small", action="store_true", help="the real model at short lengths (a CPU dry run, seconds)")
     return p.parse_args(argv)
 
 
@@ -62,7 +63,8 @@ def selftest(args: argparse.Namespace) -> int:
 
     device = pick_device(args.device)
     print(f"self-test on {device} (a tiny random model; nothing is downloaded) …", file=sys.stderr)
-    results = selftest.run_checks(device, args.only)
+    sizes = selftest.Sizes.small() if args.small else selftest.Sizes()
+    results = selftest.run_checks(device, args.only, sizes)
     print("\n".join(selftest.table(results)))
     report = selftest.report(results, device)
     Path(args.out).write_text(json.dumps(report, indent=2), encoding="utf-8")

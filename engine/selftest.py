@@ -2,10 +2,15 @@
 
 A tiny random Llama (built from a config, nothing downloaded) runs each device-specific path next
 to the exact path it replaces: flash-attn against SDPA over the offloaded cache's views; CUDA-graph
-replay against eager steps; the offloaded full cache against the on-chip one; two tensor-parallel
-ranks against one process; the memory planner against the peak `torch.cuda.max_memory_allocated`
-measured. Without a GPU the CPU stand-ins run (the same code as the tests: CPU "host" and
-"device" tensors, uncaptured static steps, gloo ranks) and the checks that need CUDA say so.
+replay against eager steps; the offloaded full cache (4 layers, 1 resident: the double buffer's
+halves are reused) against the on-chip one; two tensor-parallel ranks against one process; the
+memory planner against the peak `torch.cuda.max_memory_allocated` measured. A real packaged GGUF
+(the smallest assembled one) then runs the same way: every default stack and the offloaded cache
+give plain decoding's greedy tokens, two ranks give one process's, its plan is checked against
+CUDA's peak, and a short speed table times plain decoding and the default stack at two lengths.
+Without a GPU the CPU stand-ins run (the same code as the tests: CPU "host" and "device"
+tensors, uncaptured static steps, gloo ranks) and the checks that need CUDA say so; `Sizes`
+shrinks the real model's lengths for a dry run.
 Returns `Check` results; the CLI (engine/__main__.py) prints them and writes them as JSON.
 """
 
@@ -16,7 +21,7 @@ import platform
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -40,11 +45,30 @@ class Check:
     status: str  # "pass", "fail", "skipped"
     seconds: float
     detail: str  # what was compared and what came out, or why it was skipped
+    rows: list[dict] = field(default_factory=list)  # a table's rows (the speed check's)
 
 
-def tiny_model(device: torch.device, dtype: torch.dtype, seed: int = 0) -> Transformer:
-    """A random 2-layer Llama: hidden 256, 4 query / 2 KV heads of 64, peaked logits."""
-    hf = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+@dataclass(frozen=True)
+class Sizes:
+    """The real model's lengths: a GPU's defaults finish in minutes; `small` is a CPU dry run."""
+
+    n_doc_tokens: int = 2048  # the real model's losslessness and offload checks
+    speed_tokens: tuple[int, ...] = (8192, 32768)
+    n_new_tokens: int = 64  # per timed answer
+
+    @classmethod
+    def small(cls) -> Sizes:
+        return cls(n_doc_tokens=256, speed_tokens=(256, 512), n_new_tokens=8)
+
+
+# the smallest packaged GGUF that holds each length (engine/models.py); the first assembled wins
+REAL_MODELS = ("smollm2-135m", "qwen2.5-coder-0.5b")
+REAL_MODEL_LONG = "qwen2.5-coder-0.5b"  # native 32K: the speed table's lengths
+
+
+def tiny_model(device: torch.device, dtype: torch.dtype, seed: int = 0, n_layers: int = 2) -> Transformer:
+    """A random Llama: hidden 256, 4 query / 2 KV heads of 64, peaked logits."""
+    hf = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=n_layers,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
@@ -69,9 +93,9 @@ def engine_config(device: torch.device, **overrides) -> EngineConfig:
     return EngineConfig(**(settings | overrides))
 
 
-def answer(engine, levels: str = "ngram>retrieval>full") -> list[int]:
+def answer(engine, levels: str = "ngram>retrieval>full", doc: list[int] | None = None) -> list[int]:
     """Greedy tokens of two questions about the document (a chat over one prefill)."""
-    session = engine.open(doc_ids())
+    session = engine.open(doc or doc_ids())
     session.set_levels(levels)
     tokens = []
     for question in ([5, 6, 7], [8, 9]):
@@ -87,7 +111,7 @@ def same_tokens(got: list[int], want: list[int], what: str) -> tuple[str, str]:
     return "fail", f"{what}: tokens differ from position {first} of {len(want)}"
 
 
-def check_flash_attn(device, dtype) -> tuple[str, str]:
+def check_flash_attn(device, dtype, sizes) -> tuple[str, str]:
     if device.type != "cuda":
         return "skipped", "needs a CUDA device (flash-attn runs only there)"
     if not attention.has_flash_attn():
@@ -111,7 +135,7 @@ def check_flash_attn(device, dtype) -> tuple[str, str]:
     return ("pass" if ok else "fail"), f"flash_attn_with_kvcache vs SDPA (float32), max |diff| {worst:.2e} (limit 2e-2)"
 
 
-def check_cuda_graphs(device, dtype) -> tuple[str, str]:
+def check_cuda_graphs(device, dtype, sizes) -> tuple[str, str]:
     dtype = torch.float32  # the static step attends over the whole capacity, masked: other sums than eager
     eager = answer(Engine(engine_config(device), tiny_model(device, dtype)))
     if device.type == "cuda":
@@ -126,10 +150,12 @@ def check_cuda_graphs(device, dtype) -> tuple[str, str]:
     return status, detail + "; the CUDA capture itself needs a GPU"
 
 
-def check_offload(device, dtype) -> tuple[str, str]:
-    on_chip = answer(Engine(engine_config(device), tiny_model(device, dtype)))
-    offloaded = Engine(engine_config(device, offload_kv=True, resident_kv_layers=1), tiny_model(device, dtype))
-    status, detail = same_tokens(answer(offloaded), on_chip, "offloaded KV (1 of 2 layers resident) vs on chip")
+def check_offload(device, dtype, sizes) -> tuple[str, str]:
+    """4 layers, 1 resident: the offloaded layers stream through both halves of the double buffer, each reused."""
+    on_chip = answer(Engine(engine_config(device), tiny_model(device, dtype, n_layers=4)))
+    offloaded = Engine(engine_config(device, offload_kv=True, resident_kv_layers=1),
+                       tiny_model(device, dtype, n_layers=4))
+    status, detail = same_tokens(answer(offloaded), on_chip, "offloaded KV (1 of 4 layers resident) vs on chip")
     where = "pinned host memory and a side stream" if device.type == "cuda" else "CPU stand-in: inline copies"
     return status, f"{detail} ({where})"
 
@@ -146,7 +172,7 @@ def tp_rank_engine(device_type: str) -> Engine:
     return Engine(engine_config(device, n_gpus=n_ranks), model.to(device))
 
 
-def check_tensor_parallel(device, dtype) -> tuple[str, str]:
+def check_tensor_parallel(device, dtype, sizes) -> tuple[str, str]:
     if device.type == "cuda" and torch.cuda.device_count() < 2:
         return "skipped", "needs 2 GPUs"
     one = answer(tp_rank_engine(device.type))
@@ -159,24 +185,136 @@ def check_tensor_parallel(device, dtype) -> tuple[str, str]:
     return same_tokens(two, one, f"2 ranks ({backend}) vs one process")
 
 
-def check_planner(device, dtype) -> tuple[str, str]:
+def check_planner(device, dtype, sizes) -> tuple[str, str]:
     if device.type != "cuda":
         return "skipped", "needs CUDA (compares the plan with torch.cuda.max_memory_allocated)"
+    return planned_vs_peak(device, lambda: Engine(engine_config(device), tiny_model(device, dtype)), doc_ids())
+
+
+def real_model(names: tuple[str, ...] = REAL_MODELS) -> str | None:
+    """The first of `names` whose packaged GGUF is assembled here, or None (nothing is downloaded)."""
+    from engine.models import gguf_path
+
+    return next((name for name in names if gguf_path(name).is_file()), None)
+
+
+NOT_ASSEMBLED = "no packaged GGUF is assembled here (python -m engine.models --only smollm2-135m)"
+
+
+def real_engine(device: torch.device, name: str, **overrides) -> Engine:
+    """The packaged model `name` as the app loads it (a GPU: dequantized; a CPU: its blocks), no
+    draft model; float32 unless overridden, so stacks and ranks compare token for token."""
+    settings = dict(target=name, draft=None, levels="plain", device=str(device), dtype="float32")
+    return Engine.load(EngineConfig(**(settings | overrides)))
+
+
+def real_doc(n_tokens: int, vocab_size: int, seed: int = 0) -> list[int]:
+    """`n_tokens` ids with a repeated passage (the n-gram and retrieval levels find it)."""
+    g = torch.Generator().manual_seed(seed)
+    part = torch.randint(0, vocab_size, (max(n_tokens // 4, 1),), generator=g).tolist()
+    rest = torch.randint(0, vocab_size, (n_tokens,), generator=g).tolist()
+    return (part + rest[:n_tokens // 4] + part + rest)[:n_tokens]
+
+
+def check_real_gguf(device, dtype, sizes) -> tuple[str, str]:
+    """The default stacks and the offloaded cache (1 resident layer of many) against plain
+    decoding on real weights."""
+    name = real_model()
+    if name is None:
+        return "skipped", NOT_ASSEMBLED
+    engine = real_engine(device, name)
+    doc = real_doc(sizes.n_doc_tokens, engine.target.config.vocab_size)
+    plain = answer(engine, "plain", doc)
+    results = [same_tokens(answer(engine, levels, doc), plain, levels)
+               for levels in ("ngram>retrieval>full", "retrieval>full")]
+    del engine
+    offloaded = real_engine(device, name, offload_kv=True, resident_kv_layers=1)
+    n_layers = offloaded.target.config.n_layers
+    results.append(same_tokens(answer(offloaded, "plain", doc), plain,
+                               f"offloaded KV, 1 of {n_layers} layers resident"))
+    status = "fail" if any(s == "fail" for s, _ in results) else "pass"
+    return status, f"{name}, {len(doc):,} tokens: " + "; ".join(d for _, d in results)
+
+
+def check_real_tensor_parallel(device, dtype, sizes) -> tuple[str, str]:
+    if device.type != "cuda" or torch.cuda.device_count() < 2:
+        return "skipped", "needs 2 GPUs (tests/gpu/test_parallel.py runs the packaged 0.5B over two gloo ranks)"
+    name = real_model((REAL_MODEL_LONG,))  # 14 query / 2 KV heads: they divide by 2
+    if name is None:
+        return "skipped", NOT_ASSEMBLED.replace("smollm2-135m", REAL_MODEL_LONG)
+    engine = real_engine(device, name)
+    doc = real_doc(sizes.n_doc_tokens, engine.target.config.vocab_size)
+    one = answer(engine, "plain", doc)
+    del engine
+    leader = real_engine(device, name, n_gpus=2)
+    try:
+        two = answer(leader, "plain", doc)
+    finally:
+        leader.close()
+    return same_tokens(two, one, f"{name}: 2 ranks (NCCL) vs one process")
+
+
+def planned_vs_peak(device, make_engine: Callable[[], Engine], doc: list[int]) -> tuple[str, str]:
+    """The plan for one open document and its chat against CUDA's peak allocation for them."""
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated(device)
-    engine = Engine(engine_config(device), tiny_model(device, dtype))
+    engine = make_engine()
     weights = torch.cuda.memory_allocated(device) - before
     torch.cuda.reset_peak_memory_stats(device)
-    answer(engine)
+    answer(engine, engine.config.levels, doc)
     measured = torch.cuda.max_memory_allocated(device) - before
-    n_tokens = N_DOC_TOKENS + CHAT_ROOM_TOKENS  # the capacity Engine.open allocates
+    n_tokens = len(doc) + CHAT_ROOM_TOKENS  # the capacity Engine.open allocates
     budget = [DeviceBudget(str(device), free_memory_bytes(device) + weights, "cuda")]
-    planned = plan_memory(engine.target.config, n_tokens, budget, dtype.itemsize,
-                          retrieval_budget_tokens=RETRIEVAL.budget_tokens,
-                          prefill_chunk_tokens=engine.prefill_chunk_tokens).devices[0].total_bytes
+    draft = engine.draft.config if engine.draft is not None else None
+    planned = plan_memory(engine.target.config, n_tokens, budget, engine.dtype.itemsize, draft=draft,
+                          retrieval_budget_tokens=engine.config.retrieval.budget_tokens,
+                          retrieval=engine.config.retrieval, prefill_chunk_tokens=engine.prefill_chunk_tokens,
+                          has_tail_masks=engine.attend is not attention.flash_attention,
+                          n_logit_rows=engine.config.gamma_limit + 1).devices[0].total_bytes
     ok = measured <= planned
     return ("pass" if ok else "fail"), (f"peak {measured / 2**20:.1f} MiB measured, {planned / 2**20:.1f} MiB "
                                         "planned (weights + caches + activations)")
+
+
+def check_real_planner(device, dtype, sizes) -> tuple[str, str]:
+    if device.type != "cuda":
+        return "skipped", "needs CUDA (compares the plan with torch.cuda.max_memory_allocated)"
+    name = real_model()
+    if name is None:
+        return "skipped", NOT_ASSEMBLED
+    make = functools.partial(real_engine, device, name, dtype="auto", levels="ngram>retrieval>full")
+    doc = real_doc(sizes.n_doc_tokens, 1000)
+    status, detail = planned_vs_peak(device, make, doc)
+    return status, f"{name} (its real shapes), {len(doc):,} tokens: {detail}"
+
+
+def check_speed(device, dtype, sizes) -> tuple[str, str, list[dict]]:
+    """Plain decoding and the default stack at each length: ms per token, prefill tokens/s.
+    Timings, not a check: it fails only if a run fails."""
+    name = real_model((REAL_MODEL_LONG,)) or real_model()
+    if name is None:
+        return "skipped", NOT_ASSEMBLED, []
+    engine = real_engine(device, name, dtype="auto", levels="auto")
+    default, rows = engine.config.levels, []
+    sampling = SamplingConfig(max_new_tokens=sizes.n_new_tokens)
+    for n_tokens in sizes.speed_tokens:
+        if n_tokens + CHAT_ROOM_TOKENS > engine.max_context:
+            continue
+        doc = real_doc(n_tokens, engine.target.config.vocab_size)
+        started = time.perf_counter()
+        session = engine.open(doc)
+        prefill_s = time.perf_counter() - started
+        row = {"model": name, "n_tokens": n_tokens, "prefill_tokens_per_s": round(n_tokens / prefill_s, 1)}
+        for levels in ("plain", default):
+            session.set_levels(levels)
+            events = list(session.ask(real_doc(8, 1000, seed=1), sampling))
+            row[f"{'plain' if levels == 'plain' else 'stack'}_ms_per_token"] = round(events[-1].stats.tbt_ms_mean, 1)
+        row["stack"] = default
+        rows.append(row)
+        del session  # its cache, before the next length's
+    detail = "; ".join(f"{r['n_tokens']:,} tokens: prefill {r['prefill_tokens_per_s']:.0f} tokens/s, plain "
+                       f"{r['plain_ms_per_token']:.1f} ms/token, {default} {r['stack_ms_per_token']:.1f}" for r in rows)
+    return "pass", f"{name} ({engine.dtype}): {detail}", rows
 
 
 CHECKS: dict[str, Callable] = {
@@ -185,10 +323,14 @@ CHECKS: dict[str, Callable] = {
     "offload vs on chip": check_offload,
     "tensor parallel vs one process": check_tensor_parallel,
     "planner vs measured peak": check_planner,
+    "packaged GGUF: stacks and offload vs plain": check_real_gguf,
+    "packaged GGUF: tensor parallel": check_real_tensor_parallel,
+    "packaged GGUF: planner vs measured peak": check_real_planner,
+    "speed: plain vs default stack": check_speed,
 }
 
 
-def run_checks(device: torch.device, names: list[str] | None = None) -> list[Check]:
+def run_checks(device: torch.device, names: list[str] | None = None, sizes: Sizes = Sizes()) -> list[Check]:
     """Each check (all, or `names`), timed; an exception is a failure with its last lines."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     n_threads = torch.get_num_threads()
@@ -199,13 +341,13 @@ def run_checks(device: torch.device, names: list[str] | None = None) -> list[Che
         for name, check in CHECKS.items():
             if names and name not in names:
                 continue
-            started = time.perf_counter()
+            started, rows = time.perf_counter(), []
             try:
-                status, detail = check(device, dtype)
+                status, detail, *rows = check(device, dtype, sizes)
             except Exception as error:  # noqa: BLE001 (a crash is the finding: report it and go on)
                 status = "fail"
                 detail = f"{type(error).__name__}: {error} | " + " ".join(traceback.format_exc().splitlines()[-4:])
-            results.append(Check(name, status, time.perf_counter() - started, detail))
+            results.append(Check(name, status, time.perf_counter() - started, detail, rows[0] if rows else []))
     finally:
         torch.set_num_threads(n_threads)
     return results
@@ -234,4 +376,8 @@ def table(results: list[Check]) -> list[str]:
     width = max(len(r.name) for r in results)
     lines = [f"{'check':<{width}}  result   seconds  detail"]
     lines += [f"{r.name:<{width}}  {r.status:<7}  {r.seconds:7.1f}  {r.detail}" for r in results]
+    for r in (r for r in results if r.rows):
+        lines += ["", f"{r.name}: {r.rows[0]['model']}", "  tokens  prefill tokens/s  plain ms/token  stack ms/token"]
+        lines += [f"{row['n_tokens']:8,}  {row['prefill_tokens_per_s']:16.1f}  {row['plain_ms_per_token']:14.1f}  "
+                  f"{row['stack_ms_per_token']:14.1f}  ({row['stack']})" for row in r.rows]
     return lines
