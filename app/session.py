@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 from app.documents import Document, Limits, Section, load_document
 from app.library import Library, model_fingerprint
-from app.sources import Quote, QuoteIndex, Source, find_passages, footer, with_passages
+from app.sources import NEUTRAL_QUESTION, Quote, QuoteIndex, Source, find_passages, footer, with_passages
 from app.speeds import duration, time_left
 from app.storage import write_failure
 from app.tokens import TokenMap
@@ -130,7 +130,7 @@ class BookSession:
         s, last = self.session, self.turns[-1] if self.turns else None
         ended = last is not None and last.ids[-1:] == [self.chat.end_of_turn_id]
         q_ids = self.chat.question_ids(question, is_first=last is None, previous_answer_ended=ended)
-        sources = self.find_sources(q_ids)
+        sources = self.find_sources(q_ids, self.chat.question_ids(NEUTRAL_QUESTION, last is None, ended))
         while reread and sources:  # the passages leave room for the answer, or the last ones go
             reread_ids = self.chat.question_ids(with_passages(question, sources), last is None, ended)
             if s.length + len(reread_ids) + sampling.max_new_tokens < self.engine.max_context:
@@ -169,13 +169,13 @@ class BookSession:
         self.session.truncate(last.start)
         return self.ask(last.question if question is None else question, sampling, cancel, reread)
 
-    def find_sources(self, q_ids: list[int]) -> list[Source]:
+    def find_sources(self, q_ids: list[int], neutral_ids: list[int]) -> list[Source]:
         """The passages the question's attention goes to most (engine `Session.score_document`);
         none from a remote engine, or when the question does not fit (asking then says why)."""
         if not hasattr(self.session, "score_document"):  # app/remote.py: the server has the cache
             return []
         try:
-            ranges = self.session.score_document(q_ids, self.tokens.shift, self.doc_len)
+            ranges = self.session.score_document(q_ids, self.tokens.shift, self.doc_len, neutral_ids)
         except EngineError:
             return []
         chars = [(self.tokens.char(a), self.tokens.char(b), share) for a, b, share in ranges]

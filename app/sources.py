@@ -19,6 +19,9 @@ N_SOURCES = 3  # passages kept with an answer (and quoted when re-reading)
 PASSAGE_MIN_CHARS = 200  # a shorter paragraph (a line of dialogue) takes its neighbours with it
 PASSAGE_MAX_CHARS = 700  # a longer one is cut around the chunk the question read most
 REREAD_HEADER = "Passages from the book that may help:"
+# what the question's attention is contrasted with (engine/sources.py `contrast`): a question that
+# asks for nothing in particular, so a chunk every question reads (the opening, headings) does not count
+NEUTRAL_QUESTION = "What does the book say?"
 CUT_NOTE = "cut where the part of the book that was read ends"
 _PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
 

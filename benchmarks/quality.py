@@ -40,6 +40,9 @@ from pathlib import Path
 import psutil
 import torch
 
+from app.documents import Document
+from app.session import BookSession, Prepared
+from app.tokens import TokenMap
 from benchmarks.passages import PassageIndex, with_passages
 from engine.chat import BOOK_SYSTEM, ChatFormat
 from engine.config import EngineConfig, SamplingConfig
@@ -104,6 +107,7 @@ class Prompt:
     question_suffix: str = ""
     fact_tokens: int = 48  # answer budget of a factual question (a quote first needs more)
     passages: str | None = None  # "after" / "before" the question: the book's best passages for it quoted
+    reread: bool = False  # the app's "re-read before answering": its sources (attention) quoted after it
 
 
 # The variants compared for issue 21 (RESULTS.md); `current` is what the app sends.
@@ -116,6 +120,7 @@ PROMPTS = {
                      "gives, in the book's own words. If the book does not say, say that it does not."),
     "passages": Prompt(BOOK_SYSTEM, passages="after"),
     "passages-first": Prompt(BOOK_SYSTEM, passages="before"),
+    "reread": Prompt(BOOK_SYSTEM, reread=True),
 }
 
 
@@ -186,16 +191,23 @@ def open_book(engine: Engine, name: str, doc_ids: list[int], snapshots: Path | N
     return session
 
 
-def answer(session, chat: ChatFormat, question: str, sampling: SamplingConfig) -> tuple[str, dict]:
-    q_ids = chat.question_ids(question, is_first=True, previous_answer_ended=False)
-    n_doc, tokens, stats, t0 = session.length, [], None, time.perf_counter()
-    for event in session.ask(q_ids, sampling, stop_ids=chat.stop_ids):
-        tokens += event.tokens
-        stats = event.stats
-    session.truncate(n_doc)
-    text = chat.tokenizer.decode(tokens, skip_special_tokens=True).strip()
-    return text, {"tokens": len(tokens), "question_tokens": len(q_ids), "seconds": round(time.perf_counter() - t0, 2),
-                  "tbt_ms": round(stats.tbt_ms_mean, 1) if stats else None}
+def answer(book: BookSession, question: str, sampling: SamplingConfig, reread: bool) -> tuple[str, dict]:
+    """One question asked as the app asks it (sources found first; quoted after it with `reread`),
+    then the chat cleared, so the next question sees the book alone again."""
+    tokens, stats, t0, first_s = 0, None, time.perf_counter(), None
+    for update in book.ask(question, sampling, reread=reread):
+        first_s = first_s or (time.perf_counter() - t0 if update.answer else None)
+        stats = update.stats
+    turn = book.turns[-1]
+    tokens, text = turn.end - turn.answer_start, turn.answer
+    book.clear()
+    return text, {"tokens": tokens, "question_tokens": turn.answer_start - turn.start,
+                  "seconds": round(time.perf_counter() - t0, 2),
+                  "tbt_ms": round(stats.tbt_ms_mean, 1) if stats else None,
+                  # the wait for the first token as a reader sees it (scoring the sources included),
+                  # and the engine's part of it (the prompt's prefill and the first check)
+                  "first_token_s": round(first_s or 0.0, 2), "ttft_s": round(stats.ttft_s, 2) if stats else None,
+                  "sources": turn.sources, "reread": turn.reread, "quotes": turn.quotes}
 
 
 def run_model(args, name: str, report: dict, save) -> None:
@@ -213,20 +225,23 @@ def run_model(args, name: str, report: dict, save) -> None:
             t0 = time.perf_counter()
             session = open_book(engine, name, doc_ids, args.snapshots)
             prefill_s = time.perf_counter() - t0
+            document = Document("Persuasion", text, "txt")
+            book = BookSession(engine, chat, Prepared(document, doc_ids, TokenMap(engine.tokenizer, text, len(doc_ids)),
+                                                      engine.max_context), session, "benchmark")
             for prompt_name in [p for p in args.prompts if PROMPTS[p].system == system]:
                 for setting in args.settings:
-                    rows = ask_all(args, engine, session, chat, questions(text, keys), setting, prompt_name, text)
+                    rows = ask_all(args, engine, book, questions(text, keys), setting, prompt_name, text)
                     report["runs"].append({"model": name, "draft": config.draft, "levels": config.levels,
                                            "yarn": args.yarn, "context": len(doc_ids), "setting": setting,
                                            "prompt": prompt_name, "seed": args.seed,
                                            "prefill_s": round(prefill_s, 1), "rows": rows,
                                            "peak_rss_mib": round(psutil.Process().memory_info().rss / 2**20)})
                     save()
-            del session
+            del session, book
 
 
-def ask_all(args, engine, session, chat, asked, setting: str, prompt_name: str, book: str) -> list[dict]:
-    """Every question of `asked` on the prefilled session, with the prompt variant's suffix."""
+def ask_all(args, engine, book_session: BookSession, asked, setting: str, prompt_name: str, book: str) -> list[dict]:
+    """Every question of `asked` on the prefilled book, with the prompt variant's suffix."""
     prompt, rows = PROMPTS[prompt_name], []
     index = PassageIndex(book) if prompt.passages else None  # once per book, not per question
     for i, (kind, question, keywords) in enumerate(asked):
@@ -235,13 +250,19 @@ def ask_all(args, engine, session, chat, asked, setting: str, prompt_name: str, 
         if index is not None:
             found = index.find(question.removesuffix(ONE_SENTENCE))
             asked_text = with_passages(asked_text, found, first=prompt.passages == "before")
-        text_out, timing = answer(session, chat, asked_text, sampling)
+        text_out, timing = answer(book_session, asked_text, sampling, prompt.reread)
         row = {"kind": kind, "question": question, "keys": keywords, "answer": text_out,
-               "right": is_right(text_out, keywords) if keywords else None, "loops": loops(text_out), **timing}
+               "right": is_right(text_out, keywords) if keywords else None, "loops": loops(text_out), **timing,
+               "source_hit": source_hit(timing["sources"], keywords) if keywords else None}
         rows.append(row)
         log(f"  {prompt_name:9} {setting:7} {kind:8} {'ok ' if row['right'] else '-- ' if keywords else '   '}"
             f"{'LOOP ' if row['loops'] else ''}{text_out[:100]!r}")
     return rows
+
+
+def source_hit(sources: list[dict], keys: tuple[str, ...], top: int = 3) -> bool:
+    """Whether one of the first `top` sources holds every key word (source recall)."""
+    return any(all(has_key(s["text"], k) for k in keys) for s in sources[:top])
 
 
 def score(rows: list[dict], kind: str) -> str:
@@ -255,7 +276,13 @@ def summary(run: dict) -> dict:
     keys = [r for r in run["rows"] if r["kind"] == "passkey"]
     tbts = [r["tbt_ms"] for r in run["rows"] if r["tbt_ms"]]
     facts = [r for r in run["rows"] if r["kind"] in ("fact", "held-out")]
+    asked = [r for r in run["rows"] if r.get("source_hit") is not None]
+    quotes = [q for r in run["rows"] for q in r.get("quotes", [])]
+    waits = [r["first_token_s"] for r in run["rows"] if r.get("first_token_s")]
     return {"facts": score(run["rows"], "fact"), "held_out": score(run["rows"], "held-out"),
+            "source_recall": f"{sum(r['source_hit'] for r in asked)}/{len(asked)}",
+            "quotes_real": f"{sum(q['start_char'] >= 0 for q in quotes)}/{len(quotes)}",
+            "first_token_s": sum(waits) / len(waits) if waits else 0.0,
             "passkeys": " ".join("✓" if r["right"] else "✗" for r in keys),
             "loops": sum(r["loops"] for r in run["rows"]), "answers": len(run["rows"]),
             "fact_tokens": sum(r["tokens"] for r in facts) / max(len(facts), 1),
@@ -264,14 +291,16 @@ def summary(run: dict) -> dict:
 
 def markdown(report: dict) -> str:
     lines = ["| model | levels | YaRN | context | setting | prompt | seed | facts right | held-out facts right "
-             "| pass keys 10/50/90% | looping answers | mean fact answer tokens | mean TBT ms | prefill s |",
-             "|---|---|---:|---:|---|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+             "| pass keys 10/50/90% | looping answers | mean fact answer tokens | mean TBT ms | prefill s "
+             "| source recall (top 3) | quotes in the book | mean s to first token |",
+             "|---|---|---:|---:|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for run in report["runs"]:
         s = summary(run)
         lines.append(f"| {run['model']} | `{run['levels']}` | {run['yarn']:g} | {run['context']:,} | {run['setting']} "
                      f"| {run['prompt']} | {run['seed']} | {s['facts']} | {s['held_out']} | {s['passkeys']} "
                      f"| {s['loops']}/{s['answers']} | {s['fact_tokens']:.1f} | {s['tbt_ms'] or 0:.0f} "
-                     f"| {run['prefill_s']:.0f} |")
+                     f"| {run['prefill_s']:.0f} | {s['source_recall']} | {s['quotes_real']} "
+                     f"| {s['first_token_s']:.1f} |")
     return "\n".join(lines)
 
 

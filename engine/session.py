@@ -42,7 +42,7 @@ from engine.memory import Workload, free_memory_bytes, resident_kv_layers
 from engine.model import Forward, QueryLog, Segment, Steps, Transformer, drive, run
 from engine.quant import is_quantized, quick_view
 from engine.sampling import Coins, GeneratorCoins
-from engine.sources import chunk_ranges, chunk_shares
+from engine.sources import chunk_ranges, contrast, layer_shares
 from engine.speculative import CheckingDrafter, GammaTuner, LevelStack, LevelStats, Scorer, shared_prefix
 
 Progress = Callable[[int, int], None]  # (tokens done, tokens total)
@@ -346,6 +346,7 @@ class Session:
         self.levels = engine.config.levels
         self.stack, self.level_stats, self.retrieval = engine.build_stack(full, self.query_log, self.levels)
         self.lock = threading.Lock()  # one answer at a time per session
+        self._neutral_shares: dict = {}  # score_document's neutral question: {(ids, start, end): [L, n]}
 
     @parallel.everywhere
     def set_levels(self, levels: str) -> None:
@@ -406,25 +407,35 @@ class Session:
         return len(self.stack.tokens)
 
     @parallel.everywhere
-    def score_document(self, question_ids: list[int], start: int, end: int) -> list[tuple[int, int, float]]:
+    def score_document(self, question_ids: list[int], start: int, end: int,
+                       neutral_ids: list[int]) -> list[tuple[int, int, float]]:
         """(start, end, share) of every chunk of document positions [start, end) (chunks of the
-        retrieval level's size): its share of the question's attention (engine/sources.py), for
-        any level stack. The question is run through the target for its queries and its KV is
-        dropped: the session, its query log and the answer asked next are as without this call.
-        Under tensor parallel: the heads of rank 0."""
-        if not question_ids:
+        retrieval level's size): how much more the question's attention reads it than the neutral
+        question's (engine/sources.py), for any level stack. Both are run through the target for
+        their queries and their KV is dropped: the session, its query log and the answer asked
+        next are as without this call. The neutral scores are kept per span. Under tensor
+        parallel: the heads of rank 0."""
+        if not question_ids or not neutral_ids:
             raise EmptyPrompt("question")
-        self.engine.check_ids(question_ids, "question", self.length)
         C = self.engine.config.retrieval.chunk_tokens
+        key = (tuple(neutral_ids), start, end)
+        if key not in self._neutral_shares:
+            self._neutral_shares = {key: self._layer_shares(neutral_ids, start, end)}
+        shares = contrast(self._layer_shares(question_ids, start, end), self._neutral_shares[key])
+        return chunk_ranges(shares, start, C)
+
+    def _layer_shares(self, ids: list[int], start: int, end: int):
+        """[L, n] attention of the last of `ids`, asked now, over the chunks of [start, end)."""
+        self.engine.check_ids(ids, "question", self.length)
         with self.lock:
             n_kept = self.full.length
-            log = QueryLog(self.engine.target.config.n_layers, len(question_ids))
+            log = QueryLog(self.engine.target.config.n_layers, 1)
             try:
-                self.engine.prefill(self.full, self.tokens[n_kept:] + question_ids, log)
+                self.engine.prefill(self.full, self.tokens[n_kept:] + ids, log)
             finally:  # slots past the length are stale: the next question writes its own
                 self.full.truncate(n_kept)
-            shares = chunk_shares(log.queries, self.full.k, start, min(end, n_kept), C)
-        return chunk_ranges(shares, start, C)
+            return layer_shares(log.queries, self.full.k, start, min(end, n_kept),
+                                self.engine.config.retrieval.chunk_tokens)
 
     @parallel.everywhere
     def truncate(self, length: int) -> None:

@@ -1,39 +1,58 @@
 """Where a question reads in the document: the sources of an answer, from the model's own attention.
 
-The document's chunks are scored with the question's post-RoPE queries over the full cache, by
-the retrieval level's rule (`score_chunks`, docs/ALGORITHM.md section 4: per layer and KV head, a
-softmax over chunks of q . mean_key / sqrt(D), summed over the group's queries), here summed over
-every layer and KV head and normalised, so each chunk gets its share of the question's attention.
-`Session.score_document` runs the question through the target to get its queries and then drops
-its KV, so the answer that follows is exactly the one asked without scoring. Turning chunks into
-passages of text (paragraphs, labels) is the app's (app/sources.py): the engine knows tokens only.
+The question is run through the target after the document; the query of its last position (the
+one whose output is the answer's first token) attends, in every layer and query head, over the
+document's keys in the full cache; each chunk of the document gets that attention's mass,
+normalised per layer (`layer_shares`). A book draws some attention whatever is asked (its
+opening, headings, punctuation), so the shares are contrasted with those of a neutral question
+(`contrast`): a chunk's share is how much more this question reads it. The retrieval level's own
+rule (`score_chunks`, mean keys) picked the passage that holds a fact less often, measured in
+benchmarks/RESULTS.md (issue 55). `Session.score_document` drops the questions' KV afterwards, so
+the answer is exactly the one asked without scoring. Turning chunks into passages of text is the
+app's (app/sources.py): the engine knows tokens only.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from engine.kv.retrieval import score_chunks
 
-
-def chunk_shares(queries: list[torch.Tensor | None], keys: torch.Tensor, start: int, end: int,
+def layer_shares(queries: list[torch.Tensor | None], keys: torch.Tensor, start: int, end: int,
                  chunk_tokens: int) -> torch.Tensor:
-    """Share of attention of each whole chunk of positions [start, end) (the last, partial one
-    left out): queries per layer [B, H, M, D]; keys [L, B, Hkv, S, D] (any device: a host copy
-    when offloaded). Returns [n] float, summing to 1 over the chunks (all zeros when n = 0)."""
-    C = chunk_tokens
+    """Attention of the last query over each whole chunk of positions [start, end) (the last,
+    partial chunk left out), per layer: queries per layer [B, H, M, D] (post-RoPE, the last one
+    used); keys [L, B, Hkv, S, D] (any device: read a layer at a time). The softmax runs over the
+    chunks' positions only. Returns [L, n] float64, each row summing to 1 (zeros where n = 0)."""
+    C, L = chunk_tokens, len(queries)
     n = max(0, end - start) // C
-    total = torch.zeros(n, dtype=torch.float64)
+    shares = torch.zeros(L, n, dtype=torch.float64)
     if n == 0:
-        return total
+        return shares
     for layer_idx, q in enumerate(queries):
         if q is None:
             continue
-        region = keys[layer_idx, :, :, start:start + n * C]  # [B, Hkv, n*C, D]
-        total += score_chunks(q, region, C).sum((0, 1)).double().cpu()  # [n]
+        B, H, _, D = q.shape
+        k = keys[layer_idx, :, :, start:start + n * C].to(q.device)  # [B, Hkv, n*C, D]
+        Hkv = k.shape[1]
+        dtype = torch.promote_types(k.dtype, torch.float32)
+        last = q[:, :, -1].reshape(B, Hkv, H // Hkv, D).to(dtype)  # [B, Hkv, G, D]
+        p = (last @ k.to(dtype).transpose(-1, -2) / math.sqrt(D)).softmax(-1)  # [B, Hkv, G, n*C]
+        mass = p.reshape(B, Hkv, H // Hkv, n, C).sum((0, 1, 2, 4)).double().cpu()  # [n]
+        shares[layer_idx] = mass / mass.sum()
+    return shares
+
+
+def contrast(shares: torch.Tensor, neutral: torch.Tensor) -> torch.Tensor:
+    """[n] share of each chunk: what the question ([L, n] `layer_shares`) reads more than the
+    neutral question does, summed over layers and normalised; the question's own shares where it
+    reads nothing more (e.g. it is the neutral question)."""
+    excess = (shares - neutral).clamp(min=0).sum(0)  # [n]
+    total = excess if excess.sum() > 0 else shares.sum(0)
     return total / total.sum() if total.sum() > 0 else total
 
 
 def chunk_ranges(shares: torch.Tensor, start: int, chunk_tokens: int) -> list[tuple[int, int, float]]:
-    """(start, end, share) of every chunk, in document order: shares [n] from `chunk_shares`."""
+    """(start, end, share) of every chunk, in document order: shares [n] from `contrast`."""
     return [(start + i * chunk_tokens, start + (i + 1) * chunk_tokens, s) for i, s in enumerate(shares.tolist())]
