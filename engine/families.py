@@ -257,6 +257,38 @@ def fix_gguf_config(hf, reader) -> None:
         if get("rope.scaling.attn_factor") is not None:
             hf.rope_parameters["attention_factor"] = get("rope.scaling.attn_factor")
         hf.original_max_position_embeddings = original
+    divisors = next((t.data.tolist() for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if family in ("llama", "mistral") and divisors is not None:
+        hf.rope_parameters = _llama3_rope(hf, divisors)
+        if hf.rope_parameters is None:
+            raise UnsupportedModel(f"A GGUF of architecture {arch!r}", "its rope_freqs tensor is none of Llama 3's "
+                                   "RoPE scalings")
+
+
+# Llama 3.x's RoPE scaling, which llama.cpp stores as per-frequency divisors (rope_freqs): the
+# (factor, low_freq_factor, high_freq_factor, original context) of the released models
+LLAMA3_ROPES = ((8.0, 1.0, 4.0, 8192), (32.0, 1.0, 4.0, 8192), (16.0, 1.0, 4.0, 8192))
+
+
+def _llama3_rope(hf, divisors: list[float]) -> dict | None:
+    """The llama3 rope_parameters whose frequencies are the base ones over `divisors`, or None."""
+    import copy
+
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    base = 1.0 / hf.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # [D/2]
+    want = base / torch.tensor(divisors, dtype=torch.float64)
+    for factor, low, high, original in LLAMA3_ROPES:
+        candidate = copy.copy(hf)
+        candidate.rope_parameters = {**hf.rope_parameters, "rope_type": "llama3", "factor": factor,
+                                     "low_freq_factor": low, "high_freq_factor": high,
+                                     "original_max_position_embeddings": original}
+        got, _ = ROPE_INIT_FUNCTIONS["llama3"](candidate, "cpu")
+        if got.shape == want.shape and torch.allclose(got.double(), want, rtol=1e-5, atol=0):
+            return candidate.rope_parameters
+    return None
 
 
 def check_gguf(path: Path, fields: dict, tensors, family: str) -> tuple[str, ...]:
@@ -272,7 +304,7 @@ def check_gguf(path: Path, fields: dict, tensors, family: str) -> tuple[str, ...
         if key.startswith(f"{arch}.") and key.removeprefix(f"{arch}.") not in GGUF_KNOWN_KEYS:
             raise UnsupportedModel(what, f"its metadata {key}={fields[key]!r} is not one the loader handles")
     for t in tensors:
-        is_rope_factors = family == "phi3" and t.name in ROPE_FACTOR_TENSORS
+        is_rope_factors = t.name in ROPE_FACTOR_TENSORS.get("llama" if family == "mistral" else family, ())
         if gguf_tensor_name(t.name, family) is None and not is_rope_factors:
             raise UnsupportedModel(what, f"its tensor {t.name} would go unused")
     plain = ("F32", "F16", "BF16")

@@ -240,7 +240,9 @@ _FAMILY_MODULES = {
 }
 
 
-ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's LongRoPE
+# RoPE scalings llama.cpp stores as tensors, read into the config (engine/families.py fix_gguf_config)
+ROPE_FACTOR_TENSORS = {"phi3": ("rope_factors_long.weight", "rope_factors_short.weight"),  # LongRoPE
+                       "llama": ("rope_freqs.weight",)}  # Llama 3.x
 
 
 def gguf_tensor_name(gguf_name: str, family: str) -> str | None:
@@ -290,7 +292,7 @@ def read_gguf_tensors(gguf_path: Path, header: Path, hf_config,
     n_kv_heads = getattr(hf_config, "num_key_value_heads", None) or n_heads
     tensors = {}
     for t in json.loads((header / "tensors.json").read_text()):
-        if t["name"] in ROPE_FACTOR_TENSORS:  # read into the config (families.fix_gguf_config)
+        if t["name"] in ROPE_FACTOR_TENSORS.get("llama" if is_llama else family, ()):  # read into the config
             continue
         name, qtype = _hf_name(t["name"], family), t["type"]
         data = file[t["offset"]:t["offset"] + t["n_bytes"]].view(np.dtype(t["dtype"])).reshape(t["shape"])

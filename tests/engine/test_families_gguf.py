@@ -30,8 +30,10 @@ pytestmark = pytest.mark.skipif(cpu_quant_kernel() is None, reason="engine/csrc/
 
 ARCHS = {"llama": MODEL_ARCH.LLAMA, "qwen2": MODEL_ARCH.QWEN2, "qwen3": MODEL_ARCH.QWEN3, "mistral": MODEL_ARCH.LLAMA,
          "mistral-window": MODEL_ARCH.LLAMA, "gemma2": MODEL_ARCH.GEMMA2, "gemma3": MODEL_ARCH.GEMMA3,
-         "phi3": MODEL_ARCH.PHI3, "phi3-longrope": MODEL_ARCH.PHI3}
-FAMILIES = ["qwen3", "mistral", "mistral-window", "gemma2", "gemma3", "phi3", "phi3-longrope", "llama"]
+         "phi3": MODEL_ARCH.PHI3, "phi3-longrope": MODEL_ARCH.PHI3, "llama3": MODEL_ARCH.LLAMA}
+FAMILIES = ["qwen3", "mistral", "mistral-window", "gemma2", "gemma3", "phi3", "phi3-longrope", "llama", "llama3"]
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192, "rope_theta": 500000.0}  # Llama 3.1's
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +56,22 @@ def gguf_hf(family: str, seed: int = 0):
     if family == "phi3-longrope":  # a factor per frequency of head_dim 64
         fields["rope_parameters"] = LONGROPE | {"long_factor": [1.0 + i / 16 for i in range(32)],
                                                 "short_factor": [1.0 + i / 64 for i in range(32)]}
+    if family == "llama3":
+        return tiny_hf("llama", seed=seed, rope=LLAMA3_ROPE, **fields)
     return tiny_hf(family, seed=seed, **fields)
+
+
+def llama_cpp_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
+    """The per-frequency divisors llama.cpp's converter writes as rope_freqs for a llama3 RoPE."""
+    base, factor, low, high = rope["rope_theta"], rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    divisors = []
+    for freq in 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim):
+        wavelen = 2 * np.pi / freq
+        smooth = (old / wavelen - low) / (high - low)
+        divisors.append(1 if wavelen < old / high else factor if wavelen > old / low
+                        else 1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)
 
 
 def permute(rows: np.ndarray, n_heads: int) -> np.ndarray:
@@ -98,6 +115,8 @@ def write_metadata(writer: GGUFWriter, family: str, config) -> None:
         for kind in ("long", "short"):
             factors = np.array(config.rope_parameters[f"{kind}_factor"], dtype=np.float32)
             writer.add_tensor(f"rope_factors_{kind}.weight", factors)
+    if family == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(config.rope_parameters, head_dim))
     writer.add_pad_token_id(0)
     writer.add_tokenizer_model("gpt2")
     tokens = [chr(0x100 + i) for i in range(config.vocab_size - 1)] + [chr(0x100) + chr(0x101)]  # one merge
@@ -279,3 +298,14 @@ def test_the_dequantized_copy_of_a_gguf_keeps_what_transformers_reader_drops(fam
     assert model.config.head_dim == 64 and model.config.final_softcap == (30 if family == "gemma2" else None)
     want = hf(IDS).logits
     assert torch.allclose(logits(model, IDS), want, atol=0.05 * float(want.abs().max()), rtol=0)
+
+
+def test_a_rope_freqs_tensor_of_no_llama_3_scaling_is_refused(tmp_path, monkeypatch):
+    import tests.engine.test_families_gguf as this
+
+    monkeypatch.setattr(this, "llama_cpp_rope_freqs", lambda rope, head_dim: np.linspace(1, 3, head_dim // 2,
+                                                                                         dtype=np.float32))
+    path = tmp_path / "llama3.gguf"
+    write_gguf(gguf_hf("llama3"), "llama3", path, "Q8_0")
+    with pytest.raises(UnsupportedModel, match="rope_freqs"):
+        load_model(str(path), torch.float32, torch.device("cpu"))
