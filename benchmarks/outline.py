@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from app.documents import load_document
-from app.outline import CHAPTER_PROMPT, Prompter, SummaryCache, new_outline
+from app.outline import BOOK_PROMPT, CHAPTER_PROMPT, Prompter, SummaryCache, new_outline
 from app.outline_worker import OutlineWorker
 from benchmarks.longctx import machine
 from benchmarks.quality import loops
@@ -80,15 +80,28 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+TITLES = frozenset(("Mr", "Mrs", "Miss", "Lady", "Sir", "Lord", "Captain", "Colonel", "Admiral", "Dr"))
+
+
 def names(text: str) -> Counter:
-    """Capitalized words seen after a lower-case word or a comma: names, mostly."""
-    found = re.findall(r"(?<=[a-z,;] )([A-Z][a-z]+(?:'s)?)", text)
-    return Counter(w.removesuffix("'s") for w in found if w.removesuffix("'s") not in NOT_NAMES)
+    """Capitalized words after a lower-case word, a comma or a title ("Mr. Bennet"), not after a
+    sentence's end: names, mostly (places too: Kellynch, Bath)."""
+    found, tokens = Counter(), text.split()
+    for before, token in zip(tokens, tokens[1:]):
+        word = re.match(r"[\"'(]*([A-Z][a-z]+)", token)
+        if word is None or word[1] in NOT_NAMES:
+            continue
+        is_title = before.rstrip(".") in TITLES
+        if before[-1:].islower() or before[-1:] in (",", ";") or is_title:
+            found[word[1]] += 1
+    return found
 
 
-def quality(chapter: str, summary: str, top: int = 5) -> dict:
+def quality(chapter: str, summary: str, prompt: str, top: int = 5) -> dict:
+    """Of the chapter's `top` most frequent names (3 times at least), those the summary has; the
+    summary's names the chapter never has (nor the prompt: "the story from beginning to end")."""
     frequent = [w for w, n in names(chapter).most_common(top) if n >= 3]
-    words = set(re.findall(r"[A-Za-z]+", chapter))
+    words = set(re.findall(r"[A-Za-z]+", chapter)) | {w.capitalize() for w in re.findall(r"[a-z]+", prompt.lower())}
     made_up = sorted({w for w in names(summary) if w not in words})
     return {"names": frequent, "n_recalled": sum(w in summary for w in frequent), "made_up": made_up,
             "loops": loops(summary)}
@@ -111,14 +124,14 @@ def app_outline(engine: Engine, prompter: Prompter, document, args) -> tuple[dic
     for t in outline.rows:
         per_chapter.append({"label": t.label, "n_prompt_tokens": t.n_prompt_tokens,
                             "n_answer_tokens": t.n_answer_tokens, "summary": t.summary,
-                            **quality(t.text, t.summary or "")})
+                            **quality(t.text, t.summary or "", CHAPTER_PROMPT)})
     book = outline.passes[-1][0] if outline.passes else None
     return {"n_chapters": len(outline.rows), "total_s": round(total_s, 1),
             "s_per_chapter": round(total_s / max(1, len(outline.rows)), 1), "batch": args.batch,
             "levels": engine.config.levels, "n_rounds": worker.n_rounds,
             "mean_batch": round(worker.batcher.n_segments / max(1, worker.batcher.n_forwards), 2),
             "n_passes": len(outline.passes), "book_summary": book and book.summary,
-            "book_summary_quality": book and quality(document.text, book.summary or ""),
+            "book_summary_quality": book and quality(document.text, book.summary or "", BOOK_PROMPT),
             "chapters": per_chapter}, [t.text for t in outline.rows]
 
 
