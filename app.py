@@ -40,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-chars", type=int, default=Limits.max_chars, help="largest extracted text, in characters")
     p.add_argument("--max-tokens", type=int, default=None, help="largest document, in tokens (default: context)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="default answer length (a summary needs ~400)")
+    p.add_argument("--no-outline", action="store_true", help="do not outline uploaded books chapter by chapter "
+                   "in the background (the engine then idles between questions)")
     p.add_argument("--api", action="store_true", help="also serve an OpenAI-compatible API at /v1")
     p.add_argument("--api-key", default=None, help="the API's bearer key (with --auth/--share one is generated)")
     p.add_argument("--backend", default="engine", choices=("engine", "openai"),
@@ -96,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     catalog = Catalog(args.models_dir, Path(args.library))  # the models already on this machine
     catalog.search()  # their headers are read in the background; the picker lists them as they come
     app = App(engine, Library(args.library), limits, args.max_tokens, args.max_new_tokens,
-              private=args.share or args.private, max_open_books=args.max_open_books, catalog=catalog)
+              private=args.share or args.private, max_open_books=args.max_open_books, catalog=catalog,
+              outline=not args.no_outline)
     api = None
     if args.api:
         from app.api import api_key, chat_api

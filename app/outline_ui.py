@@ -22,6 +22,7 @@ from app.library import model_fingerprint
 from app.outline import Outline, Prompter, SummaryCache, new_outline, outline_markdown
 from app.outline_worker import OutlineWorker
 from app.speeds import duration
+from engine.parallel import Leader
 
 if TYPE_CHECKING:
     from app.ui import App, User
@@ -47,8 +48,8 @@ class Outlines:
         """A (new) engine: outlines under way stop, saying so; Resume makes them with this model."""
         if self.worker is not None:
             self.worker.close()
-        self.worker = None
-        if getattr(engine, "is_remote", False):  # the server owns the model: no outline here
+        self.worker, self.off = None, off_reason(self.app, engine)
+        if self.off:
             return
         self.worker = OutlineWorker(engine, Prompter(self.app.chat), self.cache, is_busy=self._readers_first)
         self.model = model_fingerprint(engine)
@@ -74,6 +75,11 @@ class Outlines:
         self.by_user[id(user)], self.documents[id(user)] = outline, document
         self.worker.start(outline)
 
+    def close(self) -> None:
+        """The app stops: the round under way ends; finished summaries are already in the library."""
+        if self.worker is not None:
+            self.worker.close("the app stopped")
+
     def forget(self, user: User) -> None:
         outline = self.by_user.pop(id(user), None)
         self.documents.pop(id(user), None)
@@ -86,7 +92,7 @@ class Outlines:
         user = self.app.user(request)
         outline = self.by_user.get(id(user))
         if outline is None:
-            return gr.update(value=NO_OUTLINE), gr.skip()
+            return gr.update(value=self.off or NO_OUTLINE), gr.skip()
         seen = (id(outline), outline.version)
         rows = gr.skip() if self.shown.get(id(user)) == seen else render_rows(outline)
         self.shown[id(user)] = seen
@@ -153,6 +159,18 @@ class Outlines:
 
 
 NO_OUTLINE = "Upload a book: its outline, chapter by chapter, is made here in the background."
+
+
+def off_reason(app: App, engine) -> str:
+    """Why no outline is made in the background with `engine` ("": one is)."""
+    if not app.outline:
+        return "Outlines are off (`--no-outline`): summarize a book that fits with **Summarize the book**."
+    if isinstance(engine, Leader):  # every rank must run the same rounds
+        return ("Outlines are not made under tensor parallel yet (the ranks run the readers' rounds in step). "
+                "With one GPU, or on the CPU, the outline is made in the background.")
+    if getattr(engine, "is_remote", False):  # the server owns the model and its time
+        return "Outlines are made with the local engine only, not through a remote server."
+    return ""
 
 
 def render_rows(outline: Outline) -> str:

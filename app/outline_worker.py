@@ -12,9 +12,11 @@ of the rounds it ran in) gives the ETA, and is kept per model for the next book.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -24,6 +26,8 @@ from engine.config import SamplingConfig
 from engine.session import Engine, Event, Session
 
 POLL_S = 0.1  # how often a paused or idle worker looks again: well under a person's reaction
+CLOSE_S = 30.0  # the longest a close waits for the round under way (one packed forward)
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # workers with a thread: stopped before the interpreter exits
 
 
 @dataclass
@@ -74,6 +78,7 @@ class OutlineWorker:
         self.wake.set()
         if background and (self.thread is None or not self.thread.is_alive()):
             self.thread = threading.Thread(target=self._loop, name="outline-worker", daemon=True)
+            _LIVE.add(self)
             self.thread.start()
 
     def cancel(self, outline: Outline, why: str = "cancelled") -> None:
@@ -87,12 +92,16 @@ class OutlineWorker:
         if not outline.is_complete:
             outline.stopped, outline.version = why, outline.version + 1
 
-    def close(self) -> None:
-        """Stop every outline (the model changed, the app stops) and the thread."""
+    def close(self, why: str = "the model changed", wait_s: float = CLOSE_S) -> None:
+        """Stop every outline (the model changed, the app stops) and the thread, waiting for the
+        round under way: a thread left inside a forward at exit aborts the process."""
         for outline in list(self.outlines):
-            self.cancel(outline, "the model changed")
+            self.cancel(outline, why)
         self.closed = True
         self.wake.set()
+        thread = self.thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(wait_s)
 
     def _loop(self) -> None:
         while not self.closed:
@@ -207,3 +216,10 @@ class OutlineWorker:
         busy = {id(run.task): run.busy_s for run in self.runs.values()}
         return sum(max(0.0, rate * t.n_prompt_tokens - busy.get(id(t), 0.0)) for t in outline.rows
                    if t.state in ("waiting", "running"))
+
+
+@atexit.register
+def _close_all() -> None:
+    """At exit (also a test run's): every worker's round ends before the interpreter goes."""
+    for worker in list(_LIVE):
+        worker.close("the app stopped", wait_s=5.0)

@@ -28,7 +28,9 @@ def machine_of(engine) -> Machine:
     from engine.memory import free_memory_bytes
     from engine.quant import KERNEL_TYPES
 
-    device, dtype = getattr(engine, "device", torch.device("cpu")), getattr(engine, "dtype", torch.float32)
+    device, dtype = torch.device("cpu"), torch.float32
+    if not getattr(engine, "is_remote", False):  # a remote server's device is not this machine's
+        device, dtype = engine.device, engine.dtype
     on_cpu = device.type == "cpu"
     memory = psutil.virtual_memory().total if on_cpu else free_memory_bytes(device)
     # a CPU in float32 or bfloat16 keeps these types' blocks where the kernel builds (AVX2: every x86 here)

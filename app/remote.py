@@ -131,7 +131,8 @@ class RemoteBook(BookSession):
                 stream.close()  # a closed connection stops the answer on the server
         yield answer, reason or "stop", clock
 
-    def ask(self, question: str, sampling: SamplingConfig, cancel=None) -> Iterator[Update]:
+    def ask(self, question: str, sampling: SamplingConfig, cancel=None, reread: bool = False) -> Iterator[Update]:
+        """`reread` is ignored: a server's answer gives no attention over the book, so no sources."""
         if not (question := question.strip()):
             raise EmptyPrompt("question")
         turn = Turn(question)

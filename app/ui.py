@@ -45,7 +45,7 @@ from engine.session import Engine
 LONG_PREFILL_S = 120  # past this, a prefill's estimate names the faster model
 # An answer's view (chat, metrics, plot) is redrawn at most this often, the tokens in between shown
 # with the next redraw: the browser's work at every token took a core from decoding on 2 cores
-# (the 1.5B at 7K in Chromium: 98-132 ms a token redrawn every token, 78-112 every 0.25 s; RESULTS).
+# (measured: benchmarks/history/2026-11-results.md, "redraws every 0.25 s").
 REDRAW_EVERY_S = 0.25
 # the sampling settings after the level stack, in the order of the `ask` API's inputs
 SAMPLING_FIELDS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -75,7 +75,7 @@ def _picked(pending: Prepared, picked: list[str]) -> Document:
 class App:
     def __init__(self, engine: Engine, library: Library | None, limits: Limits | None = None,
                  max_tokens: int | None = None, max_new_tokens: int = 256, private: bool = False,
-                 max_open_books: int = 4, catalog: Catalog | None = None):
+                 max_open_books: int = 4, catalog: Catalog | None = None, outline: bool = True):
         self.engine, self.library = engine, library
         self.catalog = catalog  # the models found on this machine (app/catalog.py); None: packaged ones only
         self.chat = PlainChatFormat(engine.tokenizer, end_ids=engine.end_ids)
@@ -88,6 +88,7 @@ class App:
         self.batcher = Batcher(max_active=max_open_books)
         self.jobs: set[threading.Thread] = set()  # readings and prefills under way (`close` waits for them)
         self.reading_ids: set[str] = set()  # books being read now: not removed meanwhile
+        self.outline = outline  # books outlined chapter by chapter in the background (`--no-outline`: not)
         self.outlines = Outlines(self)  # every reader's outline, made while the engine is idle (issue 56)
 
     def user(self, request: gr.Request) -> User:
@@ -116,11 +117,11 @@ class App:
     def close(self, timeout_s: float = 120.0) -> None:
         """The app is shutting down: stop every reading under way and wait for it to save what it
         read (app/library.py), so the book reads on from there next time."""
-        if not self.jobs:
-            return
-        say("Saving the reading under way, so it goes on from there next time (Ctrl-C again: quit now) …")
-        for user in list(self.users.values()):
-            user.cancel.set()
+        if self.jobs:
+            say("Saving the reading under way, so it goes on from there next time (Ctrl-C again: quit now) …")
+            for user in list(self.users.values()):
+                user.cancel.set()
+        self.outlines.close()  # its round under way ends; its finished summaries are in the library
         deadline = time.monotonic() + timeout_s
         for job in list(self.jobs):
             job.join(max(0.0, deadline - time.monotonic()))

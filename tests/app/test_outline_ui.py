@@ -21,7 +21,7 @@ from tests.conftest import tiny_engine
 def app(monkeypatch):
     monkeypatch.setattr(outline_ui, "Prompter", lambda chat: CharPrompter())  # no tokenizer in a tiny model
     user = SimpleNamespace()
-    fake = SimpleNamespace(engine=tiny_engine("ngram>full"), chat=None, library=None,
+    fake = SimpleNamespace(engine=tiny_engine("ngram>full"), chat=None, library=None, outline=True,
                            batcher=Batcher(background=False), jobs={"a book being read"}, user=lambda request: user)
     fake.outlines = Outlines(fake)
     fake.me = user
@@ -57,3 +57,27 @@ def test_export_writes_the_outline_as_markdown(app):
     text = Path(update["value"]).read_text(encoding="utf-8")
     assert text.startswith("# Book\n\n## Outline\n\n### Chapter 1\n\n*(not summarized yet)*")
     assert app.outlines.markdown(None) == text
+
+
+def test_no_outline_when_turned_off_or_under_tensor_parallel(app):
+    from engine.parallel import Leader
+
+    app.outline = False
+    app.outlines.use(app.engine)
+    app.outlines.start(app.me, book())
+    assert app.outlines.worker is None and app.me not in app.outlines.by_user.values()
+    assert "Outlines are off (`--no-outline`)" in app.outlines.refresh(None)[0]["value"]
+    app.outline = True
+    app.outlines.use(object.__new__(Leader))  # rank 0 of a tensor-parallel engine (not started)
+    assert app.outlines.worker is None and "tensor parallel" in app.outlines.refresh(None)[0]["value"]
+    app.outlines.use(app.engine)
+    assert app.outlines.worker is not None and app.outlines.off == ""
+
+
+def test_close_ends_the_worker_thread(app):
+    app.jobs.clear()  # nothing read now: the worker runs
+    app.outlines.start(app.me, book())
+    worker = app.outlines.worker
+    assert worker.thread.is_alive()
+    app.outlines.close()
+    assert not worker.thread.is_alive() and worker.closed

@@ -32,10 +32,15 @@ def chat_model_dir(tmp_path_factory):
 
 
 def chat_through_the_handlers(engine, tmp_path) -> list:
-    app = make_app(engine, tmp_path / "library")
+    app = make_app(engine, tmp_path / "library", outline=True)  # one process: outlined beside the answers
     req = request("reader")
     status = last(app, run(app.load_book(str(write_book(tmp_path, n_chars=1500)), "", req)), "status")
     assert "Ready" in status, status
+    outline_status = app.outlines.refresh(req)[0]  # the progress line, or an update with the reason there is none
+    outline_status = outline_status if isinstance(outline_status, str) else outline_status["value"]
+    is_parallel = isinstance(engine, parallel.Leader)  # the ranks run one batch in step: no outline there
+    assert ("not made under tensor parallel" in outline_status) == is_parallel, outline_status
+    assert (app.outlines.worker is None) == is_parallel
     settings = (0.0, 1.0, 12, 0, LEVELS)
     metrics = last(app, run(app.ask("Who is Sir Walter?", [], *settings, req)), "metrics")
     assert "done" in metrics, metrics
@@ -49,6 +54,7 @@ def chat_through_the_handlers(engine, tmp_path) -> list:
     assert "restored from the saved snapshot" in status, status
     last(app, run(app.ask("Who is Sir Walter?", [], *settings, other)), "metrics")
     assert not [p for p in (tmp_path / "library").rglob("*") if ".rank" in p.name or ".tmp" in p.name]
+    app.close()
     return turns + [(t.question, t.ids) for t in app.users["second"].book.turns]
 
 

@@ -35,11 +35,16 @@ def test_without_flash_attn_cuda_falls_back_to_sdpa_and_says_so_once(no_flash_at
 
 def test_flash_attn_when_importable_on_cuda_only(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", type(sys)("flash_attn"))  # a stand-in module
+    capability = {"sm": (8, 9)}  # an RTX 4090; a CPU-only torch cannot ask a GPU
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["sm"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
     attention.has_flash_attn.cache_clear()
     try:
         assert pick_attention(CUDA) is flash_attention
         assert pick_attention(CUDA, use_flash_attn=False) is sdpa_attention
         assert pick_attention(torch.device("cpu")) is sdpa_attention
+        capability["sm"] = (7, 5)  # a T4: flash-attn 2 does not run there
+        assert pick_attention(CUDA) is sdpa_attention
     finally:
         attention.has_flash_attn.cache_clear()
 
@@ -121,3 +126,17 @@ def test_segments_carry_whether_their_tail_is_a_tree():
         cache.truncate(20)
     assert all(said == actual for said, actual in seen)
     assert any(said for said, _ in seen) and not all(said for said, _ in seen)
+
+
+def test_the_gpu_install_lines_are_ones_pip_can_run():
+    """Issue 54 row 5: flash-attn is an sdist whose isolated build fails ("No module named torch"),
+    so `pip install -r requirements-gpu.txt` must not ask for it; the README gives the command that
+    builds it against the installed torch, the same one requirements-gpu.txt names."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    lines = [line.split("#")[0].strip() for line in (root / "requirements-gpu.txt").read_text().splitlines()]
+    assert not [line for line in lines if line.lower().startswith("flash")], "flash-attn in the -r install"
+    assert "-r requirements.txt" in lines
+    command = "pip install flash-attn==2.8.3.post2 --no-build-isolation"
+    assert command in (root / "requirements-gpu.txt").read_text() and command in (root / "README.md").read_text()

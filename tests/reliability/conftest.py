@@ -79,6 +79,7 @@ def make_app(engine, library_root: Path | None, **kwargs):
     from app.library import Library
     from app.ui import App
 
+    kwargs.setdefault("outline", False)  # these tests count prefills and memory: no background outline
     app = App(engine, Library(library_root) if library_root else None, **kwargs)
     app.demo = app.build()
     return app

@@ -81,7 +81,8 @@ def test_stop_during_an_answer_frees_the_engine_within_one_step(app, tmp_path, s
     updates = answering.join(10)
     assert slow.n_calls - at_stop <= 1  # the forward in flight, then nothing (ngram>full: one per step)
     assert "stopped" in last(app, updates, "metrics")
-    assert last(app, updates, "chatbot")[-1]["content"].endswith("*(stopped)*")
+    shown = last(app, updates, "chatbot")[-1]["content"]
+    assert shown.split("\n\n**Sources:**")[0].endswith("*(stopped)*"), shown  # the answer, then its sources
     assert book.turns[-1].finish_reason == "cancelled" and not book.session.lock.locked()
     assert "done" in last(app, run(app.ask("Who is Anne?", [], 0.0, 1.0, 4, 0, LEVELS, req)), "metrics")
 

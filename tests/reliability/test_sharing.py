@@ -37,8 +37,8 @@ from tests.reliability.conftest import (
 
 # app/ui.py's `loading` and `answering` outputs as the API returns them (buttons and groups left out)
 LOADING = ["status", "upload", "first_n", "pick", "chatbot", "metrics", "plot", "reading", "chapter", "title", "models",
-           "books", "chats"]
-ANSWERING = ["msg", "chatbot", "metrics", "plot", "reading", "books", "chats"]
+           "books", "chats", "sources"]
+ANSWERING = ["msg", "chatbot", "metrics", "plot", "reading", "books", "chats", "sources"]
 
 
 def args(*argv: str) -> argparse.Namespace:
