@@ -222,4 +222,4 @@ class OutlineWorker:
 def _close_all() -> None:
     """At exit (also a test run's): every worker's round ends before the interpreter goes."""
     for worker in list(_LIVE):
-        worker.close("the app stopped", wait_s=5.0)
+        worker.close("the app stopped")

@@ -205,7 +205,8 @@ class Attention(nn.Module):
         self.window = cfg.sliding_window
         self.scale = cfg.query_scale or cfg.head_dim ** -0.5
         # SDPA and the kernels scale by head_dim ** -0.5: a Gemma query is pre-scaled to its own scale
-        self.q_factor = self.scale * cfg.head_dim ** 0.5
+        # (exactly 1 otherwise: head_dim ** -0.5 * head_dim ** 0.5 is 1 + 2e-16 for 128, one more op a layer)
+        self.q_factor = 1.0 if cfg.query_scale is None else self.scale * cfg.head_dim ** 0.5
         self.attend = sdpa_attention  # replaced once by Transformer.set_attention
         self.kernel = None  # engine/csrc/attention_cpu.cpp's RoPE, for a float32 or bf16 model on CPU (set_attention)
 
