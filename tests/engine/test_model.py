@@ -193,3 +193,16 @@ def test_the_query_log_keeps_only_its_queries_not_the_chunks():
     held = sum(q.untyped_storage().nbytes() for q in log.queries)
     assert all(q.shape == (1, c.n_heads, M, c.head_dim) for q in log.queries)
     assert held == query_log_bytes(c, M, 8) == c.n_layers * c.n_heads * M * c.head_dim * 8  # not 512 queries
+
+
+def test_queries_are_not_rescaled_without_a_query_scale_of_the_model():
+    """head_dim ** -0.5 * head_dim ** 0.5 is 1 + 2e-16 at 128: computed so, every layer of every
+    model multiplied its queries once more (the 1.5B decoded 1.12x slower, benchmarks/RESULTS.md 9)."""
+    from engine.config import ModelConfig
+    from engine.model import Attention
+
+    shapes = dict(n_layers=1, dim=256, n_heads=2, n_kv_heads=1, head_dim=128, intermediate=8, vocab_size=8,
+                  rms_eps=1e-6, has_qkv_bias=False, has_tied_embeddings=False, max_positions=64)
+    assert Attention(ModelConfig(**shapes)).q_factor == 1.0
+    gemma = Attention(ModelConfig(**shapes, is_gemma=True, query_scale=256 ** -0.5))
+    assert gemma.q_factor == pytest.approx((128 / 256) ** 0.5) and gemma.scale == 256 ** -0.5
