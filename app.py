@@ -73,11 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     from app.session import load_engine
     from app.ui import App
     from engine import models
-    from engine.config import EngineError, engine_config
+    from engine.config import EngineError, apply_threads, engine_config
 
-    if args.threads:  # on 2 shared cores, 1 thread can be many times faster than spinning OpenMP threads
-        import torch
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     started = time.perf_counter()
     try:
         config = engine_config(args)

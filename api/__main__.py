@@ -29,18 +29,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import torch
     import uvicorn
     from starlette.applications import Starlette
 
     from api.server import ChatAPI, Fixed, interrupt_on_termination
     from engine.batch import Batcher
     from engine.chat import ChatFormat
-    from engine.config import EngineError, engine_config
+    from engine.config import EngineError, apply_threads, engine_config
     from engine.session import Engine
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     try:
         engine = Engine.load(engine_config(args))
     except (EngineError, ValueError, OSError) as error:

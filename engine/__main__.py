@@ -13,11 +13,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from engine import parallel
 from engine.chat import ChatFormat
-from engine.config import EngineError, SamplingConfig, add_engine_args, engine_config
+from engine.config import EngineError, SamplingConfig, add_engine_args, apply_threads, engine_config
 from engine.session import Engine, Stats
 
 SAMPLING_FLAGS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
@@ -79,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "selftest":
         return selftest(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     try:
         engine = Engine.load(engine_config(args))
         given = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}

@@ -330,3 +330,31 @@ def test_the_stacks_own_time_per_token_leaves_out_the_callers(monkeypatch):
     top = stats.levels[-1]
     assert top.n_checks == 6 and top.n_alone == 5  # plain's steps after the first are its baseline
     assert stats.plain_ms == pytest.approx(1000 * top.alone_s / 5) and stats.plain_ms > 0  # the real clock's
+
+
+def test_the_threads_flag_means_the_same_in_every_entry_point():
+    """app.py, `python -m engine` and `python -m api` share the engine's flags and `apply_threads`."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    from api.__main__ import parse_args as api_args
+    from engine.__main__ import parse_args as engine_args
+    from engine.config import add_engine_args, apply_threads
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    before = torch.get_num_threads()
+    try:
+        apply_threads(p.parse_args([]))  # 0: torch's default, untouched
+        assert torch.get_num_threads() == before
+        apply_threads(p.parse_args(["--threads", "1"]))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    spec = importlib.util.spec_from_file_location("app_main", Path(__file__).resolve().parents[2] / "app.py")
+    app_entry = importlib.util.module_from_spec(spec)  # app.py (`import app` is the app/ package)
+    spec.loader.exec_module(app_entry)
+    generate = ["generate", "--file", "b.txt", "--question", "q"]
+    for parse in (app_entry.parse_args, api_args, lambda argv: engine_args([*generate, *argv])):
+        assert parse(["--threads", "3"]).threads == 3 and parse([]).threads == 0
