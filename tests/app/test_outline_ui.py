@@ -65,7 +65,7 @@ def test_no_outline_when_turned_off_or_under_tensor_parallel(app):
     app.outline = False
     app.outlines.use(app.engine)
     app.outlines.start(app.me, book())
-    assert app.outlines.worker is None and app.me not in app.outlines.by_user.values()
+    assert app.outlines.worker is None and id(app.me) not in app.outlines.by_user  # keyed by id(User)
     assert "Outlines are off (`--no-outline`)" in app.outlines.refresh(None)[0]["value"]
     app.outline = True
     app.outlines.use(object.__new__(Leader))  # rank 0 of a tensor-parallel engine (not started)

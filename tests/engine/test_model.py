@@ -197,7 +197,7 @@ def test_the_query_log_keeps_only_its_queries_not_the_chunks():
 
 def test_queries_are_not_rescaled_without_a_query_scale_of_the_model():
     """head_dim ** -0.5 * head_dim ** 0.5 is 1 + 2e-16 at 128: computed so, every layer of every
-    model multiplied its queries once more (the 1.5B decoded 1.12x slower, benchmarks/RESULTS.md 9)."""
+    model multiplied its queries once more (its cost: benchmarks/RESULTS.md section 9)."""
     from engine.config import ModelConfig
     from engine.model import Attention
 
