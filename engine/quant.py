@@ -38,7 +38,7 @@ from engine.layouts import scratch
 log = logging.getLogger(__name__)
 
 # ggml type ids the kernel reads; others (and F16 / BF16) are dequantized to float32 at load
-KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
+KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 INTERLEAVED_TYPES = (6, 12, 14)  # Q5_0, Q4_K, Q6_K: a bf16 model decodes them from 16 interleaved rows
 _SOURCE = Path(__file__).parent / "csrc" / "quant_cpu.cpp"
 

@@ -24,7 +24,7 @@
 // it) in each namespace, the AVX-512 one under a target pragma, so each copy is compiled for its
 // ISA and inlines its own intrinsics.
 //
-// Block types (ggml ids): Q4_0 2, Q4_1 3, Q5_0 6, Q8_0 8, Q4_K 12, Q6_K 14.
+// Block types (ggml ids): Q4_0 2, Q4_1 3, Q5_0 6, Q8_0 8, Q3_K 11, Q4_K 12, Q5_K 13, Q6_K 14.
 //
 // bf16 activations of Q4_K and Q6_K on CPUs with AVX512-BF16 (namespace avx512bf, below "bf16
 // activations") multiply the integer codes in exact bf16 products instead, each group's scale
@@ -87,6 +87,17 @@ inline void q4k_scales_mins(const uint8_t* sc, uint8_t out[16]) {
   u[2] = mins_low;
   u[0] &= k1;
   std::memcpy(out, u, 16);
+}
+
+// Q3_K's 12 bytes of 6-bit scales -> the 16 groups' signed scales (ggml's unpacking, as gguf's
+// dequantize reads them): low 4 bits from bytes 0..7 (low nibble for groups 0..7, high for 8..15),
+// high 2 bits from bytes 8..11 (byte 8 + g % 4, bits 2 (g / 4)), minus 32.
+inline void q3k_scales(const uint8_t* sc, int8_t out[16]) {
+  for (int g = 0; g < 16; ++g) {
+    const int low = g < 8 ? sc[g] & 0xF : sc[g - 8] >> 4;
+    const int high = (sc[8 + g % 4] >> (2 * (g / 4))) & 3;
+    out[g] = static_cast<int8_t>((low | high << 4) - 32);
+  }
 }
 
 // x rounded to bf16 as torch rounds a float32 tensor to bf16: to nearest even (a NaN to 0x7FC0, as
@@ -274,6 +285,65 @@ struct Q6_K {  // value 128 h + 32 t + l: (d * scales[8 h + 2 t + l / 16]) * (6-
   }
 };
 
+// Q5_K: Q4_K's sub-blocks with a fifth bit, value 32 s + l = (d * sc_s) * q - dmin * m_s, q = the
+// nibble (low for even s, high for odd, of qs[32 (s / 2) + l]) | bit s of qh[l] << 4. The product
+// is exact in float32 (11 + 6 + 5 bits), so fused or not it rounds as numpy's two operations do.
+struct Q5_K {
+  static constexpr int kValues = 256, kBytes = 176;
+  template <int NM, class F> static ALWAYS_INLINE void block(const uint8_t* b, F&& f) {
+    const float d = half(b), dmin = half(b + 2);
+    const uint8_t* sc = b + 4;
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + 48;
+    const __m256i nibble = _mm256_set1_epi32(0xF), sixteen = _mm256_set1_epi32(16);
+    for (int s = 0; s < 8; s += 2) {  // sub-blocks s (low nibbles) and s + 1 (high) share their bytes
+      int scale0, min0, scale1, min1;
+      q4k_scale_min(sc, s, scale0, min0);
+      q4k_scale_min(sc, s + 1, scale1, min1);
+      const __m256 ds0 = _mm256_set1_ps(d * static_cast<float>(scale0));
+      const __m256 dm0 = _mm256_set1_ps(dmin * static_cast<float>(min0));
+      const __m256 ds1 = _mm256_set1_ps(d * static_cast<float>(scale1));
+      const __m256 dm1 = _mm256_set1_ps(dmin * static_cast<float>(min1));
+      for (int v = 0; v < 4; ++v) {
+        const __m256i bytes = bytes8(qs + 16 * s + 8 * v), high = bytes8(qh + 8 * v);
+        const __m256i q0 = _mm256_or_si256(_mm256_and_si256(bytes, nibble),
+                                           _mm256_and_si256(_mm256_slli_epi32(_mm256_srli_epi32(high, s), 4), sixteen));
+        const __m256i q1 = _mm256_or_si256(_mm256_srli_epi32(bytes, 4),
+                                           _mm256_and_si256(_mm256_slli_epi32(_mm256_srli_epi32(high, s + 1), 4), sixteen));
+        f(4 * s + v, _mm256_fmsub_ps(ds0, _mm256_cvtepi32_ps(q0), dm0));
+        f(4 * s + 4 + v, _mm256_fmsub_ps(ds1, _mm256_cvtepi32_ps(q1), dm1));
+      }
+    }
+  }
+};
+
+// Q3_K: value 128 j + 32 t + l = (d * scale_g) * q, g its group of 16 (scales: q3k_scales), q the
+// 2 bits 2 t of qs[32 j + l], minus 4 where bit 4 j + t of hmask[l] is clear (-4 .. 3): exact
+// products (11 + 6 + 3 bits). 32 codes at a time in bytes, widened as Q6_K's are.
+struct Q3_K {
+  static constexpr int kValues = 256, kBytes = 110;
+  static ALWAYS_INLINE __m256i codes(__m256i qs, __m256i hmask, int shift, int bit) {  // 32 codes q, int8
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(qs, shift), _mm256_set1_epi8(3));
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hmask, bit), _mm256_set1_epi8(1));
+    return _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 2)), _mm256_set1_epi8(4));
+  }
+  template <int NM, class F> static ALWAYS_INLINE void block(const uint8_t* b, F&& f) {
+    const float d = half(b + 108);
+    int8_t scales[16];
+    q3k_scales(b + 96, scales);
+    const __m256i hmask = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+    for (int j = 0; j < 2; ++j) {
+      const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 + 32 * j));
+      for (int t = 0; t < 4; ++t) {
+        __m256 w[4];
+        bytes_to_floats(codes(qs, hmask, 2 * t, 4 * j + t), w);
+        for (int v = 0; v < 4; ++v)
+          f(16 * j + 4 * t + v, _mm256_mul_ps(_mm256_set1_ps(d * static_cast<float>(scales[8 * j + 2 * t + v / 2])), w[v]));
+      }
+    }
+  }
+};
+
 inline float sum_lanes(__m256 a) {  // fixed order: (0+4, 1+5, 2+6, 3+7), then pairs
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -446,6 +516,63 @@ struct Q6_K {
             const __m512 ds = _mm512_set1_ps(d * static_cast<float>(scales[8 * h + 2 * t + u]));
             f(8 * h + 2 * t + u, _mm512_mul_ps(ds, _mm512_cvtepi32_ps(q)));
           }
+    }
+  }
+};
+
+// Q5_K (see avx2::Q5_K): Q4_K's tables twice as long, the fifth bit choosing the upper half
+// (`vpermt2ps`), as in Q5_0
+struct Q5_K {
+  static constexpr int kValues = 256, kBytes = 176;
+  template <int NM, class F> static inline void block(const uint8_t* b, F&& f) {
+    const float d = half(b), dmin = half(b + 2);
+    const uint8_t* sc = b + 4;
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + 48;
+    const __m512 iota = iota16(), iota_high = _mm512_add_ps(iota16(), _mm512_set1_ps(16.0f));
+    const __m512i nibble = _mm512_set1_epi32(0xF), sixteen = _mm512_set1_epi32(16);
+    for (int s = 0; s < 8; s += 2) {
+      int scale[2], min[2];
+      q4k_scale_min(sc, s, scale[0], min[0]);
+      q4k_scale_min(sc, s + 1, scale[1], min[1]);
+      __m512 below[2], above[2];  // the values of codes 0 .. 15 and 16 .. 31 of sub-blocks s and s + 1
+      for (int i = 0; i < 2; ++i) {
+        const __m512 ds = _mm512_set1_ps(d * static_cast<float>(scale[i]));
+        const __m512 dm = _mm512_set1_ps(dmin * static_cast<float>(min[i]));
+        below[i] = _mm512_fmsub_ps(ds, iota, dm);
+        above[i] = _mm512_fmsub_ps(ds, iota_high, dm);
+      }
+      for (int u = 0; u < 2; ++u) {  // vector 2 s + u, then 2 s + 2 + u: each accumulator still in order
+        const __m512i bytes = bytes16(qs + 16 * s + 16 * u), high = bytes16(qh + 16 * u);
+        const __m512i q0 = _mm512_or_si512(_mm512_and_si512(bytes, nibble),
+                                           _mm512_and_si512(_mm512_slli_epi32(_mm512_srli_epi32(high, s), 4), sixteen));
+        const __m512i q1 = _mm512_or_si512(_mm512_srli_epi32(bytes, 4),
+                                           _mm512_and_si512(_mm512_slli_epi32(_mm512_srli_epi32(high, s + 1), 4), sixteen));
+        f(2 * s + u, _mm512_permutex2var_ps(below[0], q0, above[0]));
+        f(2 * s + 2 + u, _mm512_permutex2var_ps(below[1], q1, above[1]));
+      }
+    }
+  }
+};
+
+// Q3_K (see avx2::Q3_K): 32 codes at a time in bytes, widened 16 at a time, one group each
+struct Q3_K {
+  static constexpr int kValues = 256, kBytes = 110;
+  template <int NM, class F> static inline void block(const uint8_t* b, F&& f) {
+    const float d = half(b + 108);
+    int8_t scales[16];
+    q3k_scales(b + 96, scales);
+    const __m256i hmask = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+    for (int j = 0; j < 2; ++j) {
+      const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 + 32 * j));
+      for (int t = 0; t < 4; ++t) {
+        const __m256i q = avx2::Q3_K::codes(qs, hmask, 2 * t, 4 * j + t);
+        const int g = 8 * j + 2 * t;  // vectors g and g + 1: groups g and g + 1
+        f(g, _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(scales[g])),
+                           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)))));
+        f(g + 1, _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(scales[g + 1])),
+                               _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)))));
+      }
     }
   }
 };
@@ -1682,7 +1809,9 @@ void dispatch(int64_t qtype, Body&& body) {
     case 3: return body(Q4_1{});
     case 6: return body(Q5_0{});
     case 8: return body(Q8_0{});
+    case 11: return body(Q3_K{});
     case 12: return body(Q4_K{});
+    case 13: return body(Q5_K{});
     case 14: return body(Q6_K{});
     default: TORCH_CHECK(false, "quant_cpu: ggml type ", qtype, " is not supported");
   }

@@ -1,8 +1,8 @@
 """GGUF files of every family, written here as llama.cpp's converter writes them (the gguf package's
 writer, llama.cpp's tensor names from gguf's own TensorNameMap, its metadata keys, its q/k row order
 for the "llama" architecture, Gemma's norms stored as 1 + w, Phi-3's fused linears): an F32 file
-loads to transformers' logits; Q8_0 (gguf's quantizer) and Q4_K (random blocks: gguf cannot
-quantize K types) keep their blocks (engine/quant.py) and give the logits of the same model with
+loads to transformers' logits; Q8_0 (gguf's quantizer), Q3_K, Q4_K and Q5_K (random blocks: gguf
+cannot quantize K types) keep their blocks (engine/quant.py) and give the logits of the same model with
 gguf's dequantized weights; greedy decoding over them equals plain decoding for every stack. Files
 we cannot run are refused from their header (engine/families.py), a truncated one with a typed error.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, get_tensor_name_map
+from gguf import GGML_QUANT_SIZES, MODEL_ARCH, MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, get_tensor_name_map
 from gguf.quants import dequantize, quantize
 
 from engine.config import LEVEL_STACKS, EngineConfig, EngineError, UnsupportedModel
@@ -125,17 +125,22 @@ def write_metadata(writer: GGUFWriter, family: str, config) -> None:
     writer.add_token_merges([f"{chr(0x100)} {chr(0x101)}"])
 
 
-def q4_k_blocks(n_rows: int, n_cols: int, seed: int) -> np.ndarray:
-    """Random Q4_K blocks whose weights are about the size of a trained model's (test_quant's
-    `random_blocks`, its float16 d and dmin scaled down: Gemma 2's capped logits would all tie)."""
-    blocks = random_blocks("Q4_K", n_rows, n_cols, seed).reshape(n_rows, -1, 144)
-    scales = blocks[..., :4].copy().view(np.float16) * np.float16(0.02)  # [rows, blocks, 2]: d, dmin
-    blocks[..., :4] = scales.view(np.uint8)
+K_SCALES_AT = {"Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2)}  # where each block's float16 d (and dmin) lie
+
+
+def k_blocks(qtype: str, n_rows: int, n_cols: int, seed: int) -> np.ndarray:
+    """Random blocks of a K type whose weights are about the size of a trained model's (test_quant's
+    `random_blocks`, its float16 scales scaled down: Gemma 2's capped logits would all tie)."""
+    n_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][1]
+    blocks = random_blocks(qtype, n_rows, n_cols, seed).reshape(n_rows, -1, n_bytes)
+    for at in K_SCALES_AT[qtype]:
+        scale = blocks[..., at:at + 2].copy().view(np.float16) * np.float16(0.02)  # [rows, blocks, 1]
+        blocks[..., at:at + 2] = scale.view(np.uint8)
     return blocks.reshape(n_rows, -1)
 
 
 def write_gguf(hf, family: str, path: Path, qtype: str) -> dict[str, torch.Tensor]:
-    """`hf` as a GGUF with its 2-D weights as `qtype` ("F32", "Q8_0", "Q4_K"); returns the Hugging
+    """`hf` as a GGUF with its 2-D weights as `qtype` ("F32", "Q8_0" or a K type); returns the Hugging
     Face state dict of what the file holds, dequantized by gguf and transformed back (float64)."""
     arch, config = ARCHS[family], hf.config
     names = get_tensor_name_map(arch, config.num_hidden_layers)
@@ -154,7 +159,7 @@ def write_gguf(hf, family: str, path: Path, qtype: str) -> dict[str, torch.Tenso
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if data.ndim == 2 and qtype != "F32":
             q = GGMLQuantizationType[qtype]
-            blocks = quantize(data, q) if qtype == "Q8_0" else q4_k_blocks(*data.shape, seed=len(held))
+            blocks = quantize(data, q) if qtype == "Q8_0" else k_blocks(qtype, *data.shape, seed=len(held))
             writer.add_tensor(gguf_name, blocks, raw_dtype=q)
             data = dequantize(blocks, q).reshape(data.shape)
         else:
@@ -194,7 +199,7 @@ def test_f32_gguf_loads_to_transformers_logits(family, tmp_path):
     assert torch.allclose(logits(model, IDS), want, atol=2e-4 * float(want.abs().max()), rtol=0)
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q3_K", "Q4_K", "Q5_K"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_quantized_gguf_keeps_its_blocks_and_the_dequantized_models_logits(family, qtype, tmp_path):
     hf = gguf_hf(family)
@@ -211,9 +216,12 @@ def test_quantized_gguf_keeps_its_blocks_and_the_dequantized_models_logits(famil
     assert decisive.sum() > 10 and torch.equal(got.argmax(-1)[decisive], want.argmax(-1)[decisive])
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+# every family in Q8_0 and Q4_K; Q3_K and Q5_K (the same kernel loops, other unpacking) in two
+FAMILY_TYPES = [(f, q) for f in FAMILIES for q in ("Q8_0", "Q4_K")] + [("qwen3", "Q5_K"), ("gemma2", "Q3_K")]
+
+
 @pytest.mark.parametrize("levels", [s for s in LEVEL_STACKS if s != "plain"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("family", "qtype"), FAMILY_TYPES)
 def test_greedy_over_a_quantized_gguf_equals_plain_for_every_stack(family, levels, qtype, tmp_path):
     """Target and draft from GGUFs of the family, blocks kept (the middle level's int8 view too)."""
     from tests.conftest import tiny_engine

@@ -46,7 +46,7 @@ INTERLEAVED_TYPES = ("Q5_0", *BF16_DOT_TYPES)  # and a bf16 QuantLinear of these
 
 def random_blocks(name: str, n_rows: int, n_cols: int, seed: int = 0) -> np.ndarray:
     """[n_rows, row bytes] uint8 blocks of type `name`: gguf's own quantization where it has one
-    (Q4_0, Q4_1, Q5_0, Q8_0), else random bytes with finite float16 scales (Q4_K, Q6_K)."""
+    (Q4_0, Q4_1, Q5_0, Q8_0), else random bytes with finite float16 scales (the K-quants)."""
     qtype = GGMLQuantizationType[name]
     rng = np.random.default_rng(seed)
     weights = rng.standard_normal((n_rows, n_cols)).astype(np.float32)
@@ -56,7 +56,7 @@ def random_blocks(name: str, n_rows: int, n_cols: int, seed: int = 0) -> np.ndar
         pass
     n_values, n_bytes = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (n_rows, n_cols // n_values, n_bytes), dtype=np.uint8)
-    scale_at = {"Q4_K": [0, 2], "Q6_K": [208]}[name]  # d (and dmin): float16, some subnormal
+    scale_at = {"Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[name]  # d (and dmin): float16, some subnormal
     scales = (rng.standard_normal((n_rows, n_cols // n_values, len(scale_at))) * 1e-2).astype(np.float16)
     scales[0, 0] = np.float16(3e-7)  # a subnormal float16 scale
     for i, offset in enumerate(scale_at):
