@@ -56,7 +56,8 @@ def random_blocks(name: str, n_rows: int, n_cols: int, seed: int = 0) -> np.ndar
         pass
     n_values, n_bytes = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (n_rows, n_cols // n_values, n_bytes), dtype=np.uint8)
-    scale_at = {"Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[name]  # d (and dmin): float16, some subnormal
+    # d (and dmin): float16, some subnormal
+    scale_at = {"Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[name]
     scales = (rng.standard_normal((n_rows, n_cols // n_values, len(scale_at))) * 1e-2).astype(np.float16)
     scales[0, 0] = np.float16(3e-7)  # a subnormal float16 scale
     for i, offset in enumerate(scale_at):
