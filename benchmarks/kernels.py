@@ -30,6 +30,10 @@ random keys and values at the context length (costs do not depend on the values)
   rows through bf16 tiles) vs the bf16-stored kernel (`Bf16Linear`, float32 arithmetic) and bf16
   oneDNN-packed (this CPU's bf16 model without the blocks), with the weight bytes each reads per
   forward (issue 22).
+- block-types: one weight of the 1.5B's MLP shape in every block type the kernel keeps (Q4_0 ..
+  Q6_K, random blocks), T = 1 and 5 rows: the blocks vs the same weights dequantized to float32.
+
+    python -m benchmarks.kernels --only block-types --threads 2 --repeats 15
 - quick: every linear of a GGUF model at T = 1, 5, 8, 9 rows (issue 22's middle level), the
   exact blocks kernel (`quant_linear`) vs the lossy one with int8 activations (`quick_linear`,
   engine/quant.py `quick_view`), and the quick kernel's relative error ||quick - exact|| / ||exact||
@@ -411,6 +415,41 @@ def bench_quant(source: str, repeats: int) -> dict:
     return out
 
 
+# where each type's float16 scales lie in its block (random bytes elsewhere: the time does not
+# depend on the codes, but a NaN or subnormal scale could slow the arithmetic)
+SCALE_BYTES = {2: (0,), 3: (0, 2), 6: (0,), 8: (0,), 11: (108,), 12: (0, 2), 13: (0, 2), 14: (208,)}
+
+
+def bench_block_types(repeats: int, n_out: int = 1536, n_in: int = 8960) -> dict:
+    """Every block type the kernel keeps, one [n_out, n_in] weight (the 1.5B's MLP down
+    projection), T = 1 and 5 float32 rows: its blocks (`QuantLinear`) vs the same weights
+    dequantized to float32 (what a type the kernel does not keep runs), with the bytes each reads."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from engine.quant import KERNEL_TYPES, QuantLinear
+
+    kernel = cpu_quant_kernel()
+    if kernel is None:
+        return {"skipped": "engine/csrc/quant_cpu.cpp did not build here"}
+    rng, out = np.random.default_rng(0), {}
+    for qtype, name in sorted(KERNEL_TYPES.items()):
+        n_values, n_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+        blocks = rng.integers(0, 256, (n_out, n_in // n_values, n_bytes), dtype=np.uint8)
+        for at in SCALE_BYTES[qtype]:
+            blocks[..., at:at + 2] = np.float16(1e-3) * rng.random((n_out, n_in // n_values, 1)).astype(np.float16)
+        linear = QuantLinear(torch.from_numpy(blocks.reshape(n_out, -1)), qtype, n_in, None, kernel)
+        dense = linear.dequantized()
+        out[name] = {"MB read": {"blocks": blocks.nbytes / 1e6, "float32": dense.numel() * 4 / 1e6}}
+        for T in (1, 5):
+            x = torch.randn(T, n_in)
+            fns = {"blocks": lambda x=x, w=linear: w(x), "float32": lambda x=x, w=dense: x @ w.T}
+            with torch.inference_mode():
+                out[name][f"T={T}"] = side_by_side(fns, repeats)
+        print(f"block-types {name}: {json.dumps(out[name], default=lambda v: round(v, 3))}", flush=True)
+    return out
+
+
 def bench_quick(source: str, repeats: int) -> dict:
     """Every linear of the GGUF model at T rows: exact blocks kernel vs quick (int8 activations)."""
     from engine.quant import KERNEL_TYPES, QuantLinear
@@ -568,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--only", default="attention,cpu-attention,prefill,decode,sampling,weights",
-                   help="comma-separated; also: compiled, quant, quick, exact-rows, row-ops")
+                   help="comma-separated; also: compiled, quant, block-types, quick, exact-rows, row-ops")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="model dtype; auto = the engine's choice (bf16 with AMX or AVX512-BF16, else float32)")
     p.add_argument("--attention-source", type=Path, default=None,
@@ -601,6 +640,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"weights: {json.dumps(report['results']['weights'], default=lambda x: round(x, 2))}", flush=True)
     if "quant" in only:
         report["results"]["quant"] = bench_quant(args.model, args.repeats)
+    if "block-types" in only:
+        report["results"]["block-types"] = bench_block_types(args.repeats)
     if "quick" in only:
         report["results"]["quick"] = bench_quick(args.model, args.repeats)
     if "exact-rows" in only:

@@ -44,3 +44,15 @@ def test_cpu_attention_bench_times_another_version_of_the_kernel_beside_this_one
     for row in result.values():
         assert set(row) == {"sdpa_attention", "cpu_attention", "this kernel", "attention_cpu_old.cpp"}
     assert built == [other]
+
+
+def test_block_types_bench_times_every_kept_type_beside_its_float32_weights():
+    from engine.quant import KERNEL_TYPES, cpu_quant_kernel
+
+    if cpu_quant_kernel() is None:
+        pytest.skip("the GGUF blocks kernel does not build here")
+    result = kernels.bench_block_types(repeats=1, n_out=32, n_in=512)
+    assert sorted(result) == sorted(KERNEL_TYPES.values())
+    for row in result.values():
+        assert row["MB read"]["blocks"] < row["MB read"]["float32"]
+        assert all(t["min_ms"] > 0 for T in ("T=1", "T=5") for t in row[T].values())
