@@ -10,7 +10,7 @@ import argparse
 import contextlib
 import sys
 
-from engine.config import add_engine_args
+from engine.config import add_engine_args, add_sampling_args
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -23,7 +23,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--library", default=None, help="folder of prefill snapshots (default: the app's library)")
     p.add_argument("--no-library", action="store_true", help="keep prefills in memory only")
     p.add_argument("--max-active", type=int, default=4, help="answers decoded together")
-    p.add_argument("--max-tokens", type=int, default=512, help="answer length when a request gives none")
+    add_sampling_args(p)  # what a request that does not say gets
     return p.parse_args(argv)
 
 
@@ -35,12 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     from api.server import ChatAPI, Fixed, interrupt_on_termination
     from engine.batch import Batcher
     from engine.chat import ChatFormat
-    from engine.config import EngineError, apply_threads, engine_config
+    from engine.config import EngineError, apply_threads, engine_config, sampling_from_args
     from engine.session import Engine
 
     apply_threads(args)
     try:
         engine = Engine.load(engine_config(args))
+        engine.default_sampling = sampling_from_args(args, engine.default_sampling)
     except (EngineError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             chat, documents = library_documents(engine, args.library)
     api = ChatAPI(Fixed(engine, chat), Batcher(max_active=args.max_active), documents, args.api_key,
-                  args.max_tokens, keep_sessions=args.max_active)
+                  args.max_new_tokens, keep_sessions=args.max_active)
     print(f"Serving {api.model_id} at http://{args.host}:{args.port}/v1 "
           f"({'API key required' if args.api_key else 'no API key: 127.0.0.1 only'})", flush=True)
     # Ctrl-C, SIGTERM or SIGHUP: uvicorn stops serving, cancels what still streams after 5 s and

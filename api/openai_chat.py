@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from engine.chat import ChatFormat
-from engine.config import SamplingConfig
+from engine.config import SAMPLING_FIELDS, SamplingConfig
 
 MIN_DOCUMENT_CHARS = 2000  # a first message this long is a document worth caching (~500 tokens)
 MAX_STOP_STRINGS = 4  # as OpenAI
@@ -145,11 +145,9 @@ def _template_ids(tokenizer, messages: list[tuple[str, str]]) -> list[int]:
 
 
 def _sampling(body: dict, defaults: SamplingConfig) -> SamplingConfig:
-    fields = {"temperature": float, "top_p": float, "top_k": int, "seed": int, "min_p": float,
-              "repetition_penalty": float, "presence_penalty": float, "frequency_penalty": float}
     values = {}
-    for name, kind in fields.items():
-        if body.get(name) is not None:
+    for name, kind in SAMPLING_FIELDS.items():  # `max_new_tokens` is OpenAI's `max_tokens`, below
+        if name != "max_new_tokens" and body.get(name) is not None:
             values[name] = _number(body[name], kind, name)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:

@@ -10,16 +10,19 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from engine import parallel
 from engine.chat import ChatFormat
-from engine.config import EngineError, SamplingConfig, add_engine_args, apply_threads, engine_config
+from engine.config import (
+    EngineError,
+    add_engine_args,
+    add_sampling_args,
+    apply_threads,
+    engine_config,
+    sampling_from_args,
+)
 from engine.session import Engine, Stats
-
-SAMPLING_FLAGS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
-                  "presence_penalty": float, "frequency_penalty": float}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -32,10 +35,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--file", required=True, help="the document (UTF-8 text)")
     g.add_argument("--max-doc-tokens", type=int, help="keep only the first N tokens")
     g.add_argument("--question", action="append", required=True, help="repeat for a multi-turn chat")
-    g.add_argument("--max-new-tokens", type=int, default=SamplingConfig.max_new_tokens)
-    g.add_argument("--seed", type=int, default=SamplingConfig.seed)
-    for name, kind in SAMPLING_FLAGS.items():  # unset: the model's own (its generation_config)
-        g.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
+    add_sampling_args(g)
     t = sub.add_parser("selftest", help="compare each GPU path with its reference here (a few minutes)")
     t.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     t.add_argument("--out", default="bookchat-selftest.json", help="the report to attach to a bug report")
@@ -80,8 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_threads(args)
     try:
         engine = Engine.load(engine_config(args))
-        given = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
-        sampling = replace(engine.default_sampling, max_new_tokens=args.max_new_tokens, seed=args.seed, **given)
+        sampling = sampling_from_args(args, engine.default_sampling)
         chat = ChatFormat(engine.tokenizer, end_ids=engine.end_ids)
         doc_ids = chat.document_ids(Path(args.file).read_text(encoding="utf-8-sig"))[: args.max_doc_tokens]
         t0 = time.perf_counter()

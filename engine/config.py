@@ -8,7 +8,7 @@ The level stacks are described in docs/ALGORITHM.md section 2; `LEVEL_STACKS` li
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 LEVEL_STACKS = (
     "plain",
@@ -321,6 +321,28 @@ class SamplingConfig:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+
+# the settings a reader, a flag or a request sets, {name: int or float}: every field but the engine's
+# own `penalty_start`. The CLIs' flags (`add_sampling_args`), the API's request fields
+# (api/openai_chat.py) and the UI's controls (app/ui.py) are these.
+SAMPLING_FIELDS = {f.name: type(f.default) for f in fields(SamplingConfig) if f.default is not None}
+ANSWER_TOKENS = 512  # `--max-new-tokens`'s default in app.py, `python -m engine generate` and `python -m api`
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """A flag for each of SAMPLING_FIELDS (`--top-p`, `--max-new-tokens`, ...): unset, the model's
+    own (its generation_config, `Engine.default_sampling`), and for the answer length ANSWER_TOKENS."""
+    for name, kind in SAMPLING_FIELDS.items():
+        default = ANSWER_TOKENS if name == "max_new_tokens" else None
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default,
+                            help=f"default {default}" if default else "default: the model's own")
+
+
+def sampling_from_args(args: argparse.Namespace, defaults: SamplingConfig) -> SamplingConfig:
+    """`defaults` with what the flags of `add_sampling_args` set."""
+    given = {name: getattr(args, name) for name in SAMPLING_FIELDS if getattr(args, name) is not None}
+    return replace(defaults, **given)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -358,3 +358,23 @@ def test_the_threads_flag_means_the_same_in_every_entry_point():
     generate = ["generate", "--file", "b.txt", "--question", "q"]
     for parse in (app_entry.parse_args, api_args, lambda argv: engine_args([*generate, *argv])):
         assert parse(["--threads", "3"]).threads == 3 and parse([]).threads == 0
+
+
+def test_the_sampling_flags_are_the_sampling_fields_with_one_default_in_every_entry_point():
+    """`python -m engine generate` and `python -m api` take a flag for each SamplingConfig field a
+    reader sets, unset (the model's own) but the answer length, whose default is one constant."""
+    from api.__main__ import parse_args as api_args
+    from engine.__main__ import parse_args as engine_args
+    from engine.config import ANSWER_TOKENS, SAMPLING_FIELDS, SamplingConfig, sampling_from_args
+
+    assert set(SAMPLING_FIELDS) == {"temperature", "top_p", "top_k", "max_new_tokens", "seed", "min_p",
+                                    "repetition_penalty", "presence_penalty", "frequency_penalty"}
+    generate = ["generate", "--file", "b.txt", "--question", "q"]
+    for parse in (api_args, lambda argv: engine_args([*generate, *argv])):
+        unset = parse([])
+        assert {name: getattr(unset, name) for name in SAMPLING_FIELDS} == {
+            name: ANSWER_TOKENS if name == "max_new_tokens" else None for name in SAMPLING_FIELDS}
+        model_own = SamplingConfig(temperature=0.7, top_p=0.8, top_k=20)
+        given = sampling_from_args(parse(["--top-k", "5", "--min-p", "0.1", "--seed", "3"]), model_own)
+        assert given == SamplingConfig(temperature=0.7, top_p=0.8, top_k=5, min_p=0.1, seed=3,
+                                       max_new_tokens=ANSWER_TOKENS)
