@@ -72,9 +72,10 @@ def serve(demo: gr.Blocks, port: int, share: bool, auth: tuple[str, str] | None,
 
 
 def pace_queue(demo: gr.Blocks, say: Say = say) -> bool:
-    """Gradio's queue polls every 1 ms (10 ms for progress) except on Windows (50 / 100 ms): on 2
-    cores each wake-up takes a core from a decoding thread. Set Windows' pace (a click waits at most
-    50 ms more). These are private attributes (Gradio 6.31): a Gradio without them is said, not fatal."""
+    """Gradio's queue polls every 1 ms, and every 10 ms for progress, except on Windows
+    (every 50 / 100 ms): on 2 cores each wake-up takes a core from a decoding thread. Set Windows'
+    pace (a click waits at most 50 ms more). These are private attributes (Gradio 6.31): a Gradio
+    without them is said, not fatal."""
     paces = {"sleep_when_free": 0.05, "progress_update_sleep_when_free": 0.1}
     if not all(isinstance(getattr(demo._queue, name, None), float) for name in paces):
         say("Gradio's queue has no pace settings this app knows: it polls at its own pace (more CPU while idle).")

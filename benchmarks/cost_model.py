@@ -8,8 +8,9 @@ all-reduce / sampling overhead. Levels compose with the expected-accepted-length
 offloading table (arXiv 2404.11912). Run: `python -m benchmarks.cost_model`.
 
 Assumptions (each constant below carries its reason):
-- Bandwidths are effective, not peak: 4090 GDDR6X 1008 GB/s peak -> 0.9 TB/s; A100-80GB HBM2e
-  2039 GB/s -> 1.7 TB/s; PCIe 4.0 x16 31.5 GB/s raw -> 25 GB/s pinned host->device per GPU.
+- Bandwidths are effective, not peak: what large GEMVs and pinned host->device copies reach (4090
+  GDDR6X 1008 GB/s peak, A100-80GB HBM2e 2039 GB/s peak, PCIe 4.0 x16 31.5 GB/s raw); the effective
+  values are the constants below, their sources the history's "GPU cost model", "Assumptions".
 - Acceptance rates are inputs, not measured here. TriForce's project page says its retrieval
   level keeps acceptance above 0.9 even at temperature 1.0; we assume 0.95 for its 8K-12K
   budgets at T = 0.6, and 0.6 for Llama-68M drafting for the retrieval level. These drive the
@@ -59,14 +60,15 @@ class Hardware:
         return min(self.pcie_bytes_per_s, self.host_bytes_per_s / self.n_gpus)
 
 
-# RTX 4090: 24 GiB GDDR6X, 1008 GB/s peak (0.9 TB/s reached by large GEMVs), 165 TFLOP/s fp16
+# RTX 4090: 24 GiB GDDR6X, 1008 GB/s peak (large GEMVs reach most of it), 165 TFLOP/s fp16
 # with fp32 accumulate; PCIe 4.0 x16. Eager PyTorch (TriForce disables CUDA graphs for TP on
-# 4090s): ~25 kernels per layer at ~8 us each = 0.2 ms. No NVLink or P2P on 4090s, so NCCL
-# all-reduces go through host memory: ~50 us for a few-KB message. Host: 8-channel DDR4 server.
+# 4090s): ~25 kernels per layer, each paying a launch. No NVLink or P2P on 4090s, so NCCL
+# all-reduces go through host memory, even for a few-KB message. Host: 8-channel DDR4 server.
+# Each value's source: the history's "GPU cost model", "Assumptions".
 RTX4090 = Hardware("1x RTX 4090", 1, 24 * GIB, 0.9e12, 25e9, 100e9, 165e12, 0.2, 0.0)
 RTX4090_X2 = replace(RTX4090, name="2x RTX 4090", n_gpus=2, allreduce_ms=0.05)
-# A100-80GB SXM: 2039 GB/s HBM2e peak (1.7 TB/s effective), 312 TFLOP/s fp16; CUDA graphs on
-# (as in TriForce's on-chip runs), so launch overhead is ~20 us per layer.
+# A100-80GB SXM: HBM2e, 2039 GB/s peak (large GEMVs reach most of it), 312 TFLOP/s fp16; CUDA
+# graphs on (as in TriForce's on-chip runs), so a layer's launches cost far less than eager ones.
 A100_80GB = Hardware("1x A100-80GB", 1, 80 * GIB, 1.7e12, 25e9, 100e9, 312e12, 0.02, 0.0)
 
 

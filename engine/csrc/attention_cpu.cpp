@@ -1,9 +1,9 @@
 // Attention of a few query rows over a long KV cache, on CPUs with AVX2 and FMA (engine/attention.py).
 //
 // Decoding and short checks attend R = G * T query rows (a KV head's query heads folded with the
-// call's T tokens) over S keys that none of them masks. torch's flash kernel spends ~3x the time
-// of reading K and V there; this reads each K and V row once per 6 of the R rows (a KV head's
-// query heads in decoding: 6 or 7), prefetched ahead of use, and splits the keys into chunks
+// call's T tokens) over S keys that none of them masks. torch's flash kernel spends several times
+// the time of reading K and V there; this reads each K and V row once per 6 of the R rows (a KV
+// head's query heads in decoding: 6 or 7), prefetched ahead of use, and splits the keys into chunks
 // across threads (flash-decoding), merging the chunks by their log-sum-exp. Queries float32 or
 // bfloat16, outputs float32; K and V float32 or bfloat16 (widened to float32 as they are loaded:
 // a bf16 cache is half the bytes to read); the same sums as SDPA in another order. A bf16 model
@@ -11,7 +11,8 @@
 // (`bf16dots`, exact products); its calls of many rows (prefill chunks) take `attend_many`, which
 // packs K and V once per chunk so that every instruction is a product.
 // Beside it, the two other row-wise ops of a float32 or bf16 model's layer, RoPE and RMSNorm (at the
-// end): in torch they are ~20 small ops a layer, 9% of a float32 decoding step of the 1.5B.
+// end): in torch they are ~20 small ops a layer, a share of a float32 decoding step worth a kernel
+// (history, "Measurements that were in code comments").
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -25,8 +26,8 @@
 namespace {
 
 // Keys per task (flash-decoding's split). 512, not 128: each chunk's first keys come unprefetched
-// and its partial output is merged; the 1.5B at 32K on an AVX2 EPYC, checks of 5 and 9 tokens
-// 3-13% faster, one token level to 15% faster, 8K level (RESULTS, "Longer attention chunks").
+// and its partial output is merged; the 1.5B at 32K on an AVX2 EPYC, checks faster, one token no
+// slower, 8K unchanged (history, "Longer attention chunks"; "Measurements that were in code comments").
 constexpr int64_t kChunk = 512;
 constexpr int64_t kBlock = 16;   // keys of V multiplied for all dims while they are in L1 (8 KiB at D = 128)
 constexpr int64_t kAhead = 16;   // keys prefetched ahead of use: one memory latency of the loop's work (32: the same)
@@ -67,10 +68,11 @@ inline __m256 load8(const at::BFloat16* p) {  // a bf16 is the top half of the f
 }
 
 // Into L2, ahead of the loads: on one core the hardware prefetchers alone leave the loop waiting on
-// memory while it multiplies (1.5B at 8K: 1.5-1.7x the time of reading the cache). Into L2, not L1:
-// on the AVX512-BF16 EPYC one token over the 1.5B's 32K cache took 0.71x the time in bf16, 0.74x in
-// float32 (likely: T0's requests take L1 miss buffers the loop's own loads need; no counters here
-// to tell; benchmarks/RESULTS.md). A prefetch never faults, so one past the last key is harmless.
+// memory while it multiplies (well over the time of reading the cache). Into L2, not L1: less time
+// on the AVX512-BF16 EPYC for one token over the 1.5B's 32K cache, in bf16 and in float32 (likely:
+// T0's requests take L1 miss buffers the loop's own loads need; no counters here to tell; history,
+// "The attention kernel's prefetches into L2, not L1"). A prefetch never faults, so one past the
+// last key is harmless.
 template <int D, int N, typename KV>
 inline void prefetch_rows(const KV* row, int64_t row_stride) {
   for (int i = 0; i < N; ++i)
@@ -144,7 +146,8 @@ void chunk_scores(const float* q, int64_t R, const KV* k, int64_t k_row, int64_t
 // widening of K. NR <= 6 rows x 4 keys (24 accumulators), each key's 16 lanes added across at the
 // end in a fixed order (`sum4`); keys past the last 4 one at a time, in the same order. Subnormal
 // bf16 inputs (below 1.2e-38) count as zero. Qwen's and SmolLM2's head dims (64, 128) are
-// multiples of 32. 1.5B at 8K, 1 thread: checks of 5 and 9 tokens 0.80x the time, one token 0.92x.
+// multiples of 32. Less time than widened float32 FMAs, for checks and for one token
+// (history, "Measurements that were in code comments").
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 namespace bf16dots {
@@ -200,8 +203,9 @@ void chunk_scores(const at::BFloat16* q, int64_t R, const at::BFloat16* k, int64
 // (unpacklo/hi: lane i of `lo` holds dim 8 (i / 4) + i % 4, of `hi` the 4 after), the rows' sums
 // un-interleaved at the end. Keys in pairs (0, 1), (2, 3) ... whatever the row count, and a
 // missing last key is a zero, so a row's output is what it alone gives. Half the instructions of
-// the widened loop; kBlock keys at a time for all dims while their V rows are in L1. The 1.5B at
-// 8K and 32K, 1 thread: checks of 5 and 9 tokens 0.84x and 0.81x the time, one token unchanged.
+// the widened loop; kBlock keys at a time for all dims while their V rows are in L1. Checks take
+// less time than with the widened loop, one token the same (history, "Measurements that were in
+// code comments").
 template <int D, int NR>
 void values_rows(const float* p, const at::BFloat16* v, int64_t v_row, int64_t n, float* o) {
   static_assert(D % 32 == 0 && kBlock % 2 == 0, "32 dims per dot product, keys in pairs");
@@ -452,8 +456,9 @@ constexpr int64_t kFewRows = 64;  // more rows than this (engine/attention.py FE
 // Many bf16 rows over a bf16 cache (a prefill chunk): tasks of a KV head's rows, as few tasks as
 // give every thread one, so each chunk's K and V, packed once per task into L2, serve as many rows
 // as possible; the task goes through the chunks 6 rows at a time, merging each chunk into the
-// rows' running max, sum and output as flash attention does. 1.5B, 512-token prefill chunk,
-// 2 threads, AVX512-BF16 EPYC: 69 vs 150 ms a layer at 8K keys (torch's flash kernel); see RESULTS.
+// rows' running max, sum and output as flash attention does. Faster than torch's flash kernel on a
+// prefill chunk (history, "Prefill attention in BF16 dot products"; "Measurements that were in code
+// comments").
 template <int D>
 std::vector<torch::Tensor> attend_many(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                        const std::vector<int64_t>& keys) {
@@ -656,11 +661,11 @@ struct Lanes<at::BFloat16> {
 // The RMSNorm before each layer's attention and MLP (and the last), as Qwen's and Llama's:
 // y = w * (x / sqrt(mean(x^2) + eps)), the normalized row in float32 (rounded to the model's dtype
 // before the weight, as transformers does). Its place is here, beside attention, as one kernel of a
-// decoding step on CPU: torch's composite norm is 6 ops and ~35-70 us a call, 57 calls a token for
-// the 1.5B (4 ms of a 2-thread step at 8K), against ~3 us here. Each row's sum of squares in 4 x 8
-// lanes in order of k, then the lanes added in a fixed order: a row's output does not depend on the
-// rows beside it (float32 rounding, not torch's order: every path of a model goes through one of
-// the two, engine/model.py RMSNorm).
+// decoding step on CPU: torch's composite norm is 6 ops a call, 57 calls a token for the 1.5B, each
+// call many times this kernel's time (history, "Measurements that were in code comments"). Each
+// row's sum of squares in 4 x 8 lanes in order of k, then the lanes added in a fixed order: a row's
+// output does not depend on the rows beside it (float32 rounding, not torch's order: every path of
+// a model goes through one of the two, engine/model.py RMSNorm).
 template <typename T>
 void norm_rows(const T* xp, const T* wp, T* yp, int64_t M, int64_t D, float eps) {
   using L = Lanes<T>;
@@ -699,7 +704,8 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 // cos and sin [B, T, D] of x's dtype as transformers' rotary embedding gives them (any scaling in
 // them): x * cos + rotate_half(x) * sin, each product and the sum rounded once as torch's ops are
 // (no FMA; in a bf16 model, each to bf16), so bit for bit transformers' `apply_rotary_pos_emb`, in
-// one call for q and k instead of 14 ops a layer (~1.6 ms of a float32 1.5B step).
+// one call for q and k instead of 14 ops a layer, whose time showed in a float32 1.5B step
+// (history, "Measurements that were in code comments").
 template <typename T>
 __attribute__((optimize("fp-contract=off"))) void rotate_rows(T* x, int64_t H, int64_t D, const T* c, const T* s) {
   using L = Lanes<T>;

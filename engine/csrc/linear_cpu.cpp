@@ -53,9 +53,9 @@ void groups(const float* x, int64_t K, const uint32_t* w, float* y, int64_t N, i
 
 // All M rows of x against groups [g0, g1). One row streams the weights once, six groups at a
 // time; more rows take 12 groups at a time (12 x 8 rows x K bf16: in L2 for K = 896) and pass
-// over them four rows at a time, then the rest. Every 0.5B linear, AVX2 EPYC, 2 threads, T = 1 /
-// 5 / 9 / 16 rows, side by side with the tiles before these (8 or 9 chained sums: (1, 8), (4, 2),
-// ...): 41 / 81 / 119 / 159 ms against 41 / 80 / 134 / 224; T = 2 / 3: 56 / 57 against 52 / 52.
+// over them four rows at a time, then the rest. Side by side with the tiles before these (8 or 9
+// chained sums: (1, 8), (4, 2), ...), every 0.5B linear: the same at 1 and 5 rows, faster at 9 and
+// 16, a little slower at 2 and 3 (history, "Measurements that were in code comments").
 // Splitting K so a super-block stays in L2 for the 4,864-wide down projection changed nothing;
 // 3 x 2 and 2 x 3 tiles with split sums were slower (spills).
 void rows(const float* x, int64_t M, int64_t K, const uint32_t* w, float* y, int64_t N, int64_t g0, int64_t g1) {
