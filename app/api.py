@@ -55,8 +55,23 @@ def api_key(given: str | None, is_login_required: bool) -> str | None:
     return key
 
 
+class Loaded:
+    """api.server.Served: the UI's engine and chat format, the model it has loaded now (the Model
+    panel may load another). app.py serves the API over the local engine only (app/backend.py)."""
+
+    def __init__(self, ui):
+        self.ui = ui  # app.ui.App
+
+    @property
+    def engine(self) -> Engine:
+        return self.ui.backend.engine
+
+    @property
+    def chat(self) -> PlainChatFormat:
+        return self.ui.chat
+
+
 def chat_api(ui, key: str | None) -> ChatAPI:
-    """The API over the UI's engine and chat format (the model it has loaded now), its library and
-    its batcher (`ui`: app.ui.App)."""
+    """The API over the UI's loaded model (`Loaded`), its library and its batcher (`ui`: app.ui.App)."""
     documents = LibraryDocuments(ui.library) if ui.library is not None else None
-    return ChatAPI(ui, ui.batcher, documents, key, ui.max_new_tokens, keep_sessions=ui.max_open_books)
+    return ChatAPI(Loaded(ui), ui.batcher, documents, key, ui.max_new_tokens, keep_sessions=ui.max_open_books)

@@ -41,9 +41,9 @@ def asking(title: str) -> dict:
 
 def build(app: App) -> gr.Blocks:
     """The page: the Model panel over three columns; `app.c` names the components handlers update."""
-    c, e = SimpleNamespace(), app.engine  # c: the components handlers update, by name
+    c, b = SimpleNamespace(), app.backend  # c: the components handlers update, by name
     app.c = c
-    info = f"{e.device.type} {str(e.dtype).split('.')[-1]} · context {e.max_context:,} tokens"
+    info = f"{b.where} · context {b.max_context:,} tokens"
     with gr.Blocks(title="BookChat") as demo:
         with gr.Row(elem_id="header", equal_height=True):
             gr.HTML(f"<div class='brand'>{(ASSETS / 'icon.svg').read_text()}<span>BookChat</span></div>",
@@ -52,16 +52,16 @@ def build(app: App) -> gr.Blocks:
         with gr.Accordion("Model", open=False, elem_id="model-picker"):
             c.models = gr.Markdown(app.model_table(), elem_id="models")
             with gr.Row():
-                c.model = gr.Dropdown(model_choices(app.catalog), value=e.config.target, show_label=False,
+                c.model = gr.Dropdown(model_choices(app.catalog), value=b.name, show_label=False,
                                       container=False, elem_id="model", scale=3, allow_custom_value=True,
                                       info="or type a local folder, a .gguf file or a hub id")
                 c.draft = gr.Dropdown(label="Draft (same tokenizer)", elem_id="draft", scale=2, allow_custom_value=True,
-                                      choices=app.draft_choices(e.config.target, wait=False),
-                                      value=e.config.draft or NO_DRAFT)
+                                      choices=app.draft_choices(b.name, wait=False),
+                                      value=b.draft or NO_DRAFT)
                 c.load_model = gr.Button("Load model", size="sm", elem_id="load-model", scale=1)
             c.long_books = gr.Checkbox(app._yarn() != 1, label=f"Long books: YaRN ×{LONG_BOOKS_YARN:g}",
                                        elem_id="long-books", info=LONG_BOOKS_NOTE,
-                                       visible=not getattr(e, "is_remote", False))  # the server decides
+                                       visible=b.can_load_models)  # else the server decides
             c.model_status = gr.Markdown("", elem_id="model-status")
         with gr.Row(equal_height=False):
             with gr.Column(scale=1, min_width=240, elem_id="left"):
@@ -121,7 +121,7 @@ def _centre(app: App, c: SimpleNamespace) -> None:
     c.export_file = gr.File(label="Exported chat", visible=False, elem_id="export-file", interactive=False)
     book_view.add(c)  # the answer's sources, clickable, and the book view (app/book_view.py)
     outline_ui.panel(app, c)  # the outline and book summary (app/outline_ui.py)
-    d, levels = app.engine.default_sampling, app._levels()
+    d, levels = app.backend.default_sampling, app._levels()
     with gr.Accordion("Settings", open=False, elem_id="settings"):
         c.sampling_note = gr.Markdown(app._sampling_note(), elem_id="sampling-note")
         with gr.Row():
@@ -138,7 +138,7 @@ def _centre(app: App, c: SimpleNamespace) -> None:
             max_new = gr.Slider(1, 2048, value=app.max_new_tokens, step=1, label="Max new tokens",
                                 elem_id="max-new")
             seed = gr.Number(value=0, precision=0, label="Seed")
-            level = gr.Dropdown(levels, value=app.engine.config.levels, label="Level stack", elem_id="levels")
+            level = gr.Dropdown(levels, value=app.backend.levels, label="Level stack", elem_id="levels")
             c.defaults = gr.Button("Model's defaults", size="sm", elem_id="defaults")
         c.reread = gr.Checkbox(False, label="Re-read the sources before answering", elem_id="reread",
                                info="The passages the question's attention goes to most are quoted after it: "

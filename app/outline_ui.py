@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 import gradio as gr
 
 from app.documents import Document
-from app.library import model_fingerprint
 from app.outline import Outline, Prompter, SummaryCache, new_outline, outline_markdown
 from app.outline_worker import OutlineWorker
 from app.speeds import duration
 from engine.parallel import Leader
 
 if TYPE_CHECKING:
+    from app.backend import Backend
     from app.ui import App, User
 
 REFRESH_S = 1.0  # the panel's refresh: its progress line; rows are redrawn only when they change
@@ -42,17 +42,18 @@ class Outlines:
         self.documents: dict[int, Document] = {}  # id(User) -> that book
         self.shown: dict[int, tuple[int, int]] = {}  # id(User) -> (id, version) of the rows last drawn
         self.worker: OutlineWorker | None = None
-        self.use(app.engine)
+        self.use(app.backend)
 
-    def use(self, engine) -> None:
-        """A (new) engine: outlines under way stop, saying so; Resume makes them with this model."""
+    def use(self, backend: Backend) -> None:
+        """A (new) backend: outlines under way stop, saying so; Resume makes them with its model."""
         if self.worker is not None:
             self.worker.close()
-        self.worker, self.off = None, off_reason(self.app, engine)
+        self.worker, self.off = None, off_reason(self.app, backend)
         if self.off:
             return
-        self.worker = OutlineWorker(engine, Prompter(self.app.chat), self.cache, is_busy=self._readers_first)
-        self.model = model_fingerprint(engine)
+        self.worker = OutlineWorker(backend.outline_engine, Prompter(self.app.chat), self.cache,
+                                    is_busy=self._readers_first)
+        self.model = backend.fingerprint
 
     def _readers_first(self) -> bool:
         b = self.app.batcher
@@ -161,14 +162,14 @@ class Outlines:
 NO_OUTLINE = "Upload a book: its outline, chapter by chapter, is made here in the background."
 
 
-def off_reason(app: App, engine) -> str:
-    """Why no outline is made in the background with `engine` ("": one is)."""
+def off_reason(app: App, backend: Backend) -> str:
+    """Why no outline is made in the background with `backend` ("": one is)."""
     if not app.outline:
         return "Outlines are off (`--no-outline`): summarize a book that fits with **Summarize the book**."
-    if isinstance(engine, Leader):  # every rank must run the same rounds
+    if isinstance(backend.outline_engine, Leader):  # every rank must run the same rounds
         return ("Outlines are not made under tensor parallel yet (the ranks run the readers' rounds in step). "
                 "With one GPU, or on the CPU, the outline is made in the background.")
-    if getattr(engine, "is_remote", False):  # the server owns the model and its time
+    if backend.outline_engine is None:  # a server owns its model and its time
         return "Outlines are made with the local engine only, not through a remote server."
     return ""
 

@@ -20,17 +20,14 @@ from engine.config import PAIRED_DRAFTS
 NO_DRAFT = "none"
 
 
-def machine_of(engine) -> Machine:
-    """The device, dtype and GGUF kernel types of a loaded engine (a remote one: this CPU)."""
+def machine_of(device, dtype) -> Machine:
+    """The memory and GGUF kernel types of `device` in `dtype` (torch's): where a model would load."""
     import psutil
     import torch
 
     from engine.memory import free_memory_bytes
     from engine.quant import KERNEL_TYPES
 
-    device, dtype = torch.device("cpu"), torch.float32
-    if not getattr(engine, "is_remote", False):  # a remote server's device is not this machine's
-        device, dtype = engine.device, engine.dtype
     on_cpu = device.type == "cpu"
     memory = psutil.virtual_memory().total if on_cpu else free_memory_bytes(device)
     # a CPU in float32 or bfloat16 keeps these types' blocks where the kernel builds (AVX2: every x86 here)

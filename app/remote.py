@@ -1,52 +1,38 @@
 """The remote backend: the app answers through any OpenAI-compatible server (`--backend openai`).
 
 vLLM, llama.cpp's server, or another copy of this app (`--api`, `python -m api`) answer;
-ingestion, the library, chats and the UI stay here. `RemoteEngine` stands in for
-`engine.Engine` where the app needs one: a tokenizer (the local `--model`'s, to count a
-book's tokens and label pages: an estimate when the server runs another model), the context
-length the server reports, and a name. `RemoteBook` is a `BookSession` whose questions are chat
-requests: the book as the system message, then the turns, so every server's prefix cache (and
-our API's document snapshots) keeps the book prefilled. Opening a book sends it once with a
-one-token answer, which prefills it on the server. TTFT, TBT and tokens/s are measured here,
-between streamed chunks; the speculative-decoding metrics and the reading view are not available.
+ingestion, the library, chats and the UI stay here. `RemoteEngine` is the app's backend
+(app/backend.py `Backend`): a tokenizer (the local `--model`'s, to count a book's tokens and
+label pages: an estimate when the server runs another model), the context length the server
+reports, a name, and what it cannot do here (load models, outline, keep readings). `RemoteBook`
+is a `BookSession` whose questions are chat requests: the book as the system message, then the
+turns, so every server's prefix cache (and our API's document snapshots) keeps the book prefilled.
+Opening a book sends it once with a one-token answer, which prefills it on the server. TTFT, TBT
+and tokens/s are measured here, between streamed chunks; the speculative-decoding metrics and the
+reading view are not available.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
-from app.session import BookSession, Prepared, Turn, Update
-from engine.config import Cancelled, EmptyPrompt, EngineError, SamplingConfig
+from app.session import BookSession, Prepared, Report, Turn, Update
+from engine.config import Cancelled, DocumentTooLong, EmptyPrompt, EngineError, SamplingConfig
 from engine.session import Stats
 
-NOT_AVAILABLE = "not available with a remote backend"
 DEFAULT_CONTEXT = 32768  # when the server does not say (vLLM says `max_model_len`, our API too)
 
 
-@dataclass(frozen=True)
-class RemoteConfig:
-    """What the app reads of `engine.config`."""
-
-    target: str  # "model at URL", shown in the header
-    draft: str | None = None
-    levels: str = "remote"
-    prefill_chunk_tokens: int = 1 << 30  # the server prefills; the app reports one step
-
-
-@dataclass(frozen=True)
-class RemoteDevice:
-    type: str = "remote"
-
-
 class RemoteEngine:
-    """The app's view of a remote OpenAI-compatible server."""
+    """A remote OpenAI-compatible server as the app's backend: it decodes with its own level
+    stack, holds the book's prefill, and reports no attention (no sources, no reading view)."""
 
-    is_remote = True
-    draft, has_draft = None, False
-    dtype = "remote"
-    device = RemoteDevice()
+    draft, levels, yarn_factor = None, "remote", 1.0  # the server's own stack and context
+    where = "remote remote"  # the header's device and dtype: both are the server's
+    can_load_models = decodes_here = False
+    fingerprint, outline_engine = None, None  # the library keeps no reading of it; no outlines
+    attention_share = 0.0  # the server's prefill times, measured here, are taken as linear
 
     def __init__(self, base_url: str, api_key: str | None, tokenizer, model: str | None = None,
                  timeout_s: float = 600.0):
@@ -64,7 +50,33 @@ class RemoteEngine:
         self.model, self.tokenizer = card.id, tokenizer
         self.default_sampling, self.end_ids = SamplingConfig(), set()  # the app sends every field; the server stops
         self.max_context = int((card.model_extra or {}).get("max_model_len") or DEFAULT_CONTEXT)
-        self.config = RemoteConfig(f"{self.model} at {base_url}")
+        self.name = f"{self.model} at {base_url}"  # shown in the header
+
+    def machine(self):
+        """This machine's CPU: the server's device is not this machine's."""
+        import torch
+
+        from app.picker import machine_of
+
+        return machine_of(torch.device("cpu"), torch.float32)
+
+    def level_stacks(self) -> list[str]:
+        return [self.levels]
+
+    def open_book(self, chat, prepared: Prepared, library, report: Report | None = None, cancel=None,
+                  measure_plain: bool = False, among: set[str] | None = None) -> tuple[RemoteBook, bool]:
+        """The book sent to the server (`measure_plain` and `among`: nothing to measure or share here)."""
+        if not prepared.fits:
+            raise DocumentTooLong(len(prepared.doc_ids), prepared.budget_tokens)
+        if report:
+            report("Prefill", "sending the book to the server …")
+        return open_remote_book(self, chat, prepared, library, cancel), False
+
+    def n_read_before(self, library, prepared: Prepared, among: set[str] | None) -> int:
+        return 0  # the server holds the prefill: the library keeps no reading of it
+
+    def load(self, target: str, draft: str, yarn_factor: float, report=None, cancel=None) -> RemoteEngine:
+        raise EngineError("the server answers with its own model (choose one it serves with --remote-model).")
 
 
 def sampling_args(sampling: SamplingConfig) -> dict:
@@ -91,6 +103,8 @@ class RemoteSession:
 
 class RemoteBook(BookSession):
     """A book whose questions go to the remote server; turns keep text only (no token ids)."""
+
+    has_reading = has_levels = False  # the server's answers give no attention or level stats
 
     def __init__(self, engine: RemoteEngine, chat, prepared: Prepared, book_id: str, library=None):
         super().__init__(engine, chat, prepared, RemoteSession(), book_id, library)
@@ -146,6 +160,9 @@ class RemoteBook(BookSession):
                 self.turns.append(turn)
                 self.autosave()
 
+    def read_by(self) -> str:
+        return self.engine.name  # the server's model: its fingerprint is not known here
+
     def load_chat(self, data: dict) -> None:
         self.turns = [Turn(**t) for t in data["turns"]]
         self.chat_id, self.created = data["id"], data.get("created", time.time())
@@ -166,7 +183,7 @@ def open_remote_book(engine: RemoteEngine, chat, prepared: Prepared, library, ca
     book.warm(cancel)
     if library is not None:
         try:
-            library.add_book(prepared.document, engine.config.target, len(prepared.doc_ids))
+            library.add_book(prepared.document, book.read_by(), len(prepared.doc_ids))
         except OSError as error:
             book.save_error = f"The book could not be saved to the library ({error})."
     return book

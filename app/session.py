@@ -14,9 +14,10 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from app.documents import Document, Limits, Section, load_document
-from app.library import Library, model_fingerprint
+from app.library import Library, book_id_of, model_fingerprint
 from app.sources import NEUTRAL_QUESTION, Quote, QuoteIndex, Source, find_passages, footer, with_passages
 from app.speeds import duration, time_left
 from app.storage import write_failure
@@ -26,6 +27,9 @@ from engine.chat import ChatFormat
 from engine.config import Cancelled, DocumentTooLong, EmptyPrompt, EngineConfig, EngineError, SamplingConfig
 from engine.loading import cache_root
 from engine.session import Engine, Session, Stats
+
+if TYPE_CHECKING:
+    from app.backend import Backend
 
 CHAT_ROOM_TOKENS = 1024  # context kept free for questions and answers after the book
 Report = Callable[[str, str], None]  # report(stage, detail): "Prefill", "chunk 3 of 9 · 410 tokens/s · ETA 12 s"
@@ -49,7 +53,7 @@ class Prepared:
         return f"{n:,} tokens of {budget:,} — " + ("fits" if self.fits else f"too long by {n - budget:,}")
 
 
-def prepare(engine: Engine, chat: ChatFormat, document: Document, max_tokens: int | None = None) -> Prepared:
+def prepare(engine: Engine | Backend, chat: ChatFormat, document: Document, max_tokens: int | None = None) -> Prepared:
     budget, doc_ids = engine.max_context - CHAT_ROOM_TOKENS, chat.document_ids(document.text)
     return Prepared(document, doc_ids, TokenMap(engine.tokenizer, document.text, len(doc_ids)),
                     min(budget, max_tokens or budget))
@@ -107,6 +111,10 @@ class Update:
 
 class BookSession:
     """An open book and one chat about it; the engine session holds document + chat tokens."""
+
+    # what its answers report (app/views.py shows them); a server's (app/remote.py) report neither
+    has_reading = True  # where the model reads: the reading view
+    has_levels = True  # each level's acceptance and the speed-up over plain decoding
 
     def __init__(self, engine: Engine, chat: ChatFormat, prepared: Prepared, session: Session,
                  book_id: str, library: Library | None = None):
@@ -171,9 +179,7 @@ class BookSession:
 
     def find_sources(self, q_ids: list[int], neutral_ids: list[int]) -> list[Source]:
         """The passages the question's attention goes to most (engine `Session.score_document`);
-        none from a remote engine, or when the question does not fit (asking then says why)."""
-        if not hasattr(self.session, "score_document"):  # app/remote.py: the server has the cache
-            return []
+        none when the question does not fit (asking then says why)."""
         try:
             ranges = self.session.score_document(q_ids, self.tokens.shift, self.doc_len, neutral_ids)
         except EngineError:
@@ -218,12 +224,16 @@ class BookSession:
         try:
             if self.library is not None:
                 if self.library.meta(self.book_id) is None:
-                    self.library.add_book(self.document, model_fingerprint(self.engine), self.doc_len)
+                    self.library.add_book(self.document, self.read_by(), self.doc_len)
                 self.library.save_chat(self.book_id, self.to_json())
             self.save_error = None
         except OSError as error:  # e.g. disk full: the previous file stays intact (atomic write)
             self.save_error = (f"This chat could not be saved ({write_failure(error)}). It stays open here and is "
                                "saved with the next answer once there is room.")
+
+    def read_by(self) -> str:
+        """The model the library lists this book as read by."""
+        return model_fingerprint(self.engine)
 
     def passages(self, ranges: list[tuple[int, int, float]] | None, top: int = 5) -> list[Passage] | None:
         """Page/section labels and snippets of the document ranges the retrieval cache reads."""
@@ -249,7 +259,7 @@ def _footer(turn: Turn) -> str:
     return "\n\n" + text if text else ""
 
 
-def read_document(path: str, password: str | None, limits: Limits, engine: Engine, chat: ChatFormat,
+def read_document(path: str, password: str | None, limits: Limits, engine: Engine | Backend, chat: ChatFormat,
                   max_tokens: int | None, report: Report, cancel: threading.Event) -> Prepared:
     """File -> tokenised document; report(stage, detail) between pages; cancel raises Cancelled."""
     def progress(stage: str, done: int, total: int):
@@ -271,6 +281,19 @@ def load_engine(config: EngineConfig, report: Report | None = None, cancel=None)
     return Engine.load(config)
 
 
+def n_read_before(engine: Engine, library: Library, prepared: Prepared, among: set[str] | None) -> int:
+    """Tokens of this book the library holds by this model: a stopped reading of it, or about
+    the whole prefill chunks it shares with another book's reading (of `among`, if given) it
+    begins as (0: none)."""
+    model, text, chunk = model_fingerprint(engine), prepared.document.text, engine.prefill_chunk_tokens
+    if n := library.n_read(book_id_of(text), model):
+        return n
+    if not (found := library.read_before(text, model, chunk, among)):
+        return 0
+    n = min(found.record["n_tokens"], len(prepared.doc_ids) - 1, prepared.tokens.char_to_token(found.n_chars))
+    return n - n % chunk
+
+
 def open_book(engine: Engine, chat: ChatFormat, prepared: Prepared, library: Library | None,
               report: Report | None = None, cancel=None, measure_plain: bool = False,
               among: set[str] | None = None) -> tuple[BookSession, bool]:
@@ -280,12 +303,6 @@ def open_book(engine: Engine, chat: ChatFormat, prepared: Prepared, library: Lib
     Raises DocumentTooLong when the document does not fit its budget (the caller offers choices)."""
     if not prepared.fits:
         raise DocumentTooLong(len(prepared.doc_ids), prepared.budget_tokens)
-    if getattr(engine, "is_remote", False):  # the server prefills and keeps the book (app/remote.py)
-        from app.remote import open_remote_book
-
-        if report:
-            report("Prefill", "sending the book to the server …")
-        return open_remote_book(engine, chat, prepared, library, cancel), False
     chunk, share = engine.prefill_chunk_tokens, engine.target.config.attention_share()  # chunk: larger offloaded
     started, n_before, read_in = time.perf_counter(), 0, None
 

@@ -23,24 +23,24 @@ from pathlib import Path
 import gradio as gr
 
 from app import book_view, layout
+from app.backend import Backend
 from app.catalog import Catalog, render_found
 from app.cpu import CpuWatch, cpu_note
 from app.documents import Document, Limits, PasswordRequired, WrongPassword, chapters
 from app.layout import LONG_BOOKS_NOTE, LONG_BOOKS_YARN, NO_BOOK, asking
-from app.library import Library, book_id_of, chat_export_json, chat_markdown, model_fingerprint, write_export
+from app.library import Library, book_id_of, chat_export_json, chat_markdown, write_export
 from app.outline_ui import Outlines
-from app.picker import NO_DRAFT, check_loadable, drafts, machine_of, model_choices, suggested_draft
+from app.picker import NO_DRAFT, check_loadable, drafts, model_choices, suggested_draft
 from app.reading import ReadingStopped
 from app.server import say
-from app.session import BookSession, Prepared, keep_first, load_engine, open_book, pick_chapters, prepare, read_document
+from app.session import BookSession, Prepared, keep_first, pick_chapters, prepare, read_document
 from app.speeds import Speeds, disk_size, duration
 from app.storage import write_failure
 from app.tokens import PlainChatFormat
-from app.views import Counters, Stages, is_remote, render_metrics, render_plot, render_reading
+from app.views import Counters, Stages, render_metrics, render_plot, render_reading
 from engine import models
 from engine.batch import Batcher
-from engine.config import LEVEL_STACKS, Cancelled, Levels, SamplingConfig
-from engine.session import Engine
+from engine.config import LEVEL_STACKS, Cancelled, SamplingConfig
 
 LONG_PREFILL_S = 120  # past this, a prefill's estimate names the faster model
 # An answer's view (chat, metrics, plot) is redrawn at most this often, the tokens in between shown
@@ -73,12 +73,12 @@ def _picked(pending: Prepared, picked: list[str]) -> Document:
 
 
 class App:
-    def __init__(self, engine: Engine, library: Library | None, limits: Limits | None = None,
+    def __init__(self, backend: Backend, library: Library | None, limits: Limits | None = None,
                  max_tokens: int | None = None, max_new_tokens: int = 256, private: bool = False,
                  max_open_books: int = 4, catalog: Catalog | None = None, outline: bool = True):
-        self.engine, self.library = engine, library
+        self.backend, self.library = backend, library  # backend: app/backend.py
         self.catalog = catalog  # the models found on this machine (app/catalog.py); None: packaged ones only
-        self.chat = PlainChatFormat(engine.tokenizer, end_ids=engine.end_ids)
+        self.chat = PlainChatFormat(backend.tokenizer, end_ids=backend.end_ids)
         self.speeds = Speeds(library.root if library else None)  # measured on this machine, per model
         self.limits, self.max_tokens, self.max_new_tokens = limits or Limits(), max_tokens, max_new_tokens
         self.private, self.max_open_books = private, max_open_books
@@ -180,7 +180,7 @@ class App:
                c.fit_row: gr.update(visible=False)}
         try:
             prepared = yield from self._progress(user, stages, read_document, user.file, password, self.limits,
-                                                 self.engine, self.chat, self.max_tokens)
+                                                 self.backend, self.chat, self.max_tokens)
         except (PasswordRequired, WrongPassword) as error:
             yield {**self._kept(user, str(error)), c.password_row: gr.update(visible=True)}
             return
@@ -197,7 +197,7 @@ class App:
             yield {self.c.status: "Upload a book first."}
             return
         document = _picked(user.pending, picked) if picked else keep_first(user.pending, int(n_tokens))
-        yield from self._fit_then_open(user, prepare(self.engine, self.chat, document, self.max_tokens),
+        yield from self._fit_then_open(user, prepare(self.backend, self.chat, document, self.max_tokens),
                                        part_of=user.pending)
 
     def selection_note(self, n_tokens: float, picked: list[str], request: gr.Request):
@@ -225,7 +225,7 @@ class App:
         if self.private:  # the same text uploaded by someone else keeps this reader's title
             document = replace(document, title=user.titles.get(book_id, document.title))
         user.cancel.clear()
-        yield from self._fit_then_open(user, prepare(self.engine, self.chat, document, self.max_tokens))
+        yield from self._fit_then_open(user, prepare(self.backend, self.chat, document, self.max_tokens))
 
     def ask_remove(self, book_id: str | None, request: gr.Request):
         """Name what "Remove" deletes, and ask."""
@@ -287,7 +287,7 @@ class App:
                    for i, s in enumerate(found)]
         most = max(256, prepared.budget_tokens - 64)
         note = "The book is longer than the model's context. Choose what to read below; nothing is cut silently."
-        if self._yarn() == 1 and not self.private and not getattr(self.engine, "is_remote", False):  # it can grow
+        if self._yarn() == 1 and not self.private and self.backend.can_load_models:  # it can grow
             note += f" Or tick **Long books** in the Model panel and load the model again: {LONG_BOOKS_NOTE}"
         yield {**self._kept(user, f"{stages.render()}\n\n{note}"), c.first_n: gr.update(maximum=most, value=most),
                c.fit_row: gr.update(visible=True), c.pick: gr.update(choices=choices, value=[], visible=bool(choices))}
@@ -301,10 +301,9 @@ class App:
         reading = book_id_of(prepared.document.text)
         self.reading_ids.add(reading)
         try:
-            job = partial(open_book, measure_plain=True,  # from another book: never another reader's
+            job = partial(self.backend.open_book, measure_plain=True,  # from another book: never another reader's
                           among=user.book_ids if self.private else None)
-            book, restored = yield from self._progress(user, stages, job, self.engine, self.chat, prepared,
-                                                       self.library)
+            book, restored = yield from self._progress(user, stages, job, self.chat, prepared, self.library)
         except ReadingStopped as error:  # what was read is kept: the book reads on from there next time
             if error.is_saved:
                 user.book_ids.add(error.book_id)
@@ -347,9 +346,9 @@ class App:
         if not restored:  # counted here, not from the engine's totals: other readers' work goes on meanwhile
             user.counters.n_prefills += 1
             user.counters.n_prefill_tokens += n_now
-            model = self.engine.config.target
+            model = self.backend.name
             self.speeds.record_prefill(model, n, seconds - 8 * (book.plain_ms or 0) / 1000,  # less the probe
-                                       self._attention_share(), start=book.n_read_before)  # read on: as a whole
+                                       self.backend.attention_share, start=book.n_read_before)  # read on: as a whole
             self.speeds.record_decode(model, n, book.plain_ms or 0)
         how = (f"restored from the saved snapshot in {seconds:.1f} s" if restored
                else f"{n_now:,} tokens in {seconds:.1f} s ({n_now / seconds:,.0f} tokens/s)")
@@ -359,23 +358,16 @@ class App:
         return how
 
     def _n_read(self, user: User, prepared: Prepared) -> int:
-        """Tokens of this book the library holds by this model: a stopped reading of it, or about
-        the whole prefill chunks it shares with another book's reading it begins as (0: none)."""
-        if self.library is None or getattr(self.engine, "is_remote", False):
+        """Tokens of this book the library holds a reading of (app/session.py `n_read_before`)."""
+        if self.library is None:
             return 0
-        model, text, chunk = model_fingerprint(self.engine), prepared.document.text, self.engine.prefill_chunk_tokens
-        if n := self.library.n_read(book_id_of(text), model):
-            return n
-        if not (found := self.library.read_before(text, model, chunk, user.book_ids if self.private else None)):
-            return 0
-        n = min(found.record["n_tokens"], len(prepared.doc_ids) - 1, prepared.tokens.char_to_token(found.n_chars))
-        return n - n % chunk
+        return self.backend.n_read_before(self.library, prepared, user.book_ids if self.private else None)
 
     def prefill_estimate(self, n_tokens: int, n_read: int = 0) -> str:
         """' · about 3 min to read here' from this machine's measured rate (what is left when a stopped
         reading kept `n_read` tokens), and the faster model's time when the wait is long; what the
         first book will do when nothing was measured yet."""
-        model, share = self.engine.config.target, self._attention_share()
+        model, share = self.backend.name, self.backend.attention_share
         seconds, before = self.speeds.prefill_s(model, n_tokens, share), ""
         if n_read:
             before = f" · {n_read / n_tokens:.0%} was read before, the rest reads on from there"
@@ -388,10 +380,6 @@ class App:
         if seconds > LONG_PREFILL_S and faster:
             text += f"; {faster[0]} would take about {duration(faster[1])} (lower quality: choose it under Model)"
         return text
-
-    def _attention_share(self) -> float:
-        target = getattr(self.engine, "target", None)  # a remote engine has none: its times are linear
-        return target.config.attention_share() if target is not None else 0.0
 
     def _faster_model(self, model: str, n_tokens: int, seconds: float, share: float) -> tuple[str, float] | None:
         """(name, estimated seconds) of a smaller packaged chat model: measured here (scaled with this
@@ -433,7 +421,7 @@ class App:
         temperature, top_p, max_new_tokens, seed, _levels, *rest = settings
         named = dict(zip(SAMPLING_FIELDS, rest))
         named = {k: (int(v) if k == "top_k" else float(v)) for k, v in named.items() if v is not None}
-        return replace(self.engine.default_sampling, temperature=float(temperature), top_p=float(top_p),
+        return replace(self.backend.default_sampling, temperature=float(temperature), top_p=float(top_p),
                               max_new_tokens=int(max_new_tokens), seed=int(seed), **named)
 
     def _answer(self, user: User, question: str, replace: bool, settings: tuple):
@@ -448,7 +436,7 @@ class App:
         yield {c.msg: gr.update(value="", show_label=False), c.chatbot: shown + [{"role": "assistant", "content": "…"}],
                c.metrics: render_metrics("thinking", None, book, user.counters), c.plot: render_plot([])}
         state, stats, points = "done", None, []
-        watch = None if is_remote(book) else CpuWatch()
+        watch = CpuWatch() if self.backend.decodes_here else None
         try:
             levels, sampling = settings[4], self.sampling_config(settings)
             book.session.set_levels(levels if levels in LEVEL_STACKS else book.session.levels)
@@ -514,7 +502,7 @@ class App:
         """The library's books and the open book's chats; `selected` (else the open book) is picked,
         so "Open book" opens it."""
         book = user.book
-        model = None if getattr(self.engine, "is_remote", False) else model_fingerprint(self.engine)  # reads on
+        model = self.backend.fingerprint  # its readings: "45% read"
         books, chats = self.library.choices(book.book_id if book else None, model) if self.library else ([], [])
         if self.private:  # only what this session opened or wrote
             books = [(user.titles.get(book_id, title), book_id) for title, book_id in books if book_id in user.book_ids]
@@ -546,61 +534,59 @@ class App:
         return layout.build(self)
 
     def _levels(self) -> list[str]:
-        if getattr(self.engine, "is_remote", False):  # the server's own decoding (app/remote.py)
-            return [self.engine.config.levels]
-        return [s for s in LEVEL_STACKS if self.engine.has_draft or not Levels.parse(s).needs_draft]
+        return self.backend.level_stacks()
 
     def model_settings(self) -> list:
         """Updates that put the sampling widgets (c.sampling) and the level stack at the model's defaults."""
-        d = self.engine.default_sampling
+        d = self.backend.default_sampling
         values = [d.temperature, d.top_p, d.top_k, d.min_p, d.repetition_penalty, d.presence_penalty,
                   d.frequency_penalty]
         return [gr.update(value=v) for v in values] + [gr.update(choices=self._levels(),
-                                                                 value=self.engine.config.levels)]
+                                                                 value=self.backend.levels)]
 
     def reset_settings(self):
         return dict(zip([*self.c.sampling, self.c.level], self.model_settings(), strict=True))
 
     def _sampling_note(self) -> str:
-        d = self.engine.default_sampling
+        d = self.backend.default_sampling
         how = ("greedy (its files give no sampling settings)" if d.is_greedy else
                f"temperature {d.temperature:g}, top-p {d.top_p:g}, top-k {d.top_k}, repetition penalty "
                f"{d.repetition_penalty:g}")
-        return (f"<small>Starts at how {self.engine.config.target} was tuned to be sampled: {how}. Answers are "
+        return (f"<small>Starts at how {self.backend.name} was tuned to be sampled: {how}. Answers are "
                 f"exact samples of the model with these settings, whichever level stack runs.</small>")
 
     # ---- the model picker (LM Studio style): size, context, speed measured here, quality -----
     def model_table(self) -> str:
-        current, rows = self.engine.config.target, []
+        current, rows = self.backend.name, []
         for m in models.PACKAGED_MODELS.values():
             mark = " **(loaded)**" if m.name == current else ""
             rows.append(f"| `{m.name}`{mark} | {m.n_bytes / 1e9:.1f} GB | {m.n_context // 1024 or '?'}K | "
                         f"{self.speeds.describe(m.name)} | {m.note} |")
         if current not in models.PACKAGED_MODELS:  # a folder, a .gguf file or a hub id of the reader's
-            rows.append(f"| `{current}` **(loaded)** | | {self.engine.max_context // 1024}K | "
+            rows.append(f"| `{current}` **(loaded)** | | {self.backend.max_context // 1024}K | "
                         f"{self.speeds.describe(current)} | your model |")
         head = "| model | file | context | measured on this machine | quality |\n|:--|--:|--:|:--|:--|"
-        draft = f" · draft `{self.engine.config.draft}`" if self.engine.config.draft else ""
-        found = render_found(self.catalog.found(wait=False), machine_of(self.engine)) if self.catalog else ""
+        draft = f" · draft `{self.backend.draft}`" if self.backend.draft else ""
+        found = render_found(self.catalog.found(wait=False), self.backend.machine()) if self.catalog else ""
         if self.catalog and self.catalog.is_searching:
             found += "\n\n*Reading the headers of the other models on this machine … (reopen the page to see them)*"
         found = f"\n\n**On this machine** (never downloaded; the engine reads their headers only)\n\n{found}" \
             if found else ""
-        loaded = f"Loaded: `{current}`{draft} · levels `{self.engine.config.levels}`"
+        loaded = f"Loaded: `{current}`{draft} · levels `{self.backend.levels}`"
         return f"{loaded}\n\n{head}\n" + "\n".join(rows) + found
 
     def draft_choices(self, target: str | None, wait: bool = True) -> list[tuple[str, str]]:
         """(label, source) of the drafts that pair with `target`, the suggested one first, then none
         (without `wait`: among the models whose headers are read already)."""
-        offered = drafts(self.catalog, machine_of(self.engine), target, wait) if target else []
+        offered = drafts(self.catalog, self.backend.machine(), target, wait) if target else []
         return [*offered, ("none", NO_DRAFT)]
 
     def refresh_picker(self):
         """A page opened: the model table, the models found so far (the search runs on meanwhile) and
         the drafts among them for the loaded target."""
-        config = self.engine.config
-        return (self.model_table(), gr.update(choices=model_choices(self.catalog), value=config.target),
-                gr.update(choices=self.draft_choices(config.target, wait=False), value=config.draft or NO_DRAFT))
+        b = self.backend
+        return (self.model_table(), gr.update(choices=model_choices(self.catalog), value=b.name),
+                gr.update(choices=self.draft_choices(b.name, wait=False), value=b.draft or NO_DRAFT))
 
     def drafts_offered(self, target: str | None):
         """The draft picker for a newly picked target: the drafts that pair with it, the suggested one chosen."""
@@ -608,7 +594,7 @@ class App:
         return gr.update(choices=choices, value=choices[0][1])
 
     def _yarn(self) -> float:
-        return getattr(self.engine.config, "yarn_factor", 1.0)  # a remote backend's config has none
+        return self.backend.yarn_factor
 
     def switch_model(self, name: str | None, long_books: bool, request: gr.Request, draft: str | None = "auto"):
         """Load another model with `draft` ("auto": the one that pairs, `NO_DRAFT`: none), or the same one
@@ -619,11 +605,11 @@ class App:
         if self.private:
             yield {c.model_status: "In a shared app the model is chosen when it starts (`--model`, `--yarn`)."}
             return
-        name, yarn = name or self.engine.config.target, LONG_BOOKS_YARN if long_books else 1.0
-        machine = machine_of(self.engine)
+        name, yarn = name or self.backend.name, LONG_BOOKS_YARN if long_books else 1.0
+        machine = self.backend.machine()
         draft = suggested_draft(self.catalog, machine, name) if draft in ("auto", None) else draft
         draft = None if draft in (NO_DRAFT, "") else draft
-        if name == self.engine.config.target and yarn == self._yarn() and draft == self.engine.config.draft:
+        if name == self.backend.name and yarn == self._yarn() and draft == self.backend.draft:
             yield {c.model_status: f"`{name}` is already loaded" + (" for long books." if yarn != 1 else ".")}
             return
         user.cancel.clear()
@@ -631,15 +617,14 @@ class App:
         try:
             check_loadable(self.catalog, machine, name, draft)
             load = self.catalog.loadable if self.catalog else str  # a blob under a .gguf name (Ollama, HF cache)
-            config = replace(self.engine.config, target=load(name), draft=load(draft) if draft else NO_DRAFT,
-                             levels="auto", yarn_factor=yarn)
-            engine = yield from self._progress(user, Stages(name), load_engine, config)
+            job = partial(self.backend.load, load(name), load(draft) if draft else NO_DRAFT, yarn)
+            backend = yield from self._progress(user, Stages(name), job)
         except Exception as error:  # ModelNotFound, TokenizerMismatch, out of memory ...: keep the old one
-            yield {c.model_status: f"⚠ Could not load `{name}`: {error} `{self.engine.config.target}` stays loaded.",
+            yield {c.model_status: f"⚠ Could not load `{name}`: {error} `{self.backend.name}` stays loaded.",
                    c.models: self.model_table()}
             return
-        self.engine, self.chat = engine, PlainChatFormat(engine.tokenizer, end_ids=engine.end_ids)
-        self.outlines.use(engine)  # outlines under way stop and say so
+        self.backend, self.chat = backend, PlainChatFormat(backend.tokenizer, end_ids=backend.end_ids)
+        self.outlines.use(backend)  # outlines under way stop and say so
         for other in self.users.values():
             other.book = other.pending = None
             other.notice = f"The model changed to {name}: open your book again from the library."

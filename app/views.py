@@ -9,11 +9,11 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
-from app.remote import NOT_AVAILABLE, RemoteBook
 from app.session import BookSession
 from engine.session import Stats
 
 STAGES = ("Extract", "Clean", "Tokenize", "Prefill")
+NOT_AVAILABLE = "not available with a remote backend"  # what a book whose answers report neither shows
 
 
 @dataclass
@@ -54,14 +54,14 @@ def render_metrics(state: str, stats: Stats | None, book: BookSession | None, co
     head, blocks = [f"<span class='state'>{state}</span>"], []
     if stats is not None and stats.n_tokens:
         speedup = ""
-        if book is not None and not is_remote(book) and book.session.levels != "plain":
+        if book is not None and book.has_levels and book.session.levels != "plain":
             speedup = speedup_note(stats, book.plain_ms)
         head += [f"**{stats.tokens_per_s:.1f}** tokens/s · {stats.n_tokens:,} tokens{speedup}",
                  f"TBT now **{stats.tbt_ms_last:.0f}** ms · mean **{stats.tbt_ms_mean:.0f}** ms · "
                  f"first token {stats.ttft_s:.2f} s"]
         # a level that tested nothing shows "–", not 0%: on CPUs the middle level is often skipped
         # (the top checks the bottom drafter's drafts itself, engine/speculative.py `LevelStack`)
-        if is_remote(book):
+        if book is not None and not book.has_levels:
             blocks.append(f"Speculative-decoding metrics: {NOT_AVAILABLE}.")
         rows = [f"| {s.name} | {f'{100 * s.acceptance:.0f}%' if s.n_tested else '–'} | "
                 f"{f'{s.tokens_per_check:.2f}' if s.n_checks else '–'} | {s.n_checks} |" for s in stats.levels]
@@ -91,10 +91,6 @@ def speedup_note(stats: Stats, probe_ms: float | None) -> str:
     return ""
 
 
-def is_remote(book: BookSession | None) -> bool:
-    return isinstance(book, RemoteBook)
-
-
 def render_plot(points: list[tuple[float, float]]) -> str:
     """Inline SVG: time between tokens (ms) and the top level's acceptance, one point per step."""
     if len(points) < 2:
@@ -114,7 +110,7 @@ def render_plot(points: list[tuple[float, float]]) -> str:
 def render_reading(book: BookSession | None, passages) -> str:
     if book is None:
         return "Load a book to see which passages the model reads."
-    if is_remote(book):
+    if not book.has_reading:
         return f"Where the model is reading: {NOT_AVAILABLE}."
     if "retrieval" not in book.session.levels:
         return f"The level stack `{book.session.levels}` has no retrieval level: every check reads the whole book."

@@ -81,12 +81,12 @@ def test_the_picker_offers_the_draft_that_pairs_and_the_level_stacks_follow(app,
     req = request("reader")
     updates = run(app.switch_model(target, False, req, "auto"))
     assert last(app, updates, "model_status").startswith(f"`{target}` is loaded"), updates
-    assert app.engine.config.draft == draft and app.engine.has_draft
+    assert app.backend.draft == draft and app.backend.engine.has_draft
     assert "draft>full" in last(app, updates, "level")["choices"]
     assert f"draft `{draft}`" in last(app, updates, "models")
 
     updates = run(app.switch_model(target, False, req, "none"))
-    assert app.engine.config.draft is None and not app.engine.has_draft
+    assert app.backend.draft is None and not app.backend.engine.has_draft
     stacks = last(app, updates, "level")["choices"]
     assert "ngram>full" in stacks and not any("draft" in s for s in stacks), stacks
 
@@ -107,13 +107,13 @@ RUNS = "Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3 (dense), Gemma 2, Gemma 3 (text),
 ])
 def test_a_model_that_cannot_load_is_refused_in_one_sentence_and_the_book_and_chat_stay(app, models, tmp_path,
                                                                                          bad, draft, why):
-    req, loaded = request("reader"), app.engine
+    req, loaded = request("reader"), app.backend
     assert "Ready" in last(app, run(app.load_book(str(write_book(tmp_path)), "", req)), "status")
     assert "done" in last(app, run(app.ask("Who is Sir Walter?", [], 0.0, 1.0, 4, 0, "ngram>full", req)), "metrics")
     book, turns = app.users["reader"].book, list(app.users["reader"].book.turns)
 
     draft = draft if draft == "none" else str(models / draft)
     status = last(app, run(app.switch_model(str(models / bad), False, req, draft)), "model_status")
-    assert status == f"⚠ Could not load `{models / bad}`: {why} `{loaded.config.target}` stays loaded."
-    assert app.engine is loaded and app.users["reader"].book is book and book.turns == turns
+    assert status == f"⚠ Could not load `{models / bad}`: {why} `{loaded.name}` stays loaded."
+    assert app.backend is loaded and app.users["reader"].book is book and book.turns == turns
     assert "done" in last(app, run(app.ask("Who is Anne?", [], 0.0, 1.0, 4, 0, "ngram>full", req)), "metrics")

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 import app.outline_ui as outline_ui
+from app.backend import LocalEngine
 from app.outline_ui import Outlines
 from engine.batch import Batcher
 from tests.app.test_outline import CharPrompter, book
@@ -21,7 +22,7 @@ from tests.conftest import tiny_engine
 def app(monkeypatch):
     monkeypatch.setattr(outline_ui, "Prompter", lambda chat: CharPrompter())  # no tokenizer in a tiny model
     user = SimpleNamespace()
-    fake = SimpleNamespace(engine=tiny_engine("ngram>full"), chat=None, library=None, outline=True,
+    fake = SimpleNamespace(backend=LocalEngine(tiny_engine("ngram>full")), chat=None, library=None, outline=True,
                            batcher=Batcher(background=False), jobs={"a book being read"}, user=lambda request: user)
     fake.outlines = Outlines(fake)
     fake.me = user
@@ -42,8 +43,8 @@ def test_the_outline_waits_while_a_book_is_read_and_says_so(app):
 def test_a_model_switch_stops_the_outline_and_resume_makes_it_with_the_new_model(app):
     app.outlines.start(app.me, book())
     old = app.outlines.by_user[id(app.me)]
-    app.engine = tiny_engine("ngram>full", seed=5, vocab=120)  # another model (its fingerprint differs)
-    app.outlines.use(app.engine)
+    app.backend = LocalEngine(tiny_engine("ngram>full", seed=5, vocab=120))  # another model (its fingerprint differs)
+    app.outlines.use(app.backend)
     assert old.stopped == "the model changed"
     assert "stopped: the model changed. **Resume** goes on from there." in app.outlines.progress(old)
     app.outlines.resume(None)
@@ -63,14 +64,14 @@ def test_no_outline_when_turned_off_or_under_tensor_parallel(app):
     from engine.parallel import Leader
 
     app.outline = False
-    app.outlines.use(app.engine)
+    app.outlines.use(app.backend)
     app.outlines.start(app.me, book())
     assert app.outlines.worker is None and id(app.me) not in app.outlines.by_user  # keyed by id(User)
     assert "Outlines are off (`--no-outline`)" in app.outlines.refresh(None)[0]["value"]
     app.outline = True
-    app.outlines.use(object.__new__(Leader))  # rank 0 of a tensor-parallel engine (not started)
+    app.outlines.use(LocalEngine(object.__new__(Leader)))  # rank 0 of a tensor-parallel engine (not started)
     assert app.outlines.worker is None and "tensor parallel" in app.outlines.refresh(None)[0]["value"]
-    app.outlines.use(app.engine)
+    app.outlines.use(app.backend)
     assert app.outlines.worker is not None and app.outlines.off == ""
 
 

@@ -64,8 +64,8 @@ def test_a_reading_taken_up_again_is_timed_from_where_it_went_on_and_estimated_a
     assert time_left(elapsed, 64000, 111831, share) < 0.2 * want  # as if 64K had taken that long
 
     speeds = Speeds(None)
-    app = SimpleNamespace(engine=SimpleNamespace(config=SimpleNamespace(target="m")), speeds=speeds,
-                          _attention_share=lambda: share, _faster_model=lambda *args: None)
+    app = SimpleNamespace(backend=SimpleNamespace(name="m", attention_share=share), speeds=speeds,
+                          _faster_model=lambda *args: None)
     assert App.prefill_estimate(app, 111831, 56000) == (" · 50% was read before, the rest reads on from there"
                                                         " · the first book measures how fast this machine reads")
     speeds.record_prefill("m", 111831, 3937.0)

@@ -76,11 +76,12 @@ def request(name: str) -> SimpleNamespace:
 
 
 def make_app(engine, library_root: Path | None, **kwargs):
+    from app.backend import LocalEngine
     from app.library import Library
     from app.ui import App
 
     kwargs.setdefault("outline", False)  # these tests count prefills and memory: no background outline
-    app = App(engine, Library(library_root) if library_root else None, **kwargs)
+    app = App(LocalEngine(engine), Library(library_root) if library_root else None, **kwargs)
     app.demo = app.build()
     return app
 
