@@ -23,6 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.cli import add_common_args
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -80,14 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trees", default="", help="OLD,NEW: two checkouts of this repository")
-    p.add_argument("--model", default="qwen2.5-coder-1.5b")
+    add_common_args(p, "ab")
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--stacks", default="plain,retrieval>full", help="retrieval>full: the CPU default")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--snapshot", type=Path, default=None, help="default: /tmp/ab_MODEL_CONTEXT.pt")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ab.json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.snapshot = args.snapshot or Path(f"/tmp/ab_{args.model}_{args.context}.pt")

@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 from app import child
+from benchmarks.cli import add_common_args
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = "Summarize what happens in this part of the book in two paragraphs."
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--client", action="store_true", help="gradio_client instead of Chromium")
     p.add_argument("--levels", default="retrieval>full", help="with --client: the stack asked for")
     p.add_argument("--app-args", default="", help="more arguments for app.py")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "app_stream.json")
+    add_common_args(p, "app_stream", model=False, threads=False)
     args = p.parse_args(argv)
     load = list(os.getloadavg())
     with tempfile.TemporaryDirectory() as tmp:

@@ -30,6 +30,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from benchmarks.cli import add_common_args
 from benchmarks.longctx import BOOK, machine, timing
 from engine.batch import Batcher
 from engine.chat import ChatFormat
@@ -46,15 +47,13 @@ QUESTIONS = ("Summarize the story so far in one paragraph.",
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks.batch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen2.5-coder-0.5b")
+    add_common_args(p, "batch")
     p.add_argument("--contexts", default="4096,8192", help="comma-separated token counts")
     p.add_argument("--sessions", default="1,2,4,8", help="comma-separated concurrent session counts")
     p.add_argument("--stacks", default="plain,ngram>full,ngram>retrieval>full")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "batch.json")
     p.add_argument("--quick", action="store_true", help="CI smoke test: SmolLM2, 512-token contexts, 8 tokens")
     args = p.parse_args(argv)
     if args.quick:

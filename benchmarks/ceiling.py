@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.cli import add_common_args
 from benchmarks.kernels import engine_model, ours_step, random_full_cache, side_by_side, tree
 from engine import quant
 from engine.device import pick_dtype
@@ -48,12 +49,10 @@ def speedup(top_ms: float, check_ms: dict[int, float], middle_ms: float, a: floa
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.ceiling", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen2.5-coder-1.5b")
+    add_common_args(p, "ceiling")
     p.add_argument("--contexts", default="8192,32000,112000")
     p.add_argument("--budgets", default="1024,4096", help="retrieval budgets of the middle level (keys)")
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ceiling.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = pick_dtype("auto", torch.device("cpu"))

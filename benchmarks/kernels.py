@@ -78,6 +78,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.cli import add_common_args
 from engine import layouts
 from engine.attention import FEW_ROWS, cpu_attention, cpu_kernel, pick_attention, sdpa_attention, tail_mask
 from engine.config import ModelConfig
@@ -602,10 +603,9 @@ def bench_sampling(repeats: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen2.5-coder-0.5b")
+    add_common_args(p, "kernels")
     p.add_argument("--contexts", default="8192,32768")
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--only", default="attention,cpu-attention,prefill,decode,sampling,weights",
                    help="comma-separated; also: compiled, quant, block-types, quick, exact-rows, row-ops")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
@@ -614,7 +614,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="cpu-attention: another version of engine/csrc/attention_cpu.cpp to time beside this one")
     p.add_argument("--quant-source", type=Path, default=None,
                    help="exact-rows: another version of engine/csrc/quant_cpu.cpp to time beside this one")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kernels.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     only = set(args.only.split(","))

@@ -17,7 +17,7 @@ runs by the regime of their own answer. Both implementations share the process, 
 reported as each one's estimated peak alone (weights + cache + the increase while it ran).
 `ours:plain@sdpa` is our plain stack on torch SDPA instead of the compiled CPU attention kernel.
 
-    python -m benchmarks.longctx --contexts 8192,16384,32768 --new-tokens 128     # 0.5B
+    python -m benchmarks.longctx --model qwen2.5-coder-0.5b --contexts 8192,16384,32768 --new-tokens 128
     python -m benchmarks.longctx --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --contexts 16384
     python -m benchmarks.longctx --quick                                     # CI smoke test
 """
@@ -41,6 +41,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from benchmarks.cli import add_common_args
 from benchmarks.hardware import RssSampler, measure_hardware, read_gb_s, token_floor
 from engine.attention import pick_attention, sdpa_attention
 from engine.chat import ChatFormat
@@ -72,18 +73,16 @@ def needs_draft(method: str) -> bool:
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks.longctx", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen2.5-coder-0.5b")
+    add_common_args(p, "longctx")
     p.add_argument("--draft", default=None, help="draft model: enables hf:assisted and ours:draft>...")
     p.add_argument("--contexts", default="8192,16384,32768", help="comma-separated token counts")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--samplings", default="greedy,sampled")
     p.add_argument("--questions", default="summary,fact")
     p.add_argument("--methods", default=None, help="comma-separated subset (default: all that apply)")
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="both implementations; auto = the engine's choice (bf16 with AMX or AVX512-BF16, else float32)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "longctx.json")
     p.add_argument("--quick", action="store_true", help="CI smoke test: SmolLM2, ~1K context, 16 tokens")
     args = p.parse_args(argv)
     if args.quick:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.cli import add_common_args
 from benchmarks.longctx import BOOK, book_doc_ids, log, machine
 from benchmarks.peers import answer
 from engine.chat import ChatFormat
@@ -51,14 +52,12 @@ def table(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.middle", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen2.5-coder-1.5b")
+    add_common_args(p, "middle")
     p.add_argument("--context", type=int, default=16384)
-    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--budgets", default="1024,4096,16384")
     p.add_argument("--gamma", type=int, default=4, help="fixed draft length; 0: the adaptive tuners, as shipped")
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--snapshot", type=Path, help="keep the prefilled book here, and reuse it if present")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "middle.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     engine = Engine.load(EngineConfig(target=args.model, draft=None, levels="plain", device="cpu",

@@ -37,6 +37,7 @@ import torch
 from app.documents import load_document
 from app.outline import BOOK_PROMPT, CHAPTER_PROMPT, Prompter, SummaryCache, new_outline
 from app.outline_worker import OutlineWorker
+from benchmarks.cli import add_common_args
 from benchmarks.longctx import machine
 from benchmarks.quality import loops
 from engine.batch import Batcher
@@ -59,16 +60,14 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks.outline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--books", default=str(ROOT / "assets" / "persuasion.txt"), help="comma-separated files")
-    p.add_argument("--model", default="qwen2.5-coder-1.5b")
+    add_common_args(p, "outline")
     p.add_argument("--chapters", type=int, default=4, help="the first N parts of each book (0: all)")
     p.add_argument("--batch", type=int, default=4, help="summaries per round in the app's outline")
     p.add_argument("--stacks", default="plain,retrieval>full,ngram>full,ngram>retrieval>full",
                    help="compared in step 2")
     p.add_argument("--compare-chapters", type=int, default=4, help="chapters of each book in step 2 (0: none)")
     p.add_argument("--rounds", type=int, default=2, help="step 2's batched runs of every stack, interleaved")
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="auto", help="auto (the engine's choice for this machine), bfloat16, float32")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "outline.json")
     p.add_argument("--quick", action="store_true", help="CI smoke test: SmolLM2, 2 chapters, short answers")
     args = p.parse_args(argv)
     args.summary_tokens = 256

@@ -13,6 +13,7 @@ import argparse
 
 import torch
 
+from benchmarks.cli import add_common_args
 from engine.config import EngineConfig
 from engine.model import Segment
 from engine.session import Engine, Session
@@ -25,7 +26,7 @@ def segment(session: Session, ids: list[int], n_logits: int) -> Segment:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.packing_numerics", description=__doc__)
-    p.add_argument("--model", default="qwen2.5-coder-0.5b")
+    add_common_args(p, "packing_numerics", threads=False, out=False)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     for dtype in ("bfloat16", "float32"):

@@ -36,6 +36,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from benchmarks.cli import THREADS, add_common_args
 from benchmarks.longctx import BOOK, book_doc_ids, log, machine, timing
 from engine.chat import ChatFormat
 from engine.config import PAIRED_DRAFTS, EngineConfig, Levels, SamplingConfig
@@ -195,9 +196,9 @@ def stack_table(report: dict) -> str:
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks.peers", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen2.5-coder-0.5b", help="a packaged model name or a .gguf path")
+    add_common_args(p, "peers", threads=False)
     p.add_argument("--contexts", default="8192", help="comma-separated depths (tokens)")
-    p.add_argument("--threads", default="1", help="comma-separated thread counts")
+    p.add_argument("--threads", default=str(THREADS), help="comma-separated thread counts")
     p.add_argument("--dtypes", default="float32,bfloat16,bfloat16-dequantized",
                    help="our engines: float32 / bfloat16 = the GGUF's blocks (engine/quant.py) in a model of that "
                         "dtype; bfloat16-dequantized = the dequantized bf16 copy")
@@ -210,7 +211,6 @@ def parse_args(argv):
                    help="also llama.cpp's speculative decoding: llama-speculative-simple with the paired draft "
                         "and llama-lookup (n-grams), on the same prompt text")
     p.add_argument("--skip-llamacpp-prefill", action="store_true", help="llama.cpp decode only (prefill is slow)")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "peers.json")
     p.add_argument("--quick", action="store_true", help="smoke test: SmolLM2, depth 256, 8 tokens, 1 thread")
     args = p.parse_args(argv)
     if args.quick:

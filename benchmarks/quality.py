@@ -43,6 +43,7 @@ import torch
 from app.documents import Document
 from app.session import BookSession, Prepared
 from app.tokens import TokenMap
+from benchmarks.cli import add_common_args
 from benchmarks.passages import PassageIndex, with_passages
 from engine.chat import BOOK_SYSTEM, ChatFormat
 from engine.config import EngineConfig, SamplingConfig
@@ -319,12 +320,11 @@ def parse_args(argv):
     p.add_argument("--settings", default=",".join(SETTINGS))
     p.add_argument("--yarn", type=float, default=1.0, help="YaRN factor (4: 131,072 tokens for Qwen2.5)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--threads", type=int, default=2)
+    add_common_args(p, "quality", model=False)
     p.add_argument("--seed", type=int, default=0, help="question i samples with seed + i")
     p.add_argument("--prompts", default="current", help=f"comma-separated prompt variants: {', '.join(PROMPTS)}")
     p.add_argument("--snapshots", type=Path, default=None,
                    help="folder of prefill snapshots, reused when the model and the prompt ids are the same")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "quality.json")
     p.add_argument("--quick", action="store_true", help="CI smoke test: SmolLM2, ~1K tokens, greedy")
     args = p.parse_args(argv)
     if args.quick:

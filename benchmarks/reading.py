@@ -30,6 +30,7 @@ import torch
 from app.documents import Document
 from app.library import Library
 from app.reading import ReadingStopped
+from benchmarks.cli import add_common_args
 from benchmarks.kernels import random_full_cache
 from engine.chat import ChatFormat
 from engine.config import EngineConfig, SamplingConfig
@@ -96,12 +97,10 @@ def long_book_costs(engine: Engine, n_tokens: int) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.reading", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen2.5-coder-1.5b")
+    add_common_args(p, "reading")
     p.add_argument("--tokens", type=int, default=9000)
     p.add_argument("--stop-at", type=int, default=5000)
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--save-sizes", default="32000,112000", help="random caches whose save is timed ('' : none)")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "reading.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     engine = Engine.load(EngineConfig(target=args.model, draft="none"))

@@ -24,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.cli import add_common_args
+
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = {"libgomp default (spin, then sleep)": {},
             "GOMP_SPINCOUNT=3000 (app.py)": {"GOMP_SPINCOUNT": "3000"},
@@ -65,13 +67,11 @@ def child(model: str, threads: int, context: int, new_tokens: int, rounds: int) 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.threads", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen2.5-coder-1.5b", help="a packaged model name or a folder")
-    p.add_argument("--threads", type=int, default=2)
+    add_common_args(p, "threads")
     p.add_argument("--context", type=int, default=2048, help="tokens of the book read before decoding")
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "threads.json")
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.model, args.threads, args.context, args.new_tokens, args.rounds)))
