@@ -51,8 +51,9 @@
 #include <vector>
 
 // AVX2: unpacking and multiplying must inline into each loop: GCC otherwise leaves a K-quant's
-// block a call per vector once a function holds several row counts (one row: Q6_K 896 x 4864
-// 0.69 vs 0.60 ms). Forcing it in the AVX-512 path made it slower (BOOKCHAT_UNPACK_INLINE).
+// block a call per vector once a function holds several row counts, which is slower. Forcing it
+// in the AVX-512 path made that one slower (BOOKCHAT_UNPACK_INLINE;
+// history, 'Measurements that were in code comments').
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 #define ALWAYS_INLINE_LAMBDA __attribute__((always_inline))
 
@@ -131,7 +132,7 @@ inline void nibbles8(const uint8_t* p, __m256& low, __m256& high) {
 }
 
 // 32 signed bytes -> 4 x 8 float32, in order (where byte-wide unpacking of 32 values pays: Q6_K's
-// 6-bit codes, 2.9 vs 3.9 cycles per 8 weights when each 8 were unpacked as int32; Q5_0 did not)
+// 6-bit codes, against each 8 unpacked as int32; Q5_0's did not)
 inline void bytes_to_floats(__m256i q, __m256 w[4]) {
   const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
   w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
@@ -182,7 +183,7 @@ struct Q4_1 {  // value i: d * nibble + m
 };
 
 // Q5_0 value i: (nibble | bit i of qh << 4) - 16, times d; the fifth bit as a float subtraction
-// (every Q5_0 linear of the 0.5B, 1 thread: 35-42 vs 41-49 ms as int32 shifts and ors)
+// (faster than int32 shifts and ors: history, 'Measurements that were in code comments')
 struct Q5_0 {
   static constexpr int kValues = 32, kBytes = 22;
   template <int NM, class F> static ALWAYS_INLINE void block(const uint8_t* b, F&& f) {
@@ -207,7 +208,7 @@ struct Q5_0 {
 };
 
 // Q4_K: 8 sub-blocks of 32, value 32 s + l = (d * sc_s) * nibble - dmin * m_s; each 8 bytes
-// loaded once for two sub-blocks (every Q4_K linear of the 1.5B, 1 thread: 113-118 vs 131-137 ms)
+// loaded once for two sub-blocks (faster than a load per sub-block: history, 'Measurements that were in code comments')
 struct Q4_K {
   static constexpr int kValues = 256, kBytes = 144;
   template <int NM, class F> static ALWAYS_INLINE void block(const uint8_t* b, F&& f) {
@@ -256,9 +257,8 @@ struct Q6_K {  // value 128 h + 32 t + l: (d * scales[8 h + 2 t + l / 16]) * (6-
     _mm256_store_ps(ds + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d));
   }
   template <int NM, class F> static ALWAYS_INLINE void block(const uint8_t* b, F&& f) {
-    // d * scales[g]: the same products either way; for one row, 16 at once up front (the 1.5B's
-    // Q6_K linears, 1 thread, AVX2 EPYC: 1.09-1.13x faster), for more rows where they are used
-    // (0.8-0.9x the time of up front at 2 to 5 rows)
+    // d * scales[g]: the same products either way; for one row, 16 at once up front, for more
+    // rows where they are used: each the faster there (history, 'Measurements that were in code comments')
     const float d = half(b + 208);
     const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
     alignas(32) float ds[16];
@@ -354,9 +354,8 @@ struct Isa {
   using V = __m256;
   static constexpr int kWidth = 8, kAcc = 4;
   static constexpr int kRegisterRows = 3;  // 16 registers: 12 accumulators
-  // above 6 rows each weight row is unpacked once into a buffer (every exact linear of the 1.5B,
-  // 1 thread, AVX2 EPYC: 5 rows 460-477 ms vs 519-541 in the buffer, 6 rows 498-504 vs 514-528,
-  // 8 rows 715-726 vs 667-689) ...
+  // above 6 rows each weight row is unpacked once into a buffer, where that became the faster
+  // (history, 'Measurements that were in code comments') ...
   static constexpr int64_t kUnpackOnceAbove = 6;
   // ... 3 weight rows at a time: 9 accumulators, 3 x vectors, 1 weight vector
   static constexpr int kUnpackedWeightRows = 3;
@@ -384,9 +383,8 @@ struct Isa {
 
 // AVX-512 (F, BW, VL, DQ), chosen at run time where the CPU has it: 16 weights per vector, the 4-
 // and 5-bit types looked up in per-block tables (below), Q5_0's fifth bits set through a mask
-// register. Every exact linear of the 1.5B, 1 thread, Zen 4: one row 126 ms vs 141 in AVX2, 5 rows
-// 278 vs 366. Its rows are independent of each other as the AVX2 path's are, in another summation
-// order.
+// register: faster than the AVX2 path on the same CPU (history, 'Measurements that were in code comments'). Its rows are
+// independent of each other as the AVX2 path's are, in another summation order.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
 namespace avx512 {
@@ -411,8 +409,7 @@ struct Q8_0 {
 // The 4- and 5-bit types look each weight up in a table of the values its code can take, computed
 // once per block (per sub-block in Q4_K) by the operations that unpacked each weight before, on
 // the same operands, so the same bits: one permute per 16 weights instead of a conversion and a
-// multiply (`vpermps` reads an index lane's low 4 bits, `vpermt2ps` its low 5). The 1.5B's Q4_K
-// linears, one row, 1 thread, Zen 4: 80 ms, 89 with Q4_K's shared loads alone, 96 before both.
+// multiply (`vpermps` reads an index lane's low 4 bits, `vpermt2ps` its low 5); history, 'Measurements that were in code comments'.
 struct Q4_0 {  // value i: (nibble - 8) * d
   static constexpr int kValues = 32, kBytes = 18;
   template <int NM, class F> static inline void block(const uint8_t* b, F&& f) {
@@ -478,8 +475,8 @@ struct Q4_K {
 
 // Q6_K: value 128 h + 32 t + l = (d * scales[8 h + 2 t + l / 16]) * (6-bit q - 32). For one row, 64
 // codes at a time in byte-wide registers (low 4 bits from ql's 64 bytes, high 2 from qh's 32,
-// shifted per half), then widened 16 at a time: the 1.5B's Q6_K linears, 1 thread, Zen 4, 48 vs
-// 59 ms. For several rows each 16 codes as int32, which was the faster there (5 rows 98 vs 108 ms).
+// shifted per half), then widened 16 at a time. For several rows each 16 codes as int32, which
+// was the faster there (history, 'Measurements that were in code comments').
 struct Q6_K {
   static constexpr int kValues = 256, kBytes = 210;
   template <int NM, class F> static inline void block(const uint8_t* b, F&& f) {
@@ -600,7 +597,7 @@ struct Isa {
 };
 
 #define BOOKCHAT_QUANT_GENERIC
-#define BOOKCHAT_UNPACK_INLINE inline  // forced, 128 rows of Q6_K 896 x 4864 took 44 vs 22 ms
+#define BOOKCHAT_UNPACK_INLINE inline  // forced inlining was slower here (the history, as above)
 #define BOOKCHAT_UNPACK_INLINE_LAMBDA
 #include __FILE__
 #undef BOOKCHAT_UNPACK_INLINE
@@ -621,9 +618,8 @@ struct Isa {
 // d sc_s, dmin m_s and d sc_g are exact in float32, so every product is the exact product with
 // gguf's dequantized weight, as in the float32 path, and only the sums round: the same real sum in
 // another grouping. (`vdpbf16ps` flushes subnormal inputs and outputs, below 1.2e-38, to zero.)
-// Rows are independent as in the float32 path. Every linear of the 1.5B (all Q4_K or Q6_K), 1
-// thread, Zen 4: one row 74.9 ms vs 125.9 in float32 (Q4_K 51.7 vs 79.1, Q6_K 23.0 vs 46.7), 5 rows
-// 194.8 vs 278.3. Each Q4_K sub-block's scale is applied once to its dot product, not per weight,
+// Rows are independent as in the float32 path. Faster than the float32 path (history, 'Measurements that were in code comments').
+// Each Q4_K sub-block's scale is applied once to its dot product, not per weight,
 // and its mins once per block against the row's sums of 32 values. Other types, and CPUs without
 // AVX512-BF16, widen the activations to float32 and take the float32 path.
 #pragma GCC push_options
@@ -742,7 +738,7 @@ bool supports(int64_t qtype) { return qtype == 12 || qtype == 14; }
 
 // x [M, K] bf16, y [M, N]: weight rows in groups of 16, x rows in chunks of at most 7 (the float32
 // path's loop, `rows`, written out again: one helper for the chunk loop, taking the loop body as a
-// lambda, gave the same bits but made the AVX-512 float32 path 12-14% slower at one row, 1.5B)
+// lambda, gave the same bits but made the AVX-512 float32 path slower at one row: history, 'Measurements that were in code comments')
 void quant_linear(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* y,
                   int64_t N, int64_t qtype) {
   const std::vector<float> xsum = qtype == 12 ? sums32(x, M * K) : std::vector<float>();  // Q4_K's mins
@@ -775,11 +771,9 @@ void quant_linear(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w,
 // its own fixed order (Q4_K: the block's mins, then each sub-block's pairs in order, scaled; Q6_K:
 // each group's pairs, scaled; Q5_0: each block's pairs, scaled), so a row's output still does not
 // depend on the rows beside it.
-// Every Q4_K / Q6_K linear of the 1.5B, Zen 4, one row: 1.81x / 1.52x faster at 1 thread, 1.45x /
-// 1.17x at 2 threads, where they now read the blocks at 33-34 GB/s (the memory's 36); 5 rows 1.86x /
-// 1.41x and 1.80x / 1.38x. Q5_0 (most of the 0.5B's linears; without this, widened to float32):
-// every linear of the 0.5B 1.38x faster at one row, 2 threads. The copy costs the blocks' bytes
-// again (the 1.5B: 0.98 GB; the file's are then mapped, not copied: engine/quant.py).
+// At 2 threads the 1.5B's linears then read their blocks at about the memory's speed (history, 'Measurements that were in code comments'). Q5_0 is
+// here as most of the 0.5B's linears are (without this, widened to float32). The copy costs the
+// blocks' bytes again (the file's are then mapped, not copied: engine/quant.py).
 // A group of 16 rows (the last padded with zero rows) and one block column (256 values; Q5_0 32,
 // its layout at Q5016) is 16 blocks' bytes, rearranged:
 //   Q4_K: d [16] and dmin [16] fp16; the 12 scale bytes [12][16]; for c = 0..3 and pairs p = 0..15
@@ -1396,7 +1390,7 @@ void check_weight(const torch::Tensor& w, int64_t K) {
 }
 
 // y + bias, rounded once to bf16 (to nearest even, as torch's `.to`) when asked: what a layer did
-// after the call in three small torch ops (~6 us a linear, ~1.4 ms of the 1.5B's bf16 step).
+// after the call in three small torch ops, each a call's overhead (history, 'Measurements that were in code comments').
 torch::Tensor epilogue(torch::Tensor y, const c10::optional<torch::Tensor>& bias, bool bf16_out) {
   const int64_t M = y.size(0), N = y.size(1);
   const float* b = nullptr;
@@ -1676,8 +1670,7 @@ inline std::vector<float> sums32(const float* x, int64_t M, int64_t K) {
 }
 
 // NM rows of x (row stride K; xsums theirs, stride K / 32) against one weight row unpacked in
-// registers; its own function for each NM (inlined into `grouped_rows`, Q4_K 35840 x 1536, one
-// row, 1 thread, took 4.7-5.2 ms where the same loop alone took 4.2-4.4)
+// registers; its own function for each NM (inlined into `grouped_rows` it was slower: history, 'Measurements that were in code comments')
 template <class Q, int NM>
 __attribute__((noinline)) void dot_rows_grouped(const float* x, const float* xsums, int64_t K, const uint8_t* w,
                                                 float* y, int64_t N) {
@@ -1724,9 +1717,9 @@ inline void grouped_in_registers(const float* x, const float* xsums, int64_t M, 
 }
 
 // `rows` for a grouped type: weight rows in groups of 16, each unpacked in registers once per chunk
-// of at most kRegisterRows x rows, at every M (Q4_K 35840 x 1536, 1 thread, against the float
-// weights' path: 1 row 0.8x the time, 5 rows 0.83x, 8 rows as fast, 16 rows 1.1x, 33 rows 1.1-1.3x;
-// a buffer of unpacked codes read back 3 rows at a time was slower still)
+// of at most kRegisterRows x rows, at every M (against the float weights' path: faster at a few
+// rows, a little slower at many; a buffer of unpacked codes read back 3 rows at a time was slower
+// still: history, 'Measurements that were in code comments')
 template <class Q>
 void grouped_rows(const float* x, const float* xsums, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
                   float* y, int64_t N, int64_t n0, int64_t n1) {
@@ -1747,17 +1740,14 @@ void grouped_rows(const float* x, const float* xsums, int64_t M, int64_t K, cons
 // All M rows of x against weight rows [n0, n1), in chunks of at most kRegisterRows x rows (as
 // even as possible). Up to kUnpackOnceAbove rows, each weight row is unpacked in registers once per
 // chunk and each weight vector serves the chunk's rows; weight rows go in groups of 16, chunk
-// after chunk, so their blocks stay in L1. AVX-512, 1 thread, Zen 4, Q6_K 896 x 4864 (one row
-// 0.52 ms): 5 rows 0.80 vs 1.43 ms, 25 rows 4.1 vs 7.1, 128 rows 22 vs 54, against unpacking
-// each weight row once to a buffer and passing 6 rows at a time over it. Above kUnpackOnceAbove
-// rows (AVX2: 6), that: each weight row unpacked once into a buffer, then chunk after chunk, 3
-// weight rows at a time (`tile_unpacked`; every linear of the 1.5B, 1 thread, AVX2 EPYC: 8 rows
-// 722-729 vs 792-806 ms, 9 rows 732-749 vs 875-882 one weight row at a time).
+// after chunk, so their blocks stay in L1 (faster on AVX-512 than unpacking each weight row once
+// to a buffer and passing 6 rows at a time over it). Above kUnpackOnceAbove rows (AVX2: 6), that:
+// each weight row unpacked once into a buffer, then chunk after chunk, 3 weight rows at a time
+// (`tile_unpacked`, faster there than one weight row at a time). History, 'measurements that were in code comments'.
 //
-// At most 7 rows a chunk where 8 were slower than two chunks of 4 (AVX-512, 1 thread, Zen 4, one
-// layer of 8960 rows): Q4_K, whose 8-row loop spills (K = 768: 8 rows 2.45 ms, 7 rows 1.32, 4 rows
-// 0.91), and every type at K > 1024, where 8 rows of x (32 KB at K = 1024) leave Zen 4's 32 KB L1
-// (Q6_K, K = 1536: 8 rows 5.1 ms, 7 rows 3.5, 4 rows 2.4; Q4_K 4.8, 3.3, 1.7). A chunk's size
+// At most 7 rows a chunk where 8 were slower than two chunks of 4 (AVX-512, Zen 4): Q4_K, whose
+// 8-row loop spills, and every type at K > 1024, where 8 rows of x (32 KB at K = 1024) leave Zen 4's
+// 32 KB L1. A chunk's size
 // changes no output bit: each row's accumulators take the same operations in any chunk.
 template <class Q>
 void rows(const float* x, const float* xsums, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* y,
