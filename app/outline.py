@@ -31,6 +31,9 @@ BOOK_PROMPT = ("These are summaries of a book's chapters, in order. Write a summ
                "them in three paragraphs: the story from beginning to end, and its main characters.")
 PART_TOKENS = 4096  # a book without chapters: parts about as long as a novel's chapter
 MIN_FRONT_TOKENS = 256  # text before the first chapter shorter than this is a title page or contents
+# a chapter of fewer words is a heading or a title page (an EPUB's "Pride and Prejudice / By Jane
+# Austen" section): summarized, a model writes the plot it remembers, not the text's
+MIN_CHAPTER_WORDS = 20
 SUMMARY_TOKENS = 256  # the most tokens one summary may take (a prompt's room for its answer)
 BOOK_SUMMARY_TOKENS = 512
 
@@ -68,8 +71,9 @@ def split_book(document: Document, n_tokens: Callable[[str], int], max_part_toke
                part_tokens: int = PART_TOKENS) -> list[Part]:
     """The book's parts in order: its chapters (app.documents.chapters, as the picker of a too-long
     book shows them), each cut in equal parts when longer than `max_part_tokens`; without chapters,
-    parts of about `part_tokens` labelled by position. An empty chapter, or one the table of
-    contents points past the text with, stays in the list with a note, so the outline says so."""
+    parts of about `part_tokens` labelled by position. An empty chapter, one of a heading's few
+    words, or one the table of contents points past the text with, stays in the list with a note,
+    so the outline says so."""
     text, found = document.text, sorted(chapters(document), key=lambda s: s.start_char)
     if not found:
         n = max(1, math.ceil(n_tokens(text) / part_tokens))
@@ -86,6 +90,8 @@ def split_book(document: Document, n_tokens: Callable[[str], int], max_part_toke
             parts.append(Part(section.title, len(text), len(text), "the table of contents points past the text"))
         elif not text[start:end].strip() or end <= start:
             parts.append(Part(section.title, start, start, "empty"))
+        elif len(text[start:end].split()) < MIN_CHAPTER_WORDS:
+            parts.append(Part(section.title, start, end, "a title or heading only: nothing to summarize"))
         else:
             parts += _chapter_parts(section.title, text, start, end, n_tokens, max_part_tokens)
     return parts

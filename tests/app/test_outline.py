@@ -84,6 +84,14 @@ def test_an_empty_chapter_and_a_toc_entry_past_the_text_stay_in_the_outline_with
     assert document.text[parts[2].start_char:parts[2].end_char] == words(50, 1)  # not chapter 2's text too
 
 
+def test_a_chapter_of_a_title_page_only_stays_in_the_outline_unsummarized():
+    title_page = "Pride and Prejudice\n\nPRIDE AND PREJUDICE\n\nBy Jane Austen\n\n"  # the EPUB's first section
+    document = chaptered([title_page, words(50)], titles=["Pride and Prejudice", "Chapter 1"])
+    parts = split_book(document, len, max_part_tokens=10_000)
+    assert [(p.label, p.note) for p in parts] == [
+        ("Pride and Prejudice", "a title or heading only: nothing to summarize"), ("Chapter 1", "")]
+
+
 def test_a_chapter_longer_than_the_context_is_split_in_parts_that_fit():
     document = chaptered([words(30), words(300), words(30)])
     parts = split_book(document, len, max_part_tokens=500)
@@ -172,7 +180,7 @@ def plain_engine():
 
 
 def book() -> Document:
-    return chaptered([words(12, i) for i in range(5)] + [""])  # 5 chapters of 48 tokens, one empty
+    return chaptered([words(24, i) for i in range(5)] + [""])  # 5 chapters of 96 tokens, one empty
 
 
 def outline_of(engine, cache, sampling, document=None) -> tuple[OutlineWorker, Outline]:
