@@ -19,7 +19,7 @@ if "OMP_WAIT_POLICY" not in os.environ:  # libgomp lets GOMP_SPINCOUNT override 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from app.documents import Limits
     from app.library import default_root
-    from engine.config import add_engine_args
+    from engine.config import ANSWER_TOKENS, add_engine_args
 
     p = argparse.ArgumentParser(description="Chat with whole books on a lossless speculative-decoding engine.")
     add_engine_args(p)
@@ -38,8 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-file-mb", type=int, default=200, help="largest upload accepted")
     p.add_argument("--max-pages", type=int, default=Limits.max_pages, help="largest PDF, in pages")
     p.add_argument("--max-chars", type=int, default=Limits.max_chars, help="largest extracted text, in characters")
-    p.add_argument("--max-tokens", type=int, default=None, help="largest document, in tokens (default: context)")
-    p.add_argument("--max-new-tokens", type=int, default=512, help="default answer length (a summary needs ~400)")
+    p.add_argument("--max-doc-tokens", type=int, default=None, help="largest document, in tokens (default: context)")
+    p.add_argument("--max-new-tokens", type=int, default=ANSWER_TOKENS, help="default answer length")
     p.add_argument("--no-outline", action="store_true", help="do not outline uploaded books chapter by chapter "
                    "in the background (the engine then idles between questions)")
     p.add_argument("--api", action="store_true", help="also serve an OpenAI-compatible API at /v1")
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                     max_chars=args.max_chars)  # the upload itself is capped in launch()
     catalog = Catalog(args.models_dir, Path(args.library))  # the models already on this machine
     catalog.search()  # their headers are read in the background; the picker lists them as they come
-    app = App(backend, Library(args.library), limits, args.max_tokens, args.max_new_tokens,
+    app = App(backend, Library(args.library), limits, args.max_doc_tokens, args.max_new_tokens,
               private=args.share or args.private, max_open_books=args.max_open_books, catalog=catalog,
               outline=not args.no_outline)
     api = None

@@ -41,14 +41,16 @@ from app.views import Counters, Stages, render_metrics, render_plot, render_read
 from engine import models
 from engine.batch import Batcher
 from engine.config import LEVEL_STACKS, Cancelled, SamplingConfig
+from engine.config import SAMPLING_FIELDS as SAMPLING_SETTINGS
 
 LONG_PREFILL_S = 120  # past this, a prefill's estimate names the faster model
 # An answer's view (chat, metrics, plot) is redrawn at most this often, the tokens in between shown
 # with the next redraw: the browser's work at every token took a core from decoding on 2 cores
 # (measured: benchmarks/history/2026-11-results.md, "redraws every 0.25 s").
 REDRAW_EVERY_S = 0.25
-# the sampling settings after the level stack, in the order of the `ask` API's inputs
-SAMPLING_FIELDS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+# the sampling settings after the level stack, in the order of the `ask` API's inputs: every
+# SamplingConfig field a reader sets but the four before it (temperature, top-p, answer length, seed)
+SAMPLING_FIELDS = tuple(n for n in SAMPLING_SETTINGS if n not in ("temperature", "top_p", "max_new_tokens", "seed"))
 
 
 @dataclass
@@ -420,7 +422,7 @@ class App:
         """The UI's settings by name; any left out keep the model's defaults (Engine.default_sampling)."""
         temperature, top_p, max_new_tokens, seed, _levels, *rest = settings
         named = dict(zip(SAMPLING_FIELDS, rest))
-        named = {k: (int(v) if k == "top_k" else float(v)) for k, v in named.items() if v is not None}
+        named = {k: SAMPLING_SETTINGS[k](v) for k, v in named.items() if v is not None}
         return replace(self.backend.default_sampling, temperature=float(temperature), top_p=float(top_p),
                               max_new_tokens=int(max_new_tokens), seed=int(seed), **named)
 
@@ -539,8 +541,7 @@ class App:
     def model_settings(self) -> list:
         """Updates that put the sampling widgets (c.sampling) and the level stack at the model's defaults."""
         d = self.backend.default_sampling
-        values = [d.temperature, d.top_p, d.top_k, d.min_p, d.repetition_penalty, d.presence_penalty,
-                  d.frequency_penalty]
+        values = [getattr(d, name) for name in ("temperature", "top_p", *SAMPLING_FIELDS)]  # c.sampling's order
         return [gr.update(value=v) for v in values] + [gr.update(choices=self._levels(),
                                                                  value=self.backend.levels)]
 

@@ -296,8 +296,8 @@ def test_limits_are_flags_with_sensible_defaults():
     defaults, default_limits = main.parse_args([]), Limits()
     assert defaults.max_file_mb * MB == default_limits.max_file_bytes == 200 * MB
     assert (defaults.max_pages, defaults.max_chars) == (default_limits.max_pages, default_limits.max_chars)
-    assert defaults.max_tokens is None  # the model's context (minus room for the chat) unless given
-    given = main.parse_args(["--max-file-mb", "2", "--max-pages", "20", "--max-chars", "600000", "--max-tokens",
+    assert defaults.max_doc_tokens is None  # the model's context (minus room for the chat) unless given
+    given = main.parse_args(["--max-file-mb", "2", "--max-pages", "20", "--max-chars", "600000", "--max-doc-tokens",
                              "3000", "--max-open-books", "2", "--share-timeout", "3"])
-    assert (given.max_file_mb, given.max_pages, given.max_chars, given.max_tokens) == (2, 20, 600_000, 3000)
+    assert (given.max_file_mb, given.max_pages, given.max_chars, given.max_doc_tokens) == (2, 20, 600_000, 3000)
     assert (given.max_open_books, given.share_timeout, given.private) == (2, 3.0, False)
