@@ -141,6 +141,18 @@ inline void bytes_to_floats(__m256i q, __m256 w[4]) {
   w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
 }
 
+// Q4_K's and Q5_K's sub-blocks s and s + 1: d * sc and dmin * m of each, broadcast (exact)
+ALWAYS_INLINE void sub_block_scales(const uint8_t* sc, int s, float d, float dmin, __m256& ds0, __m256& dm0, __m256& ds1,
+                                    __m256& dm1) {
+  int scale0, min0, scale1, min1;
+  q4k_scale_min(sc, s, scale0, min0);
+  q4k_scale_min(sc, s + 1, scale1, min1);
+  ds0 = _mm256_set1_ps(d * static_cast<float>(scale0));
+  dm0 = _mm256_set1_ps(dmin * static_cast<float>(min0));
+  ds1 = _mm256_set1_ps(d * static_cast<float>(scale1));
+  dm1 = _mm256_set1_ps(dmin * static_cast<float>(min1));
+}
+
 // Each type: kValues per block, kBytes per block, and `block<NM>(b, f)` calling f(v, w) for the
 // block's 8-weight vectors v = 0 .. kValues / 8 - 1, w the weights as float32, each accumulator's
 // vectors (v % kAcc) in order. NM is how many x rows each vector serves: a type may unpack
@@ -216,13 +228,8 @@ struct Q4_K {
     const uint8_t* sc = b + 4;
     const uint8_t* qs = b + 16;
     for (int s = 0; s < 8; s += 2) {  // sub-blocks s (low nibbles) and s + 1 (high) share their bytes
-      int scale0, min0, scale1, min1;
-      q4k_scale_min(sc, s, scale0, min0);
-      q4k_scale_min(sc, s + 1, scale1, min1);
-      const __m256 ds0 = _mm256_set1_ps(d * static_cast<float>(scale0));
-      const __m256 dm0 = _mm256_set1_ps(dmin * static_cast<float>(min0));
-      const __m256 ds1 = _mm256_set1_ps(d * static_cast<float>(scale1));
-      const __m256 dm1 = _mm256_set1_ps(dmin * static_cast<float>(min1));
+      __m256 ds0, dm0, ds1, dm1;
+      sub_block_scales(sc, s, d, dmin, ds0, dm0, ds1, dm1);
       const uint8_t* q = qs + 16 * s;
       for (int v = 0; v < 4; ++v) {
         __m256 low, high;
@@ -297,13 +304,8 @@ struct Q5_K {
     const uint8_t* qs = b + 48;
     const __m256i nibble = _mm256_set1_epi32(0xF), sixteen = _mm256_set1_epi32(16);
     for (int s = 0; s < 8; s += 2) {  // sub-blocks s (low nibbles) and s + 1 (high) share their bytes
-      int scale0, min0, scale1, min1;
-      q4k_scale_min(sc, s, scale0, min0);
-      q4k_scale_min(sc, s + 1, scale1, min1);
-      const __m256 ds0 = _mm256_set1_ps(d * static_cast<float>(scale0));
-      const __m256 dm0 = _mm256_set1_ps(dmin * static_cast<float>(min0));
-      const __m256 ds1 = _mm256_set1_ps(d * static_cast<float>(scale1));
-      const __m256 dm1 = _mm256_set1_ps(dmin * static_cast<float>(min1));
+      __m256 ds0, dm0, ds1, dm1;
+      sub_block_scales(sc, s, d, dmin, ds0, dm0, ds1, dm1);
       for (int v = 0; v < 4; ++v) {
         const __m256i bytes = bytes8(qs + 16 * s + 8 * v), high = bytes8(qh + 8 * v);
         const __m256i q0 = _mm256_or_si256(_mm256_and_si256(bytes, nibble),
