@@ -37,6 +37,11 @@ def limit_pinned_caching() -> str:
     take 32 GiB, and a grown one would keep its old copy. Blocks above `PINNED_CACHE_MB` are
     made exact and uncached (small staging blocks are cached as before); a user's own
     `pinned_max_*` settings in PYTORCH_ALLOC_CONF win. Returns the allocator settings now."""
+    if not hasattr(torch._C, "_accelerator_getAllocatorSettings"):  # torch before 2.13: env only
+        log.warning("this torch cannot limit pinned-memory rounding at run time: a host cache may take up "
+                    "to twice its size unless PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:%d is set "
+                    "before start (torch>=2.13 does this itself)", PINNED_CACHE_MB)
+        return os.environ.get("PYTORCH_ALLOC_CONF", "")
     current = torch._C._accelerator_getAllocatorSettings()
     user = current + os.environ.get("PYTORCH_ALLOC_CONF", "") + os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     if "pinned_max" not in user:

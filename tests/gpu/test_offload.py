@@ -170,6 +170,16 @@ def test_pinned_blocks_are_neither_rounded_up_nor_cached(monkeypatch):
     assert offload.limit_pinned_caching.__wrapped__() == ""
 
 
+def test_a_torch_without_run_time_allocator_settings_still_offloads(monkeypatch):
+    """torch 2.11 (seen on an H200) has no `_accelerator_getAllocatorSettings`: the offloaded
+    cache crashed at its first allocation; now it warns and goes on with torch's own rounding."""
+    from engine.kv import offload
+
+    monkeypatch.delattr(torch._C, "_accelerator_getAllocatorSettings", raising=False)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    assert offload.limit_pinned_caching.__wrapped__() == "expandable_segments:True"
+
+
 def test_a_cache_that_cannot_grow_says_what_to_do(monkeypatch):
     from engine.config import OutOfMemoryPlan
 
