@@ -130,6 +130,7 @@ class BookSession:
         self.read_before_in: str | None = None  # or the title of another book they were read in
         self.is_cut = False  # the text ends where "keep the first N tokens" cut the book
         self._quotes: QuoteIndex | None = None  # built at the first answer
+        self.passages_first = False  # re-reading quotes the passages before the question, not after
 
     def ask(self, question: str, sampling: SamplingConfig, cancel=None, reread: bool = False) -> Iterator[Update]:
         """Answer `question`; its sources are found first and, with `reread`, quoted after it."""
@@ -140,7 +141,8 @@ class BookSession:
         q_ids = self.chat.question_ids(question, is_first=last is None, previous_answer_ended=ended)
         sources = self.find_sources(q_ids, self.chat.question_ids(NEUTRAL_QUESTION, last is None, ended))
         while reread and sources:  # the passages leave room for the answer, or the last ones go
-            reread_ids = self.chat.question_ids(with_passages(question, sources), last is None, ended)
+            reread_ids = self.chat.question_ids(with_passages(question, sources, self.passages_first),
+                                                last is None, ended)
             if s.length + len(reread_ids) + sampling.max_new_tokens < self.engine.max_context:
                 q_ids = reread_ids
                 break

@@ -110,13 +110,15 @@ def _grow(paras: list[tuple[int, int]], idx: int, a: int, b: int, text: str) -> 
     return start, end
 
 
-def with_passages(question: str, sources: list[Source]) -> str:
+def with_passages(question: str, sources: list[Source], first: bool = False) -> str:
     """The user turn as "re-read before answering" sends it: the question, a blank line, then
-    REREAD_HEADER and one line per passage, `[1] (Chapter 3) "text"`."""
+    REREAD_HEADER and one line per passage, `[1] (Chapter 3) "text"`; `first`: the passages, a
+    blank line, then the question (the question last, nearest the answer)."""
     if not sources:
         return question
     lines = [f'[{i}] ({s.label}) "{s.text}"' for i, s in enumerate(sources, 1)]
-    return f"{question.strip()}\n\n{REREAD_HEADER}\n" + "\n".join(lines)
+    passages = f"{REREAD_HEADER}\n" + "\n".join(lines)
+    return f"{passages}\n\n{question.strip()}" if first else f"{question.strip()}\n\n{passages}"
 
 
 # ---- quotes: the spans an answer puts in quotation marks, looked up in the book --------------

@@ -109,6 +109,7 @@ class Prompt:
     fact_tokens: int = 48  # answer budget of a factual question (a quote first needs more)
     passages: str | None = None  # "after" / "before" the question: the book's best passages for it quoted
     reread: bool = False  # the app's "re-read before answering": its sources (attention) quoted after it
+    passages_first: bool = False  # ... quoted before the question instead
 
 
 # The variants compared for issue 21 (RESULTS.md); `current` is what the app sends.
@@ -122,6 +123,7 @@ PROMPTS = {
     "passages": Prompt(BOOK_SYSTEM, passages="after"),
     "passages-first": Prompt(BOOK_SYSTEM, passages="before"),
     "reread": Prompt(BOOK_SYSTEM, reread=True),
+    "reread-first": Prompt(BOOK_SYSTEM, reread=True, passages_first=True),
 }
 
 
@@ -245,6 +247,7 @@ def ask_all(args, engine, book_session: BookSession, asked, setting: str, prompt
     """Every question of `asked` on the prefilled book, with the prompt variant's suffix."""
     prompt, rows = PROMPTS[prompt_name], []
     index = PassageIndex(book) if prompt.passages else None  # once per book, not per question
+    book_session.passages_first = prompt.passages_first
     for i, (kind, question, keywords) in enumerate(asked):
         sampling = sampling_for(setting, engine, kind, args.seed + i, prompt)
         asked_text = question + prompt.question_suffix

@@ -92,6 +92,9 @@ def test_reread_prompt_is_the_question_then_the_labelled_passages():
     assert with_passages(" Who? ", sources) == (
         'Who?\n\nPassages from the book that may help:\n[1] (Chapter 2) "He said "no"."\n[2] (p. 3) "Bath."')
     assert with_passages("Who?", []) == "Who?"
+    assert with_passages(" Who? ", sources, first=True) == (
+        'Passages from the book that may help:\n[1] (Chapter 2) "He said "no"."\n[2] (p. 3) "Bath."\n\nWho?')
+    assert with_passages("Who?", [], first=True) == "Who?"
 
 
 def test_sources_round_trip_through_json_and_old_ones_without_a_note_read():
