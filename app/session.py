@@ -31,7 +31,9 @@ from engine.session import Engine, Session, Stats
 if TYPE_CHECKING:
     from app.backend import Backend
 
-CHAT_ROOM_TOKENS = 1024  # context kept free for questions and answers after the book
+# the model's context a book must leave free for the chat about it (questions, answers): a longer
+# book is offered in parts. Not the engine's CHAT_CAPACITY_TOKENS, the cache it allocates beyond a document
+CHAT_RESERVE_TOKENS = 1024
 Report = Callable[[str, str], None]  # report(stage, detail): "Prefill", "chunk 3 of 9 · 410 tokens/s · ETA 12 s"
 
 
@@ -54,7 +56,7 @@ class Prepared:
 
 
 def prepare(engine: Engine | Backend, chat: ChatFormat, document: Document, max_tokens: int | None = None) -> Prepared:
-    budget, doc_ids = engine.max_context - CHAT_ROOM_TOKENS, chat.document_ids(document.text)
+    budget, doc_ids = engine.max_context - CHAT_RESERVE_TOKENS, chat.document_ids(document.text)
     return Prepared(document, doc_ids, TokenMap(engine.tokenizer, document.text, len(doc_ids)),
                     min(budget, max_tokens or budget))
 
