@@ -17,6 +17,7 @@ import threading
 from api.server import ChatAPI
 from app.documents import Document
 from app.library import Library, default_root
+from app.reading import open_session
 from app.tokens import PlainChatFormat
 from engine.session import Engine, Session
 
@@ -30,8 +31,8 @@ class LibraryDocuments:
         self.library = library
 
     def open(self, engine: Engine, text: str, doc_ids: list[int], cancel: threading.Event) -> tuple[Session, bool]:
-        _, session, restored, _ = self.library.open_session(engine, Document(title(text), text, "txt"), doc_ids,
-                                                            cancel=cancel)
+        _, session, restored, _ = open_session(self.library, engine, Document(title(text), text, "txt"), doc_ids,
+                                               cancel=cancel)
         return session, restored
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from app.documents import Document, Limits, Section, load_document
 from app.library import Library, book_id_of, model_fingerprint
+from app.reading import open_session
 from app.sources import NEUTRAL_QUESTION, Quote, QuoteIndex, Source, find_passages, footer, with_passages
 from app.speeds import duration, time_left
 from app.storage import write_failure
@@ -326,8 +327,8 @@ def open_book(engine: Engine, chat: ChatFormat, prepared: Prepared, library: Lib
         book_id, restored, note = "0", False, None
         session = engine.open(prepared.doc_ids, on_progress=progress, cancel=cancel)
     else:
-        book_id, session, restored, note = library.open_session(engine, prepared.document, prepared.doc_ids,
-                                                                progress, cancel, resume, among)
+        book_id, session, restored, note = open_session(library, engine, prepared.document, prepared.doc_ids,
+                                                        progress, cancel, resume, among)
     book = BookSession(engine, chat, prepared, session, book_id, library)
     book.save_error, book.n_read_before, book.read_before_in = note, n_before, read_in
     if measure_plain:
