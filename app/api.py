@@ -75,4 +75,5 @@ class Loaded:
 def chat_api(ui, key: str | None) -> ChatAPI:
     """The API over the UI's loaded model (`Loaded`), its library and its batcher (`ui`: app.ui.App)."""
     documents = LibraryDocuments(ui.library) if ui.library is not None else None
-    return ChatAPI(Loaded(ui), ui.batcher, documents, key, ui.max_new_tokens, keep_sessions=ui.max_open_books)
+    return ChatAPI(Loaded(ui), ui.batcher, documents, key, ui.start_sampling().max_new_tokens,
+                   keep_sessions=ui.max_open_books)
