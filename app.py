@@ -19,7 +19,7 @@ if "OMP_WAIT_POLICY" not in os.environ:  # libgomp lets GOMP_SPINCOUNT override 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from app.documents import Limits
     from app.library import default_root
-    from engine.config import ANSWER_TOKENS, add_engine_args
+    from engine.config import SamplingConfig, add_engine_args, add_sampling_args, sampling_from_args
 
     p = argparse.ArgumentParser(description="Chat with whole books on a lossless speculative-decoding engine.")
     add_engine_args(p)
@@ -39,7 +39,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-pages", type=int, default=Limits.max_pages, help="largest PDF, in pages")
     p.add_argument("--max-chars", type=int, default=Limits.max_chars, help="largest extracted text, in characters")
     p.add_argument("--max-doc-tokens", type=int, default=None, help="largest document, in tokens (default: context)")
-    p.add_argument("--max-new-tokens", type=int, default=ANSWER_TOKENS, help="default answer length")
     p.add_argument("--no-outline", action="store_true", help="do not outline uploaded books chapter by chapter "
                    "in the background (the engine then idles between questions)")
     p.add_argument("--api", action="store_true", help="also serve an OpenAI-compatible API at /v1")
@@ -48,7 +47,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="openai: answer with a remote OpenAI-compatible server (--base-url) instead")
     p.add_argument("--base-url", default=None, help="with --backend openai, e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--remote-model", default=None, help="with --backend openai: the served model (default: the first)")
-    return p.parse_args(argv)
+    add_sampling_args(p)  # where the Settings start, as `python -m engine generate` and `python -m api` take them
+    args = p.parse_args(argv)
+    try:  # a value no model samples with is refused now, not after the model has loaded
+        sampling_from_args(args, SamplingConfig())
+    except ValueError as error:
+        p.error(str(error))
+    return args
+
+
+def sampling_flags(args: argparse.Namespace) -> dict:
+    """The sampling values the flags set, by SAMPLING_FIELDS name (`--max-new-tokens` always): the
+    Settings start there, over the loaded model's own (app/ui.py `App.start_sampling`)."""
+    from engine.config import SAMPLING_FIELDS
+
+    return {name: getattr(args, name) for name in SAMPLING_FIELDS if getattr(args, name) is not None}
 
 
 def remote_backend(args: argparse.Namespace):
@@ -97,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                     max_chars=args.max_chars)  # the upload itself is capped in launch()
     catalog = Catalog(args.models_dir, Path(args.library))  # the models already on this machine
     catalog.search()  # their headers are read in the background; the picker lists them as they come
-    app = App(backend, Library(args.library), limits, args.max_doc_tokens, args.max_new_tokens,
+    app = App(backend, Library(args.library), limits, args.max_doc_tokens, sampling_flags(args),
               private=args.share or args.private, max_open_books=args.max_open_books, catalog=catalog,
               outline=not args.no_outline)
     api = None

@@ -17,6 +17,7 @@ import threading
 from api.server import ChatAPI
 from app.documents import Document
 from app.library import Library, default_root
+from app.reading import open_session
 from app.tokens import PlainChatFormat
 from engine.session import Engine, Session
 
@@ -30,8 +31,8 @@ class LibraryDocuments:
         self.library = library
 
     def open(self, engine: Engine, text: str, doc_ids: list[int], cancel: threading.Event) -> tuple[Session, bool]:
-        _, session, restored, _ = self.library.open_session(engine, Document(title(text), text, "txt"), doc_ids,
-                                                            cancel=cancel)
+        _, session, restored, _ = open_session(self.library, engine, Document(title(text), text, "txt"), doc_ids,
+                                               cancel=cancel)
         return session, restored
 
 
@@ -74,4 +75,5 @@ class Loaded:
 def chat_api(ui, key: str | None) -> ChatAPI:
     """The API over the UI's loaded model (`Loaded`), its library and its batcher (`ui`: app.ui.App)."""
     documents = LibraryDocuments(ui.library) if ui.library is not None else None
-    return ChatAPI(Loaded(ui), ui.batcher, documents, key, ui.max_new_tokens, keep_sessions=ui.max_open_books)
+    return ChatAPI(Loaded(ui), ui.batcher, documents, key, ui.start_sampling().max_new_tokens,
+                   keep_sessions=ui.max_open_books)

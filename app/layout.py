@@ -17,6 +17,7 @@ import gradio as gr
 
 from app import book_view, outline_ui
 from app.picker import NO_DRAFT, model_choices
+from app.settings import INPUTS, TUNED
 from app.views import Counters, render_metrics, render_plot, render_reading
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ def build(app: App) -> gr.Blocks:
                                       choices=app.draft_choices(b.name, wait=False),
                                       value=b.draft or NO_DRAFT)
                 c.load_model = gr.Button("Load model", size="sm", elem_id="load-model", scale=1)
-            c.long_books = gr.Checkbox(app._yarn() != 1, label=f"Long books: YaRN ×{LONG_BOOKS_YARN:g}",
+            c.long_books = gr.Checkbox(b.yarn_factor != 1, label=f"Long books: YaRN ×{LONG_BOOKS_YARN:g}",
                                        elem_id="long-books", info=LONG_BOOKS_NOTE,
                                        visible=b.can_load_models)  # else the server decides
             c.model_status = gr.Markdown("", elem_id="model-status")
@@ -121,31 +122,33 @@ def _centre(app: App, c: SimpleNamespace) -> None:
     c.export_file = gr.File(label="Exported chat", visible=False, elem_id="export-file", interactive=False)
     book_view.add(c)  # the answer's sources, clickable, and the book view (app/book_view.py)
     outline_ui.panel(app, c)  # the outline and book summary (app/outline_ui.py)
-    d, levels = app.backend.default_sampling, app._levels()
+    start, c.settings = app.start_sampling(), {}  # c.settings: the controls by app/settings.py name
     with gr.Accordion("Settings", open=False, elem_id="settings"):
-        c.sampling_note = gr.Markdown(app._sampling_note(), elem_id="sampling-note")
+        c.sampling_note = gr.Markdown(app.sampling_note(), elem_id="sampling-note")
         with gr.Row():
-            temperature = gr.Slider(0, 1.5, value=d.temperature, step=0.05, label="Temperature (0: greedy)")
-            top_p = gr.Slider(0.05, 1.0, value=d.top_p, step=0.05, label="Top-p")
-            top_k = gr.Slider(0, 100, value=d.top_k, step=1, label="Top-k (0: off)")
-            min_p = gr.Slider(0, 0.5, value=d.min_p, step=0.01, label="Min-p (0: off)")
+            c.settings["temperature"] = gr.Slider(0, 1.5, value=start.temperature, step=0.05,
+                                                  label="Temperature (0: greedy)")
+            c.settings["top_p"] = gr.Slider(0.05, 1.0, value=start.top_p, step=0.05, label="Top-p")
+            c.settings["top_k"] = gr.Slider(0, 100, value=start.top_k, step=1, label="Top-k (0: off)")
+            c.settings["min_p"] = gr.Slider(0, 0.5, value=start.min_p, step=0.01, label="Min-p (0: off)")
         with gr.Row():
-            repetition = gr.Slider(1.0, 1.5, value=d.repetition_penalty, step=0.01,
-                                   label="Repetition penalty (1: off)")
-            presence = gr.Slider(-2, 2, value=d.presence_penalty, step=0.05, label="Presence penalty")
-            frequency = gr.Slider(-2, 2, value=d.frequency_penalty, step=0.05, label="Frequency penalty")
+            c.settings["repetition_penalty"] = gr.Slider(1.0, 1.5, value=start.repetition_penalty, step=0.01,
+                                                         label="Repetition penalty (1: off)")
+            c.settings["presence_penalty"] = gr.Slider(-2, 2, value=start.presence_penalty, step=0.05,
+                                                       label="Presence penalty")
+            c.settings["frequency_penalty"] = gr.Slider(-2, 2, value=start.frequency_penalty, step=0.05,
+                                                        label="Frequency penalty")
         with gr.Row():
-            max_new = gr.Slider(1, 2048, value=app.max_new_tokens, step=1, label="Max new tokens",
-                                elem_id="max-new")
-            seed = gr.Number(value=0, precision=0, label="Seed")
-            level = gr.Dropdown(levels, value=app.backend.levels, label="Level stack", elem_id="levels")
+            c.settings["max_new_tokens"] = gr.Slider(1, 2048, value=start.max_new_tokens, step=1,
+                                                     label="Max new tokens", elem_id="max-new")
+            c.settings["seed"] = gr.Number(value=start.seed, precision=0, label="Seed")
+            c.settings["levels"] = gr.Dropdown(app.backend.level_stacks(), value=app.backend.levels,
+                                               label="Level stack", elem_id="levels")
             c.defaults = gr.Button("Model's defaults", size="sm", elem_id="defaults")
-        c.reread = gr.Checkbox(False, label="Re-read the sources before answering", elem_id="reread",
-                               info="The passages the question's attention goes to most are quoted after it: "
-                                    "more to read before the first token (README: the prompt, exactly).")
-    c.sampling, c.level = [temperature, top_p, top_k, min_p, repetition, presence, frequency], level
-    c.settings = [temperature, top_p, max_new, seed, level, top_k, min_p, repetition, presence, frequency,
-                  c.reread]
+        c.settings["reread"] = gr.Checkbox(False, label="Re-read the sources before answering", elem_id="reread",
+                                           info="The passages the question's attention goes to most are quoted "
+                                                "after it: more to read before the first token (README: the "
+                                                "prompt, exactly).")
 
 
 def _wire(app: App, demo: gr.Blocks, c: SimpleNamespace) -> None:
@@ -173,20 +176,21 @@ def _wire(app: App, demo: gr.Blocks, c: SimpleNamespace) -> None:
                c.summarize_chapter, c.books, c.chats]
     c.confirm_remove.click(app.remove_saved, [c.books], removed, api_name="remove_book", **instant)
     c.keep_book.click(lambda: gr.update(visible=False), None, c.confirm_row, api_name=False)
-    switched = [c.model_status, c.models, c.title, c.chatbot, c.sampling_note, c.status, *c.sampling, c.level]
+    settings = [c.settings[name] for name in INPUTS]  # the order the `ask` and `regenerate` handlers take them in
+    reset = [c.settings[name] for name in (*TUNED, "levels")]  # what "Model's defaults" puts back
+    switched = [c.model_status, c.models, c.title, c.chatbot, c.sampling_note, c.status, *reset]
     c.load_model.click(app.switch_model, [c.model, c.long_books, c.draft], switched, api_name="load_model", **load)
     c.model.input(app.drafts_offered, c.model, c.draft, api_name=False)  # the drafts that pair with it
-    c.defaults.click(app.reset_settings, None, [*c.sampling, c.level], api_name=False)
+    c.defaults.click(app.reset_settings, None, reset, api_name=False)
     c.cancel.click(app.request_stop, None, None, api_name="cancel_prefill", concurrency_limit=None)
-    gr.on([c.send.click, c.msg.submit], app.ask, [c.msg, c.chatbot, *c.settings], answering, api_name="ask",
-          **answer)
+    gr.on([c.send.click, c.msg.submit], app.ask, [c.msg, c.chatbot, *settings], answering, api_name="ask", **answer)
     c.stop.click(app.request_stop, None, None, api_name="stop", concurrency_limit=None)
-    c.regenerate.click(app.regenerate, c.settings, answering, api_name="regenerate", **answer)
+    c.regenerate.click(app.regenerate, settings, answering, api_name="regenerate", **answer)
     quick = [(b, lambda q=q: q, None) for b, q in zip(c.quick, QUICK.values(), strict=True)]
     quick.append((c.summarize_chapter, lambda chapter: f"Summarize {chapter}." if chapter else "", c.chapter))
     for button, question, source in quick:  # fill the box, then ask as if typed
         button.click(question, source, c.msg, api_name=False).then(
-            app.ask, [c.msg, c.chatbot, *c.settings], answering, api_name=False, **answer)
+            app.ask, [c.msg, c.chatbot, *settings], answering, api_name=False, **answer)
     c.edit.click(app.edit_last, None, [c.msg], api_name="edit_last")
     gr.on([c.clear.click, c.chatbot.clear], app.clear, None,
           [c.chatbot, c.metrics, c.plot, c.books, c.chats, c.sources], api_name="clear",

@@ -11,10 +11,11 @@
 write is atomic (app/storage.py): a kill or a full disk leaves the last good file. A snapshot is
 used only when the model (id, shapes, weight-file hash), the document hash, the file's own hash
 and its tokens all match (app/snapshots.py); anything else means a new prefill, never wrong
-answers. A write that fails (disk full) never loses the open book: `open_session` says so.
-A long book is read in parts, and a reading that stops (Stop, a closed tab, a crash) is kept: the
-next opening of the book reads on from there (app/reading.py).
-This module knows nothing of Gradio and does not tokenise (app/session.py does).
+answers. A long book is read in parts, and a reading that stops (Stop, a closed tab, a crash) is
+kept: the next opening of the book reads on from there.
+This module is the store: what to restore, read and save when a book opens is app/reading.py's
+`open_session`, which calls it (never the other way round). It knows nothing of Gradio and does
+not tokenise (app/session.py does).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING
 from app.documents import Document, Section
 from app.snapshots import PARTIAL, SNAPSHOT, load_snapshot, model_fingerprint, save_snapshot, weights_sha256
 from app.sources import export_lines
-from app.storage import atomic_write, read_json, remove_temp_files, write_failure, write_json
+from app.storage import atomic_write, read_json, remove_temp_files, write_json
 
 if TYPE_CHECKING:
     from engine.session import Engine, Session
@@ -275,38 +276,12 @@ class Library:
         """Tokens of the book a stopped reading (by `model`, a `model_fingerprint`) kept (0: none)."""
         return _n_read(self.meta(book_id) or {}, model)
 
-    def _forget_reading(self, book_id: str) -> None:
+    def forget_reading(self, book_id: str) -> None:
+        """Drop a stopped reading of the book (its whole prefill is saved now)."""
         meta = self.meta(book_id)
         if meta is not None and meta.pop("partial", None) is not None:
             write_json(self.book_dir(book_id) / "meta.json", meta)
         (self.book_dir(book_id) / PARTIAL).unlink(missing_ok=True)
-
-    def open_session(self, engine: Engine, document: Document, doc_ids: list[int], on_progress=None,
-                     cancel=None, on_resume=None, among: set[str] | None = None
-                     ) -> tuple[str, Session, bool, str | None]:
-        """(book id, session, whether restored, a note when the library could not be written): the
-        saved prefill when it matches, else a new prefill, snapshotted, read on from where a stopped
-        reading ended, or from another book's (of `among`) it begins as (`on_resume(n tokens read
-        before, that book's title or None)`). The book is listed once it is ready, or
-        once part of it is saved; a failed write never loses the session."""
-        identity, sha = self.model_identity(engine), text_sha256(document.text)
-        book_id = sha[:16]
-        session = self.restore_snapshot(book_id, engine, identity, sha, doc_ids)
-        restored = session is not None
-        if session is None:
-            from app.reading import Reading
-
-            session = Reading(self, engine, document, doc_ids, identity, sha, among).run(on_progress, cancel,
-                                                                                          on_resume)
-        try:
-            self.add_book(document, identity["model"], len(doc_ids))
-            if not restored:
-                self.save_snapshot(book_id, session, identity, sha)
-                self._forget_reading(book_id)
-        except OSError as error:
-            return book_id, session, restored, (f"The book could not be saved to the library ({write_failure(error)}). "
-                                                "It is open and answers normally; next time it is read again.")
-        return book_id, session, restored, None
 
 
 def _head(text: str) -> str:

@@ -1,5 +1,7 @@
-"""A book's reading (its prefill) in parts, kept when it stops and taken up again from there.
+"""Opening a book's prefill: its saved snapshot, else a reading in parts, kept when it stops and
+taken up again from there, then saved.
 
+`open_session` is the workflow; app/library.py is the store it calls (never the other way round).
 A whole novel takes a long time to read on a CPU (benchmarks/RESULTS.md §5). `Reading` reads a book in parts of
 `READ_PART_TOKENS` (engine `Engine.open(n_first=...)`, then `Session.read`), each a whole number
 of the engine's prefill chunks, so the forwards are those of one uninterrupted reading and the KV
@@ -17,10 +19,11 @@ import time
 from typing import TYPE_CHECKING
 
 from app.documents import Document
+from app.library import Library, text_sha256
+from app.storage import write_failure
 from engine.config import Cancelled, EngineError
 
 if TYPE_CHECKING:
-    from app.library import Library
     from engine.session import Engine, Session
 
 # Tokens a part (rounded down to whole prefill chunks), and how often at most the reading so far
@@ -49,6 +52,30 @@ class ReadingStopped(Cancelled):
     def is_saved(self) -> bool:
         """The library lists the book, to read on from `n_kept`."""
         return self.n_kept > 0
+
+
+def open_session(library: Library, engine: Engine, document: Document, doc_ids: list[int], on_progress=None,
+                 cancel=None, on_resume=None, among: set[str] | None = None) -> tuple[str, Session, bool, str | None]:
+    """(book id, session, whether restored, a note when the library could not be written): the
+    saved prefill when it matches, else a new prefill, snapshotted, read on from where a stopped
+    reading ended, or from another book's (of `among`) it begins as (`on_resume(n tokens read
+    before, that book's title or None)`). The book is listed once it is ready, or
+    once part of it is saved; a failed write never loses the session."""
+    identity, sha = library.model_identity(engine), text_sha256(document.text)
+    book_id = sha[:16]
+    session = library.restore_snapshot(book_id, engine, identity, sha, doc_ids)
+    restored = session is not None
+    if session is None:
+        session = Reading(library, engine, document, doc_ids, identity, sha, among).run(on_progress, cancel, on_resume)
+    try:
+        library.add_book(document, identity["model"], len(doc_ids))
+        if not restored:
+            library.save_snapshot(book_id, session, identity, sha)
+            library.forget_reading(book_id)
+    except OSError as error:
+        return book_id, session, restored, (f"The book could not be saved to the library ({write_failure(error)}). "
+                                            "It is open and answers normally; next time it is read again.")
+    return book_id, session, restored, None
 
 
 class Reading:

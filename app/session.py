@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from app.documents import Document, Limits, Section, load_document
 from app.library import Library, book_id_of, model_fingerprint
+from app.reading import open_session
 from app.sources import NEUTRAL_QUESTION, Quote, QuoteIndex, Source, find_passages, footer, with_passages
 from app.speeds import duration, time_left
 from app.storage import write_failure
@@ -31,7 +32,9 @@ from engine.session import Engine, Session, Stats
 if TYPE_CHECKING:
     from app.backend import Backend
 
-CHAT_ROOM_TOKENS = 1024  # context kept free for questions and answers after the book
+# the model's context a book must leave free for the chat about it (questions, answers): a longer
+# book is offered in parts. Not the engine's CHAT_CAPACITY_TOKENS, the cache it allocates beyond a document
+CHAT_RESERVE_TOKENS = 1024
 Report = Callable[[str, str], None]  # report(stage, detail): "Prefill", "chunk 3 of 9 · 410 tokens/s · ETA 12 s"
 
 
@@ -54,7 +57,7 @@ class Prepared:
 
 
 def prepare(engine: Engine | Backend, chat: ChatFormat, document: Document, max_tokens: int | None = None) -> Prepared:
-    budget, doc_ids = engine.max_context - CHAT_ROOM_TOKENS, chat.document_ids(document.text)
+    budget, doc_ids = engine.max_context - CHAT_RESERVE_TOKENS, chat.document_ids(document.text)
     return Prepared(document, doc_ids, TokenMap(engine.tokenizer, document.text, len(doc_ids)),
                     min(budget, max_tokens or budget))
 
@@ -326,8 +329,8 @@ def open_book(engine: Engine, chat: ChatFormat, prepared: Prepared, library: Lib
         book_id, restored, note = "0", False, None
         session = engine.open(prepared.doc_ids, on_progress=progress, cancel=cancel)
     else:
-        book_id, session, restored, note = library.open_session(engine, prepared.document, prepared.doc_ids,
-                                                                progress, cancel, resume, among)
+        book_id, session, restored, note = open_session(library, engine, prepared.document, prepared.doc_ids,
+                                                        progress, cancel, resume, among)
     book = BookSession(engine, chat, prepared, session, book_id, library)
     book.save_error, book.n_read_before, book.read_before_in = note, n_before, read_in
     if measure_plain:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # torch and the engine load on first use: `Library` alone sta
     from engine.session import Engine, Session
 
 SNAPSHOT = "snapshot.pt"
-PARTIAL = "partial.pt"  # the reading so far of a book whose prefill was stopped (app/library.py)
+PARTIAL = "partial.pt"  # the reading so far of a book whose prefill was stopped (app/reading.py)
 _STALE_TMP_S = 3600.0  # a snapshot still being written after an hour was orphaned by a crash
 
 

@@ -34,6 +34,7 @@ from app.picker import NO_DRAFT, check_loadable, drafts, model_choices, suggeste
 from app.reading import ReadingStopped
 from app.server import say
 from app.session import BookSession, Prepared, keep_first, pick_chapters, prepare, read_document
+from app.settings import TUNED, Settings
 from app.speeds import Speeds, disk_size, duration
 from app.storage import write_failure
 from app.tokens import PlainChatFormat
@@ -41,16 +42,12 @@ from app.views import Counters, Stages, render_metrics, render_plot, render_read
 from engine import models
 from engine.batch import Batcher
 from engine.config import LEVEL_STACKS, Cancelled, SamplingConfig
-from engine.config import SAMPLING_FIELDS as SAMPLING_SETTINGS
 
 LONG_PREFILL_S = 120  # past this, a prefill's estimate names the faster model
 # An answer's view (chat, metrics, plot) is redrawn at most this often, the tokens in between shown
 # with the next redraw: the browser's work at every token took a core from decoding on 2 cores
 # (measured: benchmarks/history/2026-11-results.md, "redraws every 0.25 s").
 REDRAW_EVERY_S = 0.25
-# the sampling settings after the level stack, in the order of the `ask` API's inputs: every
-# SamplingConfig field a reader sets but the four before it (temperature, top-p, answer length, seed)
-SAMPLING_FIELDS = tuple(n for n in SAMPLING_SETTINGS if n not in ("temperature", "top_p", "max_new_tokens", "seed"))
 
 
 @dataclass
@@ -76,13 +73,16 @@ def _picked(pending: Prepared, picked: list[str]) -> Document:
 
 class App:
     def __init__(self, backend: Backend, library: Library | None, limits: Limits | None = None,
-                 max_tokens: int | None = None, max_new_tokens: int = 256, private: bool = False,
+                 max_tokens: int | None = None, sampling: dict | None = None, private: bool = False,
                  max_open_books: int = 4, catalog: Catalog | None = None, outline: bool = True):
         self.backend, self.library = backend, library  # backend: app/backend.py
         self.catalog = catalog  # the models found on this machine (app/catalog.py); None: packaged ones only
         self.chat = PlainChatFormat(backend.tokenizer, end_ids=backend.end_ids)
         self.speeds = Speeds(library.root if library else None)  # measured on this machine, per model
-        self.limits, self.max_tokens, self.max_new_tokens = limits or Limits(), max_tokens, max_new_tokens
+        self.limits, self.max_tokens = limits or Limits(), max_tokens
+        # the sampling values app.py's flags set, by SAMPLING_FIELDS name: the Settings start there,
+        # over whichever model is loaded (`start_sampling`)
+        self.sampling = dict(sampling or {})
         self.private, self.max_open_books = private, max_open_books
         self.users: dict[str, User] = {}
         # Readers' answers are decoded together, one packed forward per step (engine/batch.py);
@@ -118,7 +118,7 @@ class App:
 
     def close(self, timeout_s: float = 120.0) -> None:
         """The app is shutting down: stop every reading under way and wait for it to save what it
-        read (app/library.py), so the book reads on from there next time."""
+        read (app/reading.py), so the book reads on from there next time."""
         if self.jobs:
             say("Saving the reading under way, so it goes on from there next time (Ctrl-C again: quit now) …")
             for user in list(self.users.values()):
@@ -289,7 +289,7 @@ class App:
                    for i, s in enumerate(found)]
         most = max(256, prepared.budget_tokens - 64)
         note = "The book is longer than the model's context. Choose what to read below; nothing is cut silently."
-        if self._yarn() == 1 and not self.private and self.backend.can_load_models:  # it can grow
+        if self.backend.yarn_factor == 1 and not self.private and self.backend.can_load_models:  # it can grow
             note += f" Or tick **Long books** in the Model panel and load the model again: {LONG_BOOKS_NOTE}"
         yield {**self._kept(user, f"{stages.render()}\n\n{note}"), c.first_n: gr.update(maximum=most, value=most),
                c.fit_row: gr.update(visible=True), c.pick: gr.update(choices=choices, value=[], visible=bool(choices))}
@@ -400,13 +400,15 @@ class App:
             repetition_penalty: float | None = None, presence_penalty: float | None = None,
             frequency_penalty: float | None = None, reread: bool | None = None):
         """Answer `message` (or, after Edit, replace the last question with it); `history` is shown only.
-        Sampling settings an API caller leaves out keep the model's defaults. (Gradio passes `request`
-        in its place, before the inputs that follow it.) `reread`: quote the sources after the question."""
+        The settings come in app/settings.py `INPUTS` order, as the page wires them; sampling settings an
+        API caller leaves out keep the model's defaults. (Gradio passes `request` in its place, before
+        the inputs that follow it.) `reread`: quote the sources after the question."""
         user = self.user(request)
         replace, user.editing = user.editing, False
-        settings = (temperature, top_p, max_new_tokens, seed, levels, top_k, min_p, repetition_penalty,
-                    presence_penalty, frequency_penalty, bool(reread))
-        yield from self._answer(user, message, replace, settings)
+        values = dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, levels=levels,
+                      top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, reread=reread)
+        yield from self._answer(user, message, replace, values)
 
     def regenerate(self, temperature: float, top_p: float, max_new_tokens: float, seed: float, levels: str,
                    request: gr.Request, top_k: float | None = None, min_p: float | None = None,
@@ -418,15 +420,9 @@ class App:
         yield from self.ask(question, [], temperature, top_p, max_new_tokens, seed, levels, request, top_k, min_p,
                             repetition_penalty, presence_penalty, frequency_penalty, reread)
 
-    def sampling_config(self, settings: tuple) -> SamplingConfig:
-        """The UI's settings by name; any left out keep the model's defaults (Engine.default_sampling)."""
-        temperature, top_p, max_new_tokens, seed, _levels, *rest = settings
-        named = dict(zip(SAMPLING_FIELDS, rest))
-        named = {k: SAMPLING_SETTINGS[k](v) for k, v in named.items() if v is not None}
-        return replace(self.backend.default_sampling, temperature=float(temperature), top_p=float(top_p),
-                              max_new_tokens=int(max_new_tokens), seed=int(seed), **named)
-
-    def _answer(self, user: User, question: str, replace: bool, settings: tuple):
+    def _answer(self, user: User, question: str, replace: bool, values: dict):
+        """`values`: the settings by app/settings.py `INPUTS` name; sampling values left out keep the
+        model's own (`Backend.default_sampling`)."""
         c, book = self.c, user.book
         if book is None or not question.strip():
             text = ("Type a question first." if book
@@ -440,13 +436,13 @@ class App:
         state, stats, points = "done", None, []
         watch = CpuWatch() if self.backend.decodes_here else None
         try:
-            levels, sampling = settings[4], self.sampling_config(settings)
-            book.session.set_levels(levels if levels in LEVEL_STACKS else book.session.levels)
+            settings = Settings.of(values, self.backend.default_sampling)
+            book.session.set_levels(settings.levels if settings.levels in LEVEL_STACKS else book.session.levels)
             run = book.edit_last if replace else book.ask
             last_turn = book.turns[-1] if book.turns else None
             try:
                 drawn_at, reading = 0.0, None
-                for update in run(question, sampling, user.cancel, reread=settings[10]):
+                for update in run(question, settings.sampling, user.cancel, reread=settings.reread):
                     stats, reading = update.stats, update.reading or reading
                     points.append((stats.tbt_ms_last, stats.levels[-1].acceptance if stats.levels else 0.0))
                     state = {"cancelled": "stopped", "length": "done (length limit)"}.get(update.finish_reason, "done")
@@ -535,25 +531,28 @@ class App:
     def build(self) -> gr.Blocks:
         return layout.build(self)
 
-    def _levels(self) -> list[str]:
-        return self.backend.level_stacks()
+    def start_sampling(self) -> SamplingConfig:
+        """Where the Settings start: how the loaded model was tuned to be sampled (its own files),
+        with what app.py's flags set."""
+        return replace(self.backend.default_sampling, **self.sampling)
 
-    def model_settings(self) -> list:
-        """Updates that put the sampling widgets (c.sampling) and the level stack at the model's defaults."""
-        d = self.backend.default_sampling
-        values = [getattr(d, name) for name in ("temperature", "top_p", *SAMPLING_FIELDS)]  # c.sampling's order
-        return [gr.update(value=v) for v in values] + [gr.update(choices=self._levels(),
-                                                                 value=self.backend.levels)]
+    def reset_settings(self) -> dict:
+        """Updates that put the `TUNED` sampling controls at `start_sampling` and the level stack at the
+        model's (the answer length and the seed stay as the reader set them)."""
+        start, controls = self.start_sampling(), self.c.settings
+        updates = {controls[name]: gr.update(value=getattr(start, name)) for name in TUNED}
+        return updates | {controls["levels"]: gr.update(choices=self.backend.level_stacks(), value=self.backend.levels)}
 
-    def reset_settings(self):
-        return dict(zip([*self.c.sampling, self.c.level], self.model_settings(), strict=True))
-
-    def _sampling_note(self) -> str:
+    def sampling_note(self) -> str:
+        """The Settings panel's first line: where its values come from."""
         d = self.backend.default_sampling
         how = ("greedy (its files give no sampling settings)" if d.is_greedy else
                f"temperature {d.temperature:g}, top-p {d.top_p:g}, top-k {d.top_k}, repetition penalty "
                f"{d.repetition_penalty:g}")
-        return (f"<small>Starts at how {self.backend.name} was tuned to be sampled: {how}. Answers are "
+        flags = " ".join(f"`--{name.replace('_', '-')} {self.sampling[name]:g}`" for name in TUNED
+                         if name in self.sampling)
+        given = f", with {flags} from the command line" if flags else ""
+        return (f"<small>Starts at how {self.backend.name} was tuned to be sampled: {how}{given}. Answers are "
                 f"exact samples of the model with these settings, whichever level stack runs.</small>")
 
     # ---- the model picker (LM Studio style): size, context, speed measured here, quality -----
@@ -594,9 +593,6 @@ class App:
         choices = self.draft_choices(target)
         return gr.update(choices=choices, value=choices[0][1])
 
-    def _yarn(self) -> float:
-        return self.backend.yarn_factor
-
     def switch_model(self, name: str | None, long_books: bool, request: gr.Request, draft: str | None = "auto"):
         """Load another model with `draft` ("auto": the one that pairs, `NO_DRAFT`: none), or the same one
         with YaRN for long books; every open book closes (its KV cache belongs to the old model) and
@@ -610,7 +606,7 @@ class App:
         machine = self.backend.machine()
         draft = suggested_draft(self.catalog, machine, name) if draft in ("auto", None) else draft
         draft = None if draft in (NO_DRAFT, "") else draft
-        if name == self.backend.name and yarn == self._yarn() and draft == self.backend.draft:
+        if name == self.backend.name and yarn == self.backend.yarn_factor and draft == self.backend.draft:
             yield {c.model_status: f"`{name}` is already loaded" + (" for long books." if yarn != 1 else ".")}
             return
         user.cancel.clear()
@@ -631,6 +627,6 @@ class App:
             other.notice = f"The model changed to {name}: open your book again from the library."
         yield {c.model_status: f"`{name}` is loaded. Open a book from the library (it is read again with the new "
                                f"model).", c.models: self.model_table(), c.title: "### No book open",
-               c.chatbot: gr.update(value=[], placeholder=NO_BOOK), c.sampling_note: self._sampling_note(),
+               c.chatbot: gr.update(value=[], placeholder=NO_BOOK), c.sampling_note: self.sampling_note(),
                c.status: "Ready for a book.",
                **self.reset_settings()}

@@ -1,10 +1,10 @@
 """A long book's reading stopped and taken up again, against one uninterrupted reading.
 
-The app reads a book in parts (app/library.py `Reading`), keeps what was read when the reading
+The app reads a book in parts (app/reading.py `Reading`), keeps what was read when the reading
 stops, and reads on from there at the next opening. This times both ways on the same text, in one
 process, and checks what the reader relies on: the KV cache and a greedy answer are the same.
   1. a warm-up prefill (kernels built, caches touched);
-  2. a stopped reading: `Library.open_session` with Cancel set after `--stop-at` tokens, which
+  2. a stopped reading: app/reading.py `open_session` with Cancel set after `--stop-at` tokens, which
      saves the reading so far (partial.pt), then a second opening that restores it and reads on;
   3. one uninterrupted `Engine.open` of the same tokens;
   4. the same greedy answer from both sessions; their KV compared bit for bit;
@@ -29,7 +29,7 @@ import torch
 
 from app.documents import Document
 from app.library import Library
-from app.reading import ReadingStopped
+from app.reading import ReadingStopped, open_session
 from benchmarks.cli import add_common_args
 from benchmarks.kernels import random_full_cache
 from engine.chat import ChatFormat
@@ -45,12 +45,12 @@ def stopped_and_read_on(engine: Engine, doc: Document, doc_ids: list[int], stop_
     library, cancel = Library(root), threading.Event()
     t0 = time.perf_counter()
     try:
-        library.open_session(engine, doc, doc_ids, lambda done, total: done >= stop_at and cancel.set(), cancel)
+        open_session(library, engine, doc, doc_ids, lambda done, total: done >= stop_at and cancel.set(), cancel)
         raise RuntimeError("the reading was not stopped: --stop-at beyond the book?")
     except ReadingStopped as stopped:
         n_read = stopped.n_read
     t1 = time.perf_counter()
-    _, session, _, _ = library.open_session(engine, doc, doc_ids)
+    _, session, _, _ = open_session(library, engine, doc, doc_ids)
     return {"session": session, "n_read": n_read, "stopped_s": t1 - t0, "read_on_s": time.perf_counter() - t1}
 
 
@@ -58,9 +58,9 @@ def more_of_the_book(engine: Engine, doc: Document, doc_ids: list[int], first: i
     library, shared = Library(root), []
     part = Document("Persuasion (first part)", doc.text[:len(doc.text) * first // len(doc_ids)], "txt", [])
     t0 = time.perf_counter()
-    library.open_session(engine, part, doc_ids[:first])
+    open_session(library, engine, part, doc_ids[:first])
     t1 = time.perf_counter()
-    _, session, _, _ = library.open_session(engine, doc, doc_ids, on_resume=lambda n, source: shared.append(n))
+    _, session, _, _ = open_session(library, engine, doc, doc_ids, on_resume=lambda n, source: shared.append(n))
     return {"session": session, "n_shared": shared[0] if shared else 0, "first_s": t1 - t0,
             "more_s": time.perf_counter() - t1}
 

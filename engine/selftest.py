@@ -32,7 +32,7 @@ from engine.config import EngineConfig, ModelConfig, RetrievalConfig, SamplingCo
 from engine.kv.offload import OffloadCache
 from engine.memory import DeviceBudget, free_memory_bytes, plan_memory
 from engine.model import Transformer
-from engine.session import CHAT_ROOM_TOKENS, Engine
+from engine.session import CHAT_CAPACITY_TOKENS, Engine
 
 N_DOC_TOKENS, N_NEW_TOKENS, VOCAB = 400, 16, 256
 RETRIEVAL = RetrievalConfig(budget_tokens=128, sink_tokens=4, window_tokens=32, chunk_tokens=8,
@@ -263,7 +263,7 @@ def planned_vs_peak(device, make_engine: Callable[[], Engine], doc: list[int]) -
     torch.cuda.reset_peak_memory_stats(device)
     answer(engine, engine.config.levels, doc)
     measured = torch.cuda.max_memory_allocated(device) - before
-    n_tokens = len(doc) + CHAT_ROOM_TOKENS  # the capacity Engine.open allocates
+    n_tokens = len(doc) + CHAT_CAPACITY_TOKENS  # the capacity Engine.open allocates
     budget = [DeviceBudget(str(device), free_memory_bytes(device) + weights, "cuda")]
     draft = engine.draft.config if engine.draft is not None else None
     planned = plan_memory(engine.target.config, n_tokens, budget, engine.dtype.itemsize, draft=draft,
@@ -298,7 +298,7 @@ def check_speed(device, dtype, sizes) -> tuple[str, str, list[dict]]:
     default, rows = engine.config.levels, []
     sampling = SamplingConfig(max_new_tokens=sizes.n_new_tokens)
     for n_tokens in sizes.speed_tokens:
-        if n_tokens + CHAT_ROOM_TOKENS > engine.max_context:
+        if n_tokens + CHAT_CAPACITY_TOKENS > engine.max_context:
             continue
         doc = real_doc(n_tokens, engine.target.config.vocab_size)
         started = time.perf_counter()

@@ -46,9 +46,10 @@ from engine.sources import chunk_ranges, contrast, layer_shares
 from engine.speculative import CheckingDrafter, GammaTuner, LevelStack, LevelStats, Scorer, shared_prefix
 
 Progress = Callable[[int, int], None]  # (tokens done, tokens total)
-# Full-cache slots after the document, allocated (and planned) with it once: a cache that grows
-# holds its old and new copies at once, so growing a 128K cache can run a GPU out of memory.
-CHAT_ROOM_TOKENS = 2048
+# A session's full-cache slots beyond its document, for the chat (questions, answers), allocated
+# (and planned) with it once: a cache that grows holds its old and new copies at once, so growing
+# a 128K cache can run a GPU out of memory.
+CHAT_CAPACITY_TOKENS = 2048
 OFFLOAD_PREFILL_CHUNK_TOKENS = 8192  # see Engine.prefill_chunk_tokens
 
 
@@ -276,7 +277,7 @@ class Engine:
         if not doc_ids:
             raise EmptyPrompt("document")
         self.check_ids(doc_ids, "document")
-        session = Session(self, self.new_full_cache(min(self.max_context, len(doc_ids) + CHAT_ROOM_TOKENS)))
+        session = Session(self, self.new_full_cache(min(self.max_context, len(doc_ids) + CHAT_CAPACITY_TOKENS)))
         first = doc_ids[:n_first or len(doc_ids)]
         self.prefill(session.full, first, session.query_log, on_progress, cancel)
         self.n_prefills += 1
@@ -554,7 +555,7 @@ class Session:
         if doc_ids is not None:
             state = shared_start(state, doc_ids, engine.prefill_chunk_tokens)
         n_tokens = max(state["cache"]["k"].shape[3], n_total or 0)
-        full = engine.new_full_cache(min(engine.max_context, n_tokens + CHAT_ROOM_TOKENS), state["cache"])
+        full = engine.new_full_cache(min(engine.max_context, n_tokens + CHAT_CAPACITY_TOKENS), state["cache"])
         session = cls(engine, full)
         session.query_log.queries = [q if q is None else q.to(engine.device) for q in state["queries"]]
         session.start(state["tokens"])

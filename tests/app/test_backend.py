@@ -156,7 +156,8 @@ def test_both_backends_have_the_protocols_members_and_the_remote_one_no_imitated
 def test_a_remote_backend_shows_what_it_did_before_the_protocol(remote, tmp_path):
     """The header, the reading view and the metrics of a book answered by a server."""
     app, req = built(remote, tmp_path), request("reader")
-    assert remote.where == "remote remote" and app._levels() == ["remote"] and not app.c.long_books.visible
+    offered = [value for _, value in app.c.settings["levels"].choices]  # the level stacks the settings offer
+    assert remote.where == "remote remote" and offered == ["remote"] and not app.c.long_books.visible
     loaded = run(app.load_book(str(write_book(tmp_path)), "", req))
     assert "Ready" in last(app, loaded, "status"), loaded
     assert app.library.meta(app.users["reader"].book.book_id)["model"] == remote.name  # listed, read there

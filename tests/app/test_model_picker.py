@@ -68,6 +68,12 @@ def app(engine, catalog, tmp_path):
     return make_app(engine, tmp_path / "library", catalog=catalog)
 
 
+def offered_stacks(app, updates: list[dict]) -> list:
+    """The level stacks the Settings offered last (app/settings.py names the control `levels`)."""
+    control = app.c.settings["levels"]
+    return [u[control] for u in updates if control in u][-1]["choices"]
+
+
 def test_the_picker_offers_the_draft_that_pairs_and_the_level_stacks_follow(app, models):
     target, draft = str(models / "target"), str(models / "draft")
     assert app.draft_choices(target) == [("draft · models folder", draft), ("none", "none")]
@@ -82,12 +88,12 @@ def test_the_picker_offers_the_draft_that_pairs_and_the_level_stacks_follow(app,
     updates = run(app.switch_model(target, False, req, "auto"))
     assert last(app, updates, "model_status").startswith(f"`{target}` is loaded"), updates
     assert app.backend.draft == draft and app.backend.engine.has_draft
-    assert "draft>full" in last(app, updates, "level")["choices"]
+    assert "draft>full" in offered_stacks(app, updates)
     assert f"draft `{draft}`" in last(app, updates, "models")
 
     updates = run(app.switch_model(target, False, req, "none"))
     assert app.backend.draft is None and not app.backend.engine.has_draft
-    stacks = last(app, updates, "level")["choices"]
+    stacks = offered_stacks(app, updates)
     assert "ngram>full" in stacks and not any("draft" in s for s in stacks), stacks
 
 

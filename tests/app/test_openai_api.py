@@ -106,13 +106,14 @@ def test_second_question_prefills_only_the_question(first_answer, client, chat):
 
 
 def test_a_book_snapshotted_by_the_library_answers_from_disk(client, engine, chat, library):
-    """The same hash rule as the library: a snapshot written by `Library.open_session` (as the UI
+    """The same hash rule as the library: a snapshot written by app/reading.py `open_session` (as the UI
     does when it opens a book) serves an API request with that text; only the question is prefilled."""
     from app.documents import Document
     from app.library import Library
+    from app.reading import open_session
 
     text = book(20000)
-    Library(library).open_session(engine, Document("Persuasion, later", text, "txt"), chat.document_ids(text))
+    open_session(Library(library), engine, Document("Persuasion, later", text, "txt"), chat.document_ids(text))
     answer = ask(client, text, QUESTION, max_tokens=4)
     metrics, q_ids = answer.model_extra["bookchat"], chat.question_ids(QUESTION, True, False)
     print(f"from disk: {metrics['prefill_tokens']} tokens prefilled, session in {metrics['document_s']:.2f} s, "

@@ -126,9 +126,9 @@ def test_the_engine_allocates_the_planned_capacity_once(monkeypatch):
     for question in range(3):
         for _ in session.ask(random_ids(4, 128, question), SamplingConfig(max_new_tokens=20)):
             pass
-    assert session.full.capacity == len(doc) + engine_module.CHAT_ROOM_TOKENS
+    assert session.full.capacity == len(doc) + engine_module.CHAT_CAPACITY_TOKENS
     assert n_host == [session.full.capacity] * 2  # host K and V, once
-    assert offload.GROW_TOKENS < engine_module.CHAT_ROOM_TOKENS
+    assert offload.GROW_TOKENS < engine_module.CHAT_CAPACITY_TOKENS
 
 
 def test_growth_never_holds_an_old_and_a_new_device_copy(monkeypatch):
