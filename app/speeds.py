@@ -34,7 +34,8 @@ class Speeds:
         if n_tokens - start >= 256 and seconds > 0:  # a few tokens time the overheads, not the model
             whole = prefill_work(n_tokens, attention_share)
             seconds *= whole / (whole - prefill_work(start, attention_share))
-            self._add(model, "prefill", [n_tokens, round(seconds, 2)])
+            if round(seconds, 2) > 0:  # a remote server's "reading" can take under 5 ms
+                self._add(model, "prefill", [n_tokens, round(seconds, 2)])
 
     def record_decode(self, model: str, n_context: int, ms_per_token: float) -> None:
         if ms_per_token > 0:
@@ -57,7 +58,8 @@ class Speeds:
         parts = []
         if self.data.get(model, {}).get("prefill"):
             n, s = self.data[model]["prefill"][-1]
-            parts.append(f"{n / s:,.0f} tokens/s prefill ({n:,} tokens)")
+            if s > 0:  # a file written before zero times were refused
+                parts.append(f"{n / s:,.0f} tokens/s prefill ({n:,} tokens)")
         if self.data.get(model, {}).get("decode"):
             n, ms = self.data[model]["decode"][-1]
             parts.append(f"{ms:,.0f} ms/token ({n:,} tokens)")

@@ -75,3 +75,13 @@ def test_a_reading_taken_up_again_is_timed_from_where_it_went_on_and_estimated_a
     read_on = Speeds(None)  # the last 55,831 tokens of that reading, timed alone: a whole reading of 3,937 s
     read_on.record_prefill("m", 111831, 3937.0 - speeds.prefill_s("m", 56000, share), share, start=56000)
     assert abs(read_on.prefill_s("m", 111831, share) - 3937.0) < 0.01
+
+
+def test_a_reading_that_took_no_time_is_not_a_speed(tmp_path):
+    """A remote backend's "reading" returns in milliseconds: 0.00 s once rounded, which the
+    picker's 'tokens/s prefill' divided by (a ZeroDivisionError seen in a test)."""
+    speeds = Speeds(tmp_path / "speeds.json")
+    speeds.record_prefill("remote", 4096, 0.004)
+    assert speeds.describe("remote") == "not measured here yet"
+    speeds.data["old"] = {"prefill": [[4096, 0.0]], "decode": [[4096, 80.0]]}  # a file from before
+    assert speeds.describe("old") == "80 ms/token (4,096 tokens)"
