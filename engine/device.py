@@ -75,9 +75,9 @@ def linear_layout(device: torch.device, dtype: torch.dtype, weights_fit_bf16: bo
     - "packed": on a CPU where oneDNN prepacks linears (engine/layouts.py `PackedLinear`), for
       float32, and for bf16 where the CPU has AVX512-BF16 but no AMX: a check of several drafted
       tokens reads the weights once, as one token does, so speculation pays on such CPUs too;
-    - "input-major": float32 on a CPU without it (MKL's faster orientation for one row);
     - "as loaded" otherwise: CUDA, and bf16 on AMX (not measured packed there) or on CPUs
-      without bf16 instructions (their kernels want rows).
+      without bf16 instructions (their kernels want rows); float32 where oneDNN cannot pack
+      (a torch without it: oneDNN packs float32 on every x86 level from SSE4.1 to AMX).
     Each choice was measured against the others: benchmarks/history/2026-11-results.md ("oneDNN-
     packed linears", "bf16-stored weights")."""
     if device.type != "cpu":
@@ -85,7 +85,7 @@ def linear_layout(device: torch.device, dtype: torch.dtype, weights_fit_bf16: bo
     if dtype == torch.float32:
         if weights_fit_bf16 and cpu_linear_kernel() is not None:
             return "bf16-stored"
-        return "packed" if can_pack_linear_weights(dtype) else "input-major"
+        return "packed" if can_pack_linear_weights(dtype) else "as loaded"
     if dtype == torch.bfloat16 and cpu_has_avx512_bf16() and not cpu_has_amx_bf16() and can_pack_linear_weights(dtype):
         return "packed"
     return "as loaded"
