@@ -54,7 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def remote_backend(args: argparse.Namespace):
     """--backend openai: the server at --base-url answers; --model's tokenizer counts tokens here."""
     from app.remote import RemoteEngine
-    from engine.loading import load_tokenizer, resolve_model
+    from engine.loading import load_tokenizer
+    from engine.models import resolve_model
 
     if not args.base_url or args.api:
         sys.exit("--backend openai needs --base-url URL (and serves no --api of its own)")

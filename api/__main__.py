@@ -1,6 +1,6 @@
 """`python -m api [--port 8000] [--api-key KEY]`: the OpenAI-compatible API alone, no UI (api/server.py).
 
-Takes the engine's flags (`add_engine_args`, as `app.py` and `python -m engine generate`) and
+Takes the engine's flags (`add_engine_args`, as `app.py` and `python -m tools generate`) and
 serves `/v1` under uvicorn, with the app's library of prefill snapshots when the app is installed.
 """
 

@@ -25,7 +25,7 @@ from app.tokens import TokenMap
 from engine import models
 from engine.chat import ChatFormat
 from engine.config import Cancelled, DocumentTooLong, EmptyPrompt, EngineConfig, EngineError, SamplingConfig
-from engine.loading import cache_root
+from engine.files import cache_root
 from engine.session import Engine, Session, Stats
 
 if TYPE_CHECKING:

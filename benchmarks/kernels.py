@@ -85,8 +85,9 @@ from engine.config import ModelConfig
 from engine.device import build_cpu_extension, can_pack_linear_weights, cpu_linear_kernel, linear_layout, pick_dtype
 from engine.kv.full import FullCache
 from engine.layouts import Bf16Linear, PackedLinear
-from engine.loading import load_hf_config, load_model, resolve_model
+from engine.loading import load_hf_config, load_model
 from engine.model import Attention, RMSNorm
+from engine.models import resolve_model
 from engine.quant import cpu_quant_kernel, is_quantized
 from engine.sampling import Draft, sampling_probs
 

@@ -47,7 +47,7 @@ from engine.attention import pick_attention, sdpa_attention
 from engine.chat import ChatFormat
 from engine.config import EngineConfig, SamplingConfig
 from engine.device import cpu_has_amx_bf16, cpu_has_avx512_bf16, pick_dtype
-from engine.loading import resolve_model
+from engine.models import resolve_model
 from engine.session import Engine, Session
 
 ROOT = Path(__file__).resolve().parent.parent

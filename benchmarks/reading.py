@@ -34,7 +34,7 @@ from benchmarks.cli import add_common_args
 from benchmarks.kernels import random_full_cache
 from engine.chat import ChatFormat
 from engine.config import EngineConfig, SamplingConfig
-from engine.loading import file_sha256
+from engine.files import file_sha256
 from engine.session import Engine, Session
 
 ROOT = Path(__file__).resolve().parent.parent

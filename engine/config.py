@@ -65,6 +65,11 @@ class Levels:
             raise ValueError(f"levels={self.name!r} needs a draft model: load the engine with one (--draft)")
 
 
+# model_type -> the name a reader knows: the families engine/model.py runs, the one list
+FAMILY_NAMES = {"llama": "Llama 2/3.x", "mistral": "Mistral", "qwen2": "Qwen2/2.5", "qwen3": "Qwen3 (dense)",
+                "gemma2": "Gemma 2", "gemma3_text": "Gemma 3 (text)", "phi3": "Phi-3/3.5"}
+
+
 class EngineError(Exception):
     """Base of every error a user or a file can cause; the message says what to do."""
 
@@ -99,8 +104,6 @@ class UnsupportedModel(EngineError, ValueError):
     """A checkpoint the forward would run wrong: refused from its header, before any weight is read."""
 
     def __init__(self, what: str, why: str):
-        from engine.families import FAMILY_NAMES  # the one list of what runs
-
         self.what, self.why = what, why
         super().__init__(f"{what} cannot run here: {why}. The families that run: {', '.join(FAMILY_NAMES.values())}.")
 
@@ -327,7 +330,7 @@ class SamplingConfig:
 # own `penalty_start`. The CLIs' flags (`add_sampling_args`), the API's request fields
 # (api/openai_chat.py) and the UI's controls (app/ui.py) are these.
 SAMPLING_FIELDS = {f.name: type(f.default) for f in fields(SamplingConfig) if f.default is not None}
-ANSWER_TOKENS = 512  # `--max-new-tokens`'s default in app.py, `python -m engine generate` and `python -m api`
+ANSWER_TOKENS = 512  # `--max-new-tokens`'s default in app.py, `python -m tools generate` and `python -m api`
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -346,7 +349,7 @@ def sampling_from_args(args: argparse.Namespace, defaults: SamplingConfig) -> Sa
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The engine's flags, shared by `app.py`, `python -m engine generate` and `python -m api`; each maps
+    """The engine's flags, shared by `app.py`, `python -m tools generate` and `python -m api`; each maps
     onto one EngineConfig field (`engine_config`) and takes its default from there."""
     p, c = parser, EngineConfig
     p.add_argument("--model", default=c.target, help="packaged name, folder, .gguf or hub id")

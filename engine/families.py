@@ -16,11 +16,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.config import EngineError, ModelNotFound, UnsupportedModel
+from engine.config import FAMILY_NAMES, EngineError, ModelNotFound, UnsupportedModel
+from engine.quant import KERNEL_TYPES
 
-# model_type -> the name a reader knows; the families engine/model.py runs
-FAMILY_NAMES = {"llama": "Llama 2/3.x", "mistral": "Mistral", "qwen2": "Qwen2/2.5", "qwen3": "Qwen3 (dense)",
-                "gemma2": "Gemma 2", "gemma3_text": "Gemma 3 (text)", "phi3": "Phi-3/3.5"}
 GEMMAS = ("gemma2", "gemma3_text")
 # llama.cpp's general.architecture -> model_type (Mistral files say "llama")
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
@@ -297,7 +295,6 @@ def check_gguf(path: Path, fields: dict, tensors, family: str) -> tuple[str, ...
     cannot dequantize. Returns the block types that load dequantized (not kept as blocks)."""
     from gguf.quants import _type_traits
 
-    from engine.quant import KERNEL_TYPES, ROPE_FACTOR_TENSORS, gguf_tensor_name
 
     arch, what = str(fields["general.architecture"]), f"The GGUF {path.name} ({family})"
     for key in fields:
@@ -313,3 +310,39 @@ def check_gguf(path: Path, fields: dict, tensors, family: str) -> tuple[str, ...
     if unreadable:
         raise UnsupportedModel(what, f"its block types {', '.join(unreadable)} cannot be dequantized by gguf")
     return tuple(sorted(q.name for q in types if q.name not in plain and int(q) not in KERNEL_TYPES))
+
+
+_LAYER_MODULES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                  "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                  "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                  "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+
+
+# llama.cpp's names where a family's differ: Gemma's four norms a layer, Phi-3's fused linears
+_FAMILY_MODULES = {
+    "gemma": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+              "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+
+
+# RoPE scalings llama.cpp stores as tensors, read into the config (engine/families.py fix_gguf_config)
+ROPE_FACTOR_TENSORS = {"phi3": ("rope_factors_long.weight", "rope_factors_short.weight"),  # LongRoPE
+                       "llama": ("rope_freqs.weight",)}  # Llama 3.x
+
+
+def gguf_tensor_name(gguf_name: str, family: str) -> str | None:
+    """Our (Hugging Face) parameter name of a tensor of a GGUF of `family` (a model_type), or None
+    for a tensor the model has no parameter for (engine/families.py refuses such a file)."""
+    fixed = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
+             "output_norm.weight": "model.norm.weight"}
+    if gguf_name in fixed:
+        return fixed[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) != 4 or parts[0] != "blk":
+        return None
+    _, layer, kind, what = parts
+    modules = _LAYER_MODULES | _FAMILY_MODULES.get("gemma" if family.startswith("gemma") else family, {})
+    has_qk_norm = family in ("qwen3", "gemma3_text")
+    module = modules.get(kind) if has_qk_norm or not kind.endswith(("q_norm", "k_norm")) else None
+    return None if module is None else f"model.layers.{layer}.{module}.{what}"

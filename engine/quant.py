@@ -11,10 +11,8 @@ products, summed in float32 in another grouping, in less time; decoding reads th
 from a copy with 16 weight rows interleaved (`QuantLinear.interleaved`), one scale per 16 rows,
 which reads the weights at about the memory's speed at 2 threads (benchmarks/RESULTS.md).
 
-`load_quantized_model` builds our Transformer straight from a .gguf (CPU, float32 or bf16, kernel
-built); tokenizer and Hugging Face config come from transformers' GGUF reader, cached as a small
-folder. Other checkpoints, dtypes and devices keep engine/loading.py's path. This module does not
-quantize anything, and does not choose when it is used (engine/loading.py `load_model` does).
+This module holds the modules and the kernel; engine/loading.py `load_quantized_model` reads a
+.gguf into them and `load_model` chooses when. Nothing here quantizes anything.
 
 `quick_view(model)` is the exception, for a middle level: the same blocks multiplied with int8
 activations (quant_cpu.cpp `quick_linear`), cheaper and lossy; the model itself stays exact.
@@ -24,25 +22,18 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
-import logging
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn as nn
 
-from engine.config import EngineError
+from engine.device import build_cpu_extension
 from engine.layouts import scratch
-
-log = logging.getLogger(__name__)
 
 # ggml type ids the kernel reads; others (and F16 / BF16) are dequantized to float32 at load
 KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 INTERLEAVED_TYPES = (6, 12, 14)  # Q5_0, Q4_K, Q6_K: a bf16 model decodes them from 16 interleaved rows
 _SOURCE = Path(__file__).parent / "csrc" / "quant_cpu.cpp"
-
-
 # F16C for the block scales; no contraction, so d * q - m rounds as numpy's two operations do
 CFLAGS = ("-mf16c", "-ffp-contract=off")
 
@@ -50,8 +41,6 @@ CFLAGS = ("-mf16c", "-ffp-contract=off")
 @functools.cache
 def cpu_quant_kernel():
     """engine/csrc/quant_cpu.cpp, or None (no AVX2 / compiler): GGUFs then load dequantized."""
-    from engine.device import build_cpu_extension
-
     return build_cpu_extension("bookchat_quant_cpu", _SOURCE, "GGUF weights are dequantized at load",
                                extra_cflags=CFLAGS)
 
@@ -190,169 +179,3 @@ def quick_view(model: nn.Module) -> nn.Module:
         return twin
 
     return view(model)
-
-
-def gguf_header_dir(gguf_path: Path, sha256: str) -> Path:
-    """A small folder read once from the GGUF and cached under the file's sha256: the Hugging Face
-    config and tokenizer (chat template included) by transformers, and `tensors.json`, where
-    each tensor's bytes lie, so later loads map the file without parsing its metadata again."""
-    from engine.families import check_hf_config, fix_gguf_config, refuse_unsupported
-    from engine.loading import cache_root, complete_folder, is_complete
-
-    out_dir = cache_root() / "models" / f"{gguf_path.stem}-{sha256[:16]}-header"
-    if is_complete(out_dir) and (out_dir / "tensors.json").is_file():
-        return out_dir
-    refuse_unsupported(gguf_path)  # before transformers reads (and drops) what it does not know
-    log.warning("reading the tokenizer and config of %s with transformers, once (a minute or so; "
-                "scripts/setup.sh does it ahead); later loads read them from %s", gguf_path.name, out_dir)
-    from gguf import GGUFReader
-    from transformers import AutoConfig, AutoTokenizer
-
-    try:
-        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        reader = GGUFReader(gguf_path)
-        tensors = [{"name": t.name, "type": int(t.tensor_type), "offset": int(t.data_offset),
-                    "n_bytes": int(t.n_bytes), "shape": list(t.data.shape), "dtype": t.data.dtype.str}
-                   for t in reader.tensors]
-    except Exception as error:  # tokenizers raises a plain Exception for a vocabulary it cannot build
-        raise EngineError(f"transformers could not read {gguf_path} as a GGUF model: {error}") from error
-    fix_gguf_config(config, reader)  # what transformers' reader leaves at the defaults, from the file's keys
-    check_hf_config(config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    with complete_folder(out_dir, {"gguf": str(gguf_path), "sha256": sha256}) as tmp_dir:
-        config.save_pretrained(tmp_dir)
-        tokenizer.save_pretrained(tmp_dir)
-        (tmp_dir / "tensors.json").write_text(json.dumps(tensors) + "\n")
-    return out_dir
-
-
-_LAYER_MODULES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                  "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                  "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-                  "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-# llama.cpp's names where a family's differ: Gemma's four norms a layer, Phi-3's fused linears
-_FAMILY_MODULES = {
-    "gemma": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
-              "post_ffw_norm": "post_feedforward_layernorm"},
-    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-}
-
-
-# RoPE scalings llama.cpp stores as tensors, read into the config (engine/families.py fix_gguf_config)
-ROPE_FACTOR_TENSORS = {"phi3": ("rope_factors_long.weight", "rope_factors_short.weight"),  # LongRoPE
-                       "llama": ("rope_freqs.weight",)}  # Llama 3.x
-
-
-def gguf_tensor_name(gguf_name: str, family: str) -> str | None:
-    """Our (Hugging Face) parameter name of a tensor of a GGUF of `family` (a model_type), or None
-    for a tensor the model has no parameter for (engine/families.py refuses such a file)."""
-    fixed = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
-             "output_norm.weight": "model.norm.weight"}
-    if gguf_name in fixed:
-        return fixed[gguf_name]
-    parts = gguf_name.split(".")
-    if len(parts) != 4 or parts[0] != "blk":
-        return None
-    _, layer, kind, what = parts
-    modules = _LAYER_MODULES | _FAMILY_MODULES.get("gemma" if family.startswith("gemma") else family, {})
-    has_qk_norm = family in ("qwen3", "gemma3_text")
-    module = modules.get(kind) if has_qk_norm or not kind.endswith(("q_norm", "k_norm")) else None
-    return None if module is None else f"model.layers.{layer}.{module}.{what}"
-
-
-def _hf_name(gguf_name: str, family: str) -> str:
-    name = gguf_tensor_name(gguf_name, family)
-    if name is None:
-        raise EngineError(f"unexpected tensor {gguf_name!r} in a {family} GGUF")
-    return name
-
-
-def _unpermute_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's row order of a Llama q / k projection (its RoPE pairs interleaved), as
-    transformers does; rows move whole, so the blocks of a quantized row are untouched."""
-    half = rows.shape[0] // n_heads // 2
-    return rows.reshape(n_heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
-
-
-def read_gguf_tensors(gguf_path: Path, header: Path, hf_config,
-                      mapped_types: tuple[int, ...] = ()) -> dict[str, tuple[torch.Tensor, int | None]]:
-    """{our name: (tensor, ggml type or None)}: the kernel's types as the file's blocks [rows, row
-    bytes] uint8, copied into memory, or for `mapped_types` left as pages of the file (mapped
-    copy-on-write: the page cache that holds the file anyway, no second copy); everything else
-    dequantized to float32 by gguf (numpy)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    file = np.memmap(gguf_path, dtype=np.uint8, mode="c")
-    family = hf_config.model_type
-    is_llama = family in ("llama", "mistral")  # llama.cpp permutes q / k rows of its "llama" architecture only
-    n_heads = hf_config.num_attention_heads
-    n_kv_heads = getattr(hf_config, "num_key_value_heads", None) or n_heads
-    tensors = {}
-    for t in json.loads((header / "tensors.json").read_text()):
-        if t["name"] in ROPE_FACTOR_TENSORS.get("llama" if is_llama else family, ()):  # read into the config
-            continue
-        name, qtype = _hf_name(t["name"], family), t["type"]
-        data = file[t["offset"]:t["offset"] + t["n_bytes"]].view(np.dtype(t["dtype"])).reshape(t["shape"])
-        keeps_blocks = qtype in KERNEL_TYPES
-        if not keeps_blocks:
-            data = dequantize(data, GGMLQuantizationType(qtype)).astype(np.float32)
-        if is_llama and ".self_attn.q_proj." in name:
-            data = _unpermute_rows(data, n_heads)
-        elif is_llama and ".self_attn.k_proj." in name:
-            data = _unpermute_rows(data, n_kv_heads)
-        elif family.startswith("gemma") and name.endswith("norm.weight"):
-            data = data - 1  # llama.cpp stores Gemma's norms as 1 + w, as its forward multiplies
-        mapped = keeps_blocks and qtype in mapped_types and isinstance(data, np.memmap)
-        tensors[name] = (torch.from_numpy(data if mapped else np.array(data)), qtype if keeps_blocks else None)
-    return tensors
-
-
-def load_quantized_model(gguf_path: Path, sha256: str | None = None, dtype: torch.dtype = torch.float32,
-                         yarn_factor: float = 1.0):
-    """(our Transformer on CPU with the GGUF's linears as `QuantLinear`, tokenizer). `dtype`
-    (float32 or bfloat16) is the model's: of its activations, norms, attention and KV cache; the
-    linears multiply in float32 whatever it is. The LM head returns float32 logits, as wide as
-    its kernel computes them (a bf16 model's would be rounded to 8 bits of mantissa: ties)."""
-    from engine.families import check_tensor_names
-    from engine.loading import file_sha256, finish_model, load_tokenizer, meta_model, parameter_names, split_fused
-
-    kernel = cpu_quant_kernel()
-    header = gguf_header_dir(gguf_path, sha256 or file_sha256(gguf_path))
-    model, hf_config = meta_model(header, yarn_factor)
-    cfg = model.config
-    # a bf16 model on a CPU with BF16 dot products decodes Q5_0, Q4_K and Q6_K from interleaved copies
-    # made here; their blocks in the file's order (for prefill, int8 drafts) stay pages of the file
-    interleaves = dtype == torch.bfloat16 and kernel.uses_bf16_dots()
-    tensors = split_fused(read_gguf_tensors(gguf_path, header, hf_config, INTERLEAVED_TYPES if interleaves else ()),
-                          cfg)
-    check_tensor_names(f"The GGUF {gguf_path.name}", set(tensors), parameter_names(model))
-    plain = _place_quantized(model, tensors, cfg.dim, kernel)
-    model.load_state_dict({name: t.to(dtype) for name, t in plain.items()}, strict=False, assign=True)
-    for module in model.modules() if interleaves else ():
-        if isinstance(module, QuantLinear):
-            module.interleaved(dtype)
-    if "model.embed_tokens.weight" in plain and not isinstance(model.lm_head, QuantLinear) and cfg.has_tied_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return finish_model(model, hf_config, torch.device("cpu"), gguf_path), load_tokenizer(header)
-
-
-def _place_quantized(model: nn.Module, tensors: dict, dim: int, kernel) -> dict[str, torch.Tensor]:
-    """Set each weight that keeps its blocks into the meta `model` as a `QuantEmbedding` or
-    `QuantLinear` (with its bias); return the other modules' tensors, for `load_state_dict`."""
-    if "lm_head.weight" not in tensors:  # tied: the LM head reads the embedding's blocks
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    quantized = [name.removesuffix(".weight") for name, (_, qtype) in tensors.items()
-                 if qtype is not None and name.endswith(".weight")]
-    for module_name in quantized:
-        blocks, qtype = tensors[f"{module_name}.weight"]
-        if module_name == "model.embed_tokens":
-            model.model.embed_tokens = QuantEmbedding(blocks, qtype, dim, kernel)
-        else:
-            bias = tensors.get(f"{module_name}.bias", (None, None))[0]
-            out_dtype = torch.float32 if module_name == "lm_head" else None
-            model.set_submodule(module_name, QuantLinear(blocks, qtype, model.get_submodule(module_name).in_features,
-                                                        bias, kernel, out_dtype))
-    return {name: t for name, (t, _) in tensors.items() if name.rsplit(".", 1)[0] not in quantized}

@@ -329,14 +329,14 @@ def test_the_stacks_own_time_per_token_leaves_out_the_callers(monkeypatch):
 
 
 def test_the_threads_flag_means_the_same_in_every_entry_point():
-    """app.py, `python -m engine` and `python -m api` share the engine's flags and `apply_threads`."""
+    """app.py, `python -m tools` and `python -m api` share the engine's flags and `apply_threads`."""
     import argparse
     import importlib.util
     from pathlib import Path
 
     from api.__main__ import parse_args as api_args
-    from engine.__main__ import parse_args as engine_args
     from engine.config import add_engine_args, apply_threads
+    from tools.__main__ import parse_args as engine_args
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
@@ -357,11 +357,11 @@ def test_the_threads_flag_means_the_same_in_every_entry_point():
 
 
 def test_the_sampling_flags_are_the_sampling_fields_with_one_default_in_every_entry_point():
-    """`python -m engine generate` and `python -m api` take a flag for each SamplingConfig field a
+    """`python -m tools generate` and `python -m api` take a flag for each SamplingConfig field a
     reader sets, unset (the model's own) but the answer length, whose default is one constant."""
     from api.__main__ import parse_args as api_args
-    from engine.__main__ import parse_args as engine_args
     from engine.config import ANSWER_TOKENS, SAMPLING_FIELDS, SamplingConfig, sampling_from_args
+    from tools.__main__ import parse_args as engine_args
 
     assert set(SAMPLING_FIELDS) == {"temperature", "top_p", "top_k", "max_new_tokens", "seed", "min_p",
                                     "repetition_penalty", "presence_penalty", "frequency_penalty"}

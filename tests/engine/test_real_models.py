@@ -100,7 +100,7 @@ def test_every_stack_equals_plain_decoding_on_real_weights(name, dtype):
 
 
 def test_cli_streams_an_answer_and_prints_level_stats(tmp_path, capsys):
-    from engine.__main__ import main
+    from tools.__main__ import main
 
     load("smollm2-135m")
     book = tmp_path / "book.txt"

@@ -25,7 +25,7 @@ def tokenizer(request):
 
     folder = packaged_dir(request.param)
     if folder is None:
-        pytest.skip(f"{request.param} is not assembled: run `python -m engine.models --only {request.param}`")
+        pytest.skip(f"{request.param} is not assembled: run `python -m tools.models --only {request.param}`")
     return AutoTokenizer.from_pretrained(folder)
 
 

@@ -1,5 +1,5 @@
-"""Command line: `python -m engine generate --file book.txt --question "..." [--levels ...]`,
-`python -m engine selftest`. The OpenAI-compatible API is a caller of the engine: `python -m api`.
+"""Command line: `python -m tools generate --file book.txt --question "..." [--levels ...]`,
+`python -m tools selftest`. A caller of the engine, as the OpenAI-compatible API is (`python -m api`).
 
 Reads a text file as the document, prefills it once, answers each --question in turn (a chat),
 streams the answer to the terminal and prints per-level statistics after each answer.
@@ -26,9 +26,7 @@ from engine.session import Engine, Stats
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    if (sys.argv[1:] if argv is None else argv)[:1] == ["serve"]:  # the API is a caller, not the engine
-        sys.exit("`python -m engine serve` moved: run `python -m api` (same flags).")
-    p = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m tools", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="answer questions about a text file")
     add_engine_args(g)
@@ -56,8 +54,8 @@ def format_stats(stats: Stats) -> str:
 def selftest(args: argparse.Namespace) -> int:
     import json
 
-    from engine import selftest
     from engine.device import pick_device
+    from tools import selftest
 
     device = pick_device(args.device)
     print(f"self-test on {device} (a tiny random model; nothing is downloaded) …", file=sys.stderr)
