@@ -34,9 +34,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from api.server import ChatAPI, Fixed, interrupt_on_termination
     from engine.batch import Batcher
-    from engine.chat import ChatFormat
     from engine.config import EngineError, apply_threads, engine_config, sampling_from_args
     from engine.session import Engine
+    from tools.chat import ChatFormat
 
     apply_threads(args)
     try:

@@ -38,12 +38,12 @@ import torch
 
 from benchmarks.cli import THREADS, add_common_args
 from benchmarks.longctx import BOOK, book_doc_ids, log, machine, timing
-from engine.chat import ChatFormat
 from engine.config import PAIRED_DRAFTS, EngineConfig, Levels, SamplingConfig
 from engine.files import cache_root
 from engine.loading import generation_defaults, load_model
 from engine.models import PACKAGED_MODELS, gguf_path
 from engine.session import Engine
+from tools.chat import ChatFormat
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = "Summarize the story so far in one paragraph."

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 from engine import parallel
-from engine.chat import ChatFormat
 from engine.config import (
     EngineError,
     add_engine_args,
@@ -23,6 +22,7 @@ from engine.config import (
     sampling_from_args,
 )
 from engine.session import Engine, Stats
+from tools.chat import ChatFormat
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

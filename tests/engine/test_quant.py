@@ -137,9 +137,9 @@ def dequantized_copy(model: nn.Module) -> nn.Module:
 
 
 def greedy_answer(model, tokenizer, n_tokens: int = 24) -> list[int]:
-    from engine.chat import ChatFormat
     from engine.config import EngineConfig, SamplingConfig
     from engine.session import Engine
+    from tools.chat import ChatFormat
 
     config = EngineConfig(target="unused", levels="plain", device="cpu", dtype="float32")
     chat = ChatFormat(tokenizer)
