@@ -223,17 +223,14 @@ def fix_gguf_config(hf, reader) -> None:
     own keys and tensors, by llama.cpp's rules (its forward is what the file was made for)."""
     fields = {name: _field(reader, name) for name in reader.fields}
     arch, family = fields["general.architecture"], hf.model_type
-
-    def get(key: str, default=None):
-        value = fields.get(f"{arch}.{key}")
-        return default if value is None else value
-
-    if get("attention.key_length") is not None:  # transformers maps it for Gemma only
-        if get("attention.value_length", get("attention.key_length")) != get("attention.key_length"):
+    keys = {name.removeprefix(f"{arch}."): value for name, value in fields.items()
+            if name.startswith(f"{arch}.") and value is not None}  # the architecture's own keys
+    if "attention.key_length" in keys:  # transformers maps it for Gemma only
+        if keys.get("attention.value_length", keys["attention.key_length"]) != keys["attention.key_length"]:
             raise UnsupportedModel(f"A GGUF of architecture {arch!r}", "its keys and values differ in length")
-        hf.head_dim = get("attention.key_length")
+        hf.head_dim = keys["attention.key_length"]
     if family in ("llama", "mistral", "phi3"):  # transformers names a Mistral only if general.name is "mistral"
-        hf.sliding_window = get("attention.sliding_window") or None  # llama.cpp: no key, no window
+        hf.sliding_window = keys.get("attention.sliding_window") or None  # llama.cpp: no key, no window
     if family in GEMMAS:
         is_27b = hf.num_hidden_layers == GEMMA_27B_LAYERS[family]
         hf.query_pre_attn_scalar = hf.hidden_size // hf.num_attention_heads if is_27b else hf.head_dim
@@ -241,25 +238,30 @@ def fix_gguf_config(hf, reader) -> None:
         if pattern is not None and pattern.types[-1].name == "BOOL":
             hf.layer_types = ["sliding_attention" if swa else "full_attention" for swa in pattern.contents()]
     if family == "gemma2":
-        hf.attn_logit_softcapping = get("attn_logit_softcapping", 50.0)
-        hf.final_logit_softcapping = get("final_logit_softcapping", 30.0)
-    if family == "gemma3_text" and get("rope.freq_base_swa") is not None:
-        hf.rope_parameters["sliding_attention"]["rope_theta"] = get("rope.freq_base_swa")
-    factors = {t.name: t.data.tolist() for t in reader.tensors if t.name.startswith("rope_factors_")}
-    if family == "phi3" and factors:
-        original = get("rope.scaling.original_context_length")
+        hf.attn_logit_softcapping = keys.get("attn_logit_softcapping", 50.0)
+        hf.final_logit_softcapping = keys.get("final_logit_softcapping", 30.0)
+    _fix_gguf_rope(hf, keys, {t.name: t.data.tolist() for t in reader.tensors if t.name.startswith("rope_")})
+
+
+def _fix_gguf_rope(hf, keys: dict, rope_tensors: dict[str, list[float]]) -> None:
+    """The RoPE of a GGUF's keys and tensors: Gemma 3's local base, Phi-3's LongRoPE factors,
+    Llama 3's scaling (stored as per-frequency divisors, `rope_freqs`)."""
+    family = hf.model_type
+    if family == "gemma3_text" and "rope.freq_base_swa" in keys:
+        hf.rope_parameters["sliding_attention"]["rope_theta"] = keys["rope.freq_base_swa"]
+    if family == "phi3" and "rope_factors_long.weight" in rope_tensors:
+        original = keys.get("rope.scaling.original_context_length")
         hf.rope_parameters = {**hf.rope_parameters, "rope_type": "longrope",
-                              "long_factor": factors["rope_factors_long.weight"],
-                              "short_factor": factors["rope_factors_short.weight"],
+                              "long_factor": rope_tensors["rope_factors_long.weight"],
+                              "short_factor": rope_tensors["rope_factors_short.weight"],
                               "original_max_position_embeddings": original}
-        if get("rope.scaling.attn_factor") is not None:
-            hf.rope_parameters["attention_factor"] = get("rope.scaling.attn_factor")
+        if "rope.scaling.attn_factor" in keys:
+            hf.rope_parameters["attention_factor"] = keys["rope.scaling.attn_factor"]
         hf.original_max_position_embeddings = original
-    divisors = next((t.data.tolist() for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if family in ("llama", "mistral") and divisors is not None:
-        hf.rope_parameters = _llama3_rope(hf, divisors)
+    if family in ("llama", "mistral") and "rope_freqs.weight" in rope_tensors:
+        hf.rope_parameters = _llama3_rope(hf, rope_tensors["rope_freqs.weight"])
         if hf.rope_parameters is None:
-            raise UnsupportedModel(f"A GGUF of architecture {arch!r}", "its rope_freqs tensor is none of Llama 3's "
+            raise UnsupportedModel("A GGUF of architecture 'llama'", "its rope_freqs tensor is none of Llama 3's "
                                    "RoPE scalings")
 
 
