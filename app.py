@@ -19,7 +19,8 @@ if "OMP_WAIT_POLICY" not in os.environ:  # libgomp lets GOMP_SPINCOUNT override 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from app.documents import Limits
     from app.library import default_root
-    from engine.config import ANSWER_TOKENS, add_engine_args
+    from engine.config import ANSWER_TOKENS
+    from tools.flags import add_engine_args
 
     p = argparse.ArgumentParser(description="Chat with whole books on a lossless speculative-decoding engine.")
     add_engine_args(p)
@@ -75,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     from app.session import load_engine
     from app.ui import App
     from engine import models
-    from engine.config import EngineError, apply_threads, engine_config
+    from engine.config import EngineError
+    from tools.flags import apply_threads, engine_config
 
     apply_threads(args)
     started = time.perf_counter()

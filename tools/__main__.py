@@ -13,16 +13,10 @@ import time
 from pathlib import Path
 
 from engine import parallel
-from engine.config import (
-    EngineError,
-    add_engine_args,
-    add_sampling_args,
-    apply_threads,
-    engine_config,
-    sampling_from_args,
-)
+from engine.config import EngineError
 from engine.session import Engine, Stats
 from tools.chat import ChatFormat
+from tools.flags import add_engine_args, add_sampling_args, apply_threads, engine_config, sampling_from_args
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

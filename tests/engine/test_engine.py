@@ -335,8 +335,8 @@ def test_the_threads_flag_means_the_same_in_every_entry_point():
     from pathlib import Path
 
     from api.__main__ import parse_args as api_args
-    from engine.config import add_engine_args, apply_threads
     from tools.__main__ import parse_args as engine_args
+    from tools.flags import add_engine_args, apply_threads
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
@@ -360,8 +360,9 @@ def test_the_sampling_flags_are_the_sampling_fields_with_one_default_in_every_en
     """`python -m tools generate` and `python -m api` take a flag for each SamplingConfig field a
     reader sets, unset (the model's own) but the answer length, whose default is one constant."""
     from api.__main__ import parse_args as api_args
-    from engine.config import ANSWER_TOKENS, SAMPLING_FIELDS, SamplingConfig, sampling_from_args
+    from engine.config import ANSWER_TOKENS, SAMPLING_FIELDS, SamplingConfig
     from tools.__main__ import parse_args as engine_args
+    from tools.flags import sampling_from_args
 
     assert set(SAMPLING_FIELDS) == {"temperature", "top_p", "top_k", "max_new_tokens", "seed", "min_p",
                                     "repetition_penalty", "presence_penalty", "frequency_penalty"}
