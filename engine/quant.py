@@ -1,21 +1,12 @@
-"""GGUF quantized weights kept as they are in the file: a model's linears multiply float32
-activations (a bf16 model's, widened) with the file's blocks (engine/csrc/quant_cpu.cpp), each
-weight unpacked in registers to exactly the float32 value gguf's dequantize gives. The linears
-are "the model in the file", dequantized in float32, with no dequantized copy on disk and about
-a quarter of bf16's bytes read per token. On AVX2 without AVX-512, Q4_K's linears take each
-sub-block's scale out of its sum (x times the codes, summed, then scaled once): the same real
-sum in another float32 grouping, one FMA per 8 weights instead of two. On CPUs with AVX512-BF16
-a bf16 model's Q4_K and Q6_K linears multiply the bf16 activations with the integer codes in
-exact bf16 products and apply each group's float32 scale to the group's sum: the same exact
-products, summed in float32 in another grouping, in less time; decoding reads them (and Q5_0)
-from a copy with 16 weight rows interleaved (`QuantLinear.interleaved`), one scale per 16 rows,
-which reads the weights at about the memory's speed at 2 threads (benchmarks/RESULTS.md).
+"""GGUF quantized weights kept as they are in the file (CPU): `QuantLinear` multiplies activations
+with the file's blocks in engine/csrc/quant_cpu.cpp, each weight unpacked in registers to exactly
+the float32 value gguf's dequantize gives: the model in the file, with no dequantized copy, read
+at about a quarter of bf16's bytes per token. The kernel's paths per CPU (AVX2, AVX-512, BF16 dot
+products over 16 interleaved rows) are described in its opening comment.
 
-This module holds the modules and the kernel; engine/loading.py `load_quantized_model` reads a
-.gguf into them and `load_model` chooses when. Nothing here quantizes anything.
-
-`quick_view(model)` is the exception, for a middle level: the same blocks multiplied with int8
-activations (quant_cpu.cpp `quick_linear`), cheaper and lossy; the model itself stays exact.
+engine/loading.py `load_quantized_model` reads a .gguf into these modules; `load_model` chooses
+when. `quick_view(model)` is the one lossy path, for a middle level: the same blocks with int8
+activations (`quick_linear`); the model itself stays exact. Nothing here quantizes anything.
 """
 
 from __future__ import annotations
@@ -47,17 +38,12 @@ def cpu_quant_kernel():
 
 class QuantLinear(nn.Module):
     """A frozen linear whose weight is the file's blocks, `weight` [out, row bytes] uint8 of ggml
-    type `qtype`. Calls of at most `KERNEL_MAX_ROWS` rows run the kernel in float32 (a bf16
-    model's activations are widened, exactly, or taken as bf16 by the kernel's BF16 dot products
-    where it has them: exact products too), whose output rows do not depend on the rows beside
-    them; the bias (float32, as in the file) is added in float32, and the sum is returned in
-    `out_dtype`, else in the activations' dtype. Larger calls (prefill chunks) dequantize
-    `BLOCK_ROWS` weight rows at a time to the activations' dtype (bf16 or float32) for a GEMM,
-    summed in another order and, in a bf16 model, in bf16 products: the prefill then computes in
-    another precision than decoding does, the same prefill for plain and speculative decoding,
-    so losslessness (every stack gives plain decoding's tokens) is untouched. Where the CPU has
-    bf16 instructions the bf16 GEMM is the faster one (benchmarks/history/2026-11-results.md,
-    "Prefill attention in BF16 dot products")."""
+    type `qtype`. Calls of at most `KERNEL_MAX_ROWS` rows run the kernel in float32 (bf16
+    activations widened or multiplied in exact bf16 products), a row's output independent of the
+    rows beside it, the bias added in float32, returned in `out_dtype` or the activations' dtype.
+    Larger calls (prefill chunks) dequantize `BLOCK_ROWS` weight rows at a time to the activations'
+    dtype for a GEMM: another precision than decoding, but the same prefill for plain and
+    speculative decoding, so every stack still gives plain decoding's tokens."""
 
     KERNEL_MAX_ROWS = 128
     BLOCK_ROWS = 4096  # weight rows dequantized at a time for the GEMM (16 MB float32 at in = 896)
@@ -79,12 +65,9 @@ class QuantLinear(nn.Module):
 
     def quick(self) -> QuantLinear:
         """A twin over the same blocks and bias (no copy) whose calls of at most KERNEL_MAX_ROWS
-        rows run quant_cpu.cpp `quick_linear`: activations rounded to int8 per 32 values and
-        integer dot products: a small relative error on real activations, and faster, most at
-        one row (`python -m benchmarks.kernels --only quick`; history, "Int8 drafts"). Lossy:
-        for a middle level only. Where the
-        kernel has no quick path for this type (Q4_1) the twin is exact; prefill-size calls keep
-        the dequantizing GEMM either way."""
+        rows run quant_cpu.cpp `quick_linear` (activations rounded to int8 per 32 values, integer
+        dot products): lossy, for a middle level only. Exact where the kernel has no quick path
+        for this type (Q4_1); prefill-size calls keep the dequantizing GEMM either way."""
         twin = QuantLinear(self.weight, self.qtype, self.in_features, self.bias, self.kernel, self.out_dtype)
         twin.lossy = self.has_quick_path()
         twin._interleaved = self._interleaved  # an exact twin decodes from the same copy, not its own
@@ -113,11 +96,9 @@ class QuantLinear(nn.Module):
         return out.to(out_dtype).view(*x.shape[:-1], self.out_features)
 
     def interleaved(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """Q5_0's, Q4_K's or Q6_K's blocks with 16 weight rows interleaved (quant_cpu.cpp `interleave`), for
-        bf16 activations where the kernel has BF16 dot products: a group's scale applied once per 16
-        rows, not per row. Made at the first such call from the weight as it is then (a bf16 model
-        from a .gguf makes it at load): a copy beside the file's blocks, which prefill, `quick` and
-        the other paths read (the 1.5B's Q4_K and Q6_K linears: 0.98 GB)."""
+        """Q5_0's, Q4_K's or Q6_K's blocks with 16 weight rows interleaved (quant_cpu.cpp `interleave`)
+        for bf16 activations where the kernel has BF16 dot products, made at the first such call (a
+        bf16 model from a .gguf: at load): a copy beside the file's blocks, which the other paths read."""
         if dtype != torch.bfloat16 or self.qtype not in INTERLEAVED_TYPES or not self.kernel.uses_bf16_dots():
             return None
         made_from = (self.weight.data_ptr(), self.weight.shape)  # a twin's weight is another Parameter
@@ -162,11 +143,9 @@ def is_quantized(model: nn.Module) -> bool:
 def quick_view(model: nn.Module) -> nn.Module:
     """A second model object over the same tensors in which every `QuantLinear` with a quick path
     is its lossy twin (`QuantLinear.quick`), for a middle level whose drafts the exact model
-    verifies. Every module is a shallow copy (its own child, parameter and buffer dicts, the same
-    tensors and attributes), so the view can be given its own attention (`set_attention`) and
-    `model` is untouched and exact. Linears without a quick path (Q4_1) stay exact in the view.
-    Returns `model` itself when it has no linear with a quick path (not quantized, or no such
-    type): the caller then has no cheaper arithmetic to gain."""
+    verifies. Every module is a shallow copy (its own child, parameter and buffer dicts), so the
+    view can take its own attention and `model` stays exact. `model` itself when no linear has a
+    quick path: there is no cheaper arithmetic to gain."""
     if not any(isinstance(m, QuantLinear) and m.has_quick_path() for m in model.modules()):
         return model
 
