@@ -1,12 +1,11 @@
 """Which checkpoints the forward (engine/model.py) runs exactly, read from headers only.
 
-`inspect_model(path)` describes a Hugging Face folder or a .gguf without reading a weight: family,
-quantization, native context, size on disk, and `error`, the `UnsupportedModel` that loading would
-raise (None: it runs). `check_hf_config` and `check_tensor_names` are the two rules loading applies:
-every config field that changes the forward is one the model handles (rope types, activations,
-soft-capping, sliding windows, biases; anything else differing from the family's defaults is
-refused, as are MoE and multipliers), and every tensor in the file has a parameter to go to.
-It does not load models (engine/loading.py, engine/quant.py do) and does not pair drafts.
+`inspect_model(path)` describes a Hugging Face folder or a .gguf without reading a weight, with
+`error`, the `UnsupportedModel` that loading would raise (None: it runs). `check_hf_config` and
+`check_tensor_names` are the rules loading applies: every config field that changes the forward is
+one the model handles (anything else differing from the family's defaults is refused, as are MoE
+and multipliers), and every tensor has a parameter to go to (a GGUF's names: `gguf_tensor_name`).
+Loading is engine/loading.py's.
 """
 
 from __future__ import annotations
