@@ -327,14 +327,14 @@ _FAMILY_MODULES = {
 }
 
 
-# RoPE scalings llama.cpp stores as tensors, read into the config (engine/families.py fix_gguf_config)
+# RoPE scalings llama.cpp stores as tensors, read into the config (`fix_gguf_config`)
 ROPE_FACTOR_TENSORS = {"phi3": ("rope_factors_long.weight", "rope_factors_short.weight"),  # LongRoPE
                        "llama": ("rope_freqs.weight",)}  # Llama 3.x
 
 
 def gguf_tensor_name(gguf_name: str, family: str) -> str | None:
     """Our (Hugging Face) parameter name of a tensor of a GGUF of `family` (a model_type), or None
-    for a tensor the model has no parameter for (engine/families.py refuses such a file)."""
+    for a tensor the model has no parameter for (`check_gguf` refuses such a file)."""
     fixed = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
              "output_norm.weight": "model.norm.weight"}
     if gguf_name in fixed:
