@@ -19,7 +19,8 @@ if "OMP_WAIT_POLICY" not in os.environ:  # libgomp lets GOMP_SPINCOUNT override 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from app.documents import Limits
     from app.library import default_root
-    from engine.config import SamplingConfig, add_engine_args, add_sampling_args, sampling_from_args
+    from engine.config import SamplingConfig
+    from tools.flags import add_engine_args, add_sampling_args, sampling_from_args
 
     p = argparse.ArgumentParser(description="Chat with whole books on a lossless speculative-decoding engine.")
     add_engine_args(p)
@@ -47,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="openai: answer with a remote OpenAI-compatible server (--base-url) instead")
     p.add_argument("--base-url", default=None, help="with --backend openai, e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--remote-model", default=None, help="with --backend openai: the served model (default: the first)")
-    add_sampling_args(p)  # where the Settings start, as `python -m engine generate` and `python -m api` take them
+    add_sampling_args(p)  # where the Settings start, as `python -m tools generate` and `python -m api` take them
     args = p.parse_args(argv)
     try:  # a value no model samples with is refused now, not after the model has loaded
         sampling_from_args(args, SamplingConfig())
@@ -67,7 +68,8 @@ def sampling_flags(args: argparse.Namespace) -> dict:
 def remote_backend(args: argparse.Namespace):
     """--backend openai: the server at --base-url answers; --model's tokenizer counts tokens here."""
     from app.remote import RemoteEngine
-    from engine.loading import load_tokenizer, resolve_model
+    from engine.loading import load_tokenizer
+    from engine.models import resolve_model
 
     if not args.base_url or args.api:
         sys.exit("--backend openai needs --base-url URL (and serves no --api of its own)")
@@ -87,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     from app.session import load_engine
     from app.ui import App
     from engine import models
-    from engine.config import EngineError, apply_threads, engine_config
+    from engine.config import EngineError
+    from tools.flags import apply_threads, engine_config
 
     apply_threads(args)
     started = time.perf_counter()

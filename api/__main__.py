@@ -1,6 +1,6 @@
 """`python -m api [--port 8000] [--api-key KEY]`: the OpenAI-compatible API alone, no UI (api/server.py).
 
-Takes the engine's flags (`add_engine_args`, as `app.py` and `python -m engine generate`) and
+Takes the engine's flags (`add_engine_args`, as `app.py` and `python -m tools generate`) and
 serves `/v1` under uvicorn, with the app's library of prefill snapshots when the app is installed.
 """
 
@@ -10,7 +10,7 @@ import argparse
 import contextlib
 import sys
 
-from engine.config import add_engine_args, add_sampling_args
+from tools.flags import add_engine_args, add_sampling_args
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -34,9 +34,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from api.server import ChatAPI, Fixed, interrupt_on_termination
     from engine.batch import Batcher
-    from engine.chat import ChatFormat
-    from engine.config import EngineError, apply_threads, engine_config, sampling_from_args
+    from engine.config import EngineError
     from engine.session import Engine
+    from tools.chat import ChatFormat
+    from tools.flags import apply_threads, engine_config, sampling_from_args
 
     apply_threads(args)
     try:

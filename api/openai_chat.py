@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from engine.chat import ChatFormat
 from engine.config import SAMPLING_FIELDS, SamplingConfig
+from tools.chat import ChatFormat
 
 MIN_DOCUMENT_CHARS = 2000  # a first message this long is a document worth caching (~500 tokens)
 MAX_STOP_STRINGS = 4  # as OpenAI

@@ -35,9 +35,9 @@ from starlette.routing import Route
 
 from api.openai_chat import MIN_DOCUMENT_CHARS, ApiError, ChatRequest, StopText, parse_request
 from engine.batch import Batcher
-from engine.chat import ChatFormat
 from engine.config import EngineError
 from engine.session import Engine, Session, Stats, shared_prefix
+from tools.chat import ChatFormat
 
 LOCAL_HOSTS = ("127.0.0.1", "::1", "localhost")
 MAX_REQUESTS = 64  # answering or waiting; more get 429 at once rather than waiting for minutes

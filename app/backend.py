@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Protocol
 from app.library import Library, model_fingerprint
 from app.picker import machine_of
 from app.session import BookSession, Prepared, Report, load_engine, n_read_before, open_book
-from engine.chat import ChatFormat
 from engine.config import LEVEL_STACKS, Levels, SamplingConfig
+from tools.chat import ChatFormat
 
 if TYPE_CHECKING:
     from app.model_files import Machine

@@ -193,7 +193,7 @@ def gguf_link(path: Path) -> Path:
     """`path` itself, or, where the file it names has no .gguf name (an Ollama blob, a Hugging Face
     cache blob), `<cache>/links/<sha256 of its path>.gguf`: a hard link, so the name survives the
     engine resolving the path (a symbolic one across file systems, which the engine may refuse)."""
-    from engine.loading import cache_root
+    from engine.files import cache_root
 
     real = path.resolve()
     if real.is_dir() or real.suffix == ".gguf":
@@ -212,7 +212,7 @@ def gguf_link(path: Path) -> Path:
 
 def remove_stale_links() -> None:
     """Drop the links to models deleted since (a hard link then holds the file's last name)."""
-    from engine.loading import cache_root
+    from engine.files import cache_root
 
     for link in (cache_root() / "links").glob("*.gguf"):
         with contextlib.suppress(OSError):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from app.documents import Document, chapters
 from app.storage import read_json, write_json
-from engine.chat import ChatFormat, plain_text
+from tools.chat import ChatFormat, plain_text
 
 CHAPTER_PROMPT = ("Summarize this part of the book in one paragraph of at most 120 words: what happens, and "
                   "who takes part. Use the characters' names as the book spells them.")
@@ -49,7 +49,7 @@ class Part:
 
 
 class Prompter:
-    """Text -> prompt ids and answer ids -> text, in the model's own chat template (engine/chat.py)."""
+    """Text -> prompt ids and answer ids -> text, in the model's own chat template (tools/chat.py)."""
 
     def __init__(self, chat: ChatFormat):
         self.chat, self.tokenizer = chat, chat.tokenizer

@@ -24,10 +24,10 @@ from app.speeds import duration, time_left
 from app.storage import write_failure
 from app.tokens import TokenMap
 from engine import models
-from engine.chat import ChatFormat
 from engine.config import Cancelled, DocumentTooLong, EmptyPrompt, EngineConfig, EngineError, SamplingConfig
-from engine.loading import cache_root
+from engine.files import cache_root
 from engine.session import Engine, Session, Stats
+from tools.chat import ChatFormat
 
 if TYPE_CHECKING:
     from app.backend import Backend

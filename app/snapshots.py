@@ -42,7 +42,8 @@ def weights_sha256(engine: Engine, cache_path: Path) -> str:
     for a model built in memory (tests) or whose files cannot be found."""
     from engine import models
     from engine.config import EngineError
-    from engine.loading import file_sha256, resolve_model
+    from engine.files import file_sha256
+    from engine.models import resolve_model
     from engine.quant import is_quantized
 
     source = engine.config.target
@@ -72,7 +73,7 @@ def weights_sha256(engine: Engine, cache_path: Path) -> str:
 
 def save_snapshot(folder: Path, session: Session, record: dict, name: str = SNAPSHOT) -> dict:
     """Write the snapshot atomically; returns `record` plus the file's sha256 (for meta.json)."""
-    from engine.loading import file_sha256
+    from engine.files import file_sha256
 
     _remove_stale_temp_files(folder)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".snapshot.", suffix=".tmp")
@@ -94,7 +95,7 @@ def load_snapshot(folder: Path, engine: Engine, saved: dict | None, expected: di
     """The session in `folder`'s snapshot when `saved` (its meta.json record) matches `expected`,
     the file's sha256 matches the record, and its cache holds exactly `doc_ids` (`shared_start`:
     the whole prefill chunks it shares with the start of `doc_ids`, another document); else None."""
-    from engine.loading import file_sha256
+    from engine.files import file_sha256
 
     path = folder / name
     if not saved or {k: saved.get(k) for k in expected} != expected or not path.is_file():

@@ -34,7 +34,7 @@ class Speeds:
         if n_tokens - start >= 256 and seconds > 0:  # a few tokens time the overheads, not the model
             whole = prefill_work(n_tokens, attention_share)
             seconds *= whole / (whole - prefill_work(start, attention_share))
-            if round(seconds, 2) > 0:  # a remote server's "reading" can take under 5 ms
+            if round(seconds, 2) > 0:  # rounded to 0.00 (a remote server's instant "reading") it is no speed
                 self._add(model, "prefill", [n_tokens, round(seconds, 2)])
 
     def record_decode(self, model: str, n_context: int, ms_per_token: float) -> None:

@@ -2,7 +2,7 @@
 
 A book or a question may spell the model's control tokens (`<|im_start|>`, `<|endoftext|>`,
 `</s>`, Qwen's `<tool_call>`): they must become the ids of those characters, never the control
-token, or a book could end the user turn and speak as the system. engine/chat.py's `ChatFormat`
+token, or a book could end the user turn and speak as the system. tools/chat.py's `ChatFormat`
 does that itself (its `PlainText` encodes user text with every added token split), so
 `PlainChatFormat` is that ChatFormat under the name the app has always used. `TokenMap` maps
 document token positions back to characters (for page labels).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 
-from engine.chat import DOC_END, ChatFormat, PlainText, plain_text
+from tools.chat import DOC_END, ChatFormat, PlainText, plain_text
 
 __all__ = ["PlainChatFormat", "PlainText", "TokenMap", "plain_text"]
 

@@ -36,9 +36,9 @@ def child(args) -> None:
 
     from benchmarks.longctx import BOOK, book_doc_ids
     from benchmarks.peers import QUESTION, answer
-    from engine.chat import ChatFormat
     from engine.config import EngineConfig
     from engine.session import Engine
+    from tools.chat import ChatFormat
 
     torch.set_num_threads(args.threads)
     engine = Engine.load(EngineConfig(target=args.model))

@@ -7,7 +7,7 @@ through Chromium (Playwright with Debian's /usr/bin/chromium, as a reader's brow
 machine) or, with `--client`, through gradio_client (no browser). Each answer's TBT is the app's
 own figures: the mean over the answer, the speedup over plain decoding and the plain step it
 compares with (the top level's one-token check in the same answer, app/views.py `speedup_note`).
-The engine's figure for the same book and question: `python -m engine generate --file ... --question ...`.
+The engine's figure for the same book and question: `python -m tools generate --file ... --question ...`.
 
     python -m benchmarks.app_stream --answers 2
 """

@@ -33,9 +33,9 @@ import torch
 from benchmarks.cli import add_common_args
 from benchmarks.longctx import BOOK, machine, timing
 from engine.batch import Batcher
-from engine.chat import ChatFormat
 from engine.config import EngineConfig, SamplingConfig
 from engine.session import Engine, Session
+from tools.chat import ChatFormat
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = ("Summarize the story so far in one paragraph.",

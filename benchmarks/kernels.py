@@ -85,8 +85,9 @@ from engine.config import ModelConfig
 from engine.device import build_cpu_extension, can_pack_linear_weights, cpu_linear_kernel, linear_layout, pick_dtype
 from engine.kv.full import FullCache
 from engine.layouts import Bf16Linear, PackedLinear
-from engine.loading import load_hf_config, load_model, resolve_model
+from engine.loading import load_hf_config, load_model
 from engine.model import Attention, RMSNorm
+from engine.models import resolve_model
 from engine.quant import cpu_quant_kernel, is_quantized
 from engine.sampling import Draft, sampling_probs
 
@@ -192,6 +193,17 @@ def other_attention_kernel(source: Path) -> tuple[str, object] | None:
     return (source.name, kernel) if kernel is not None else None
 
 
+def store_weights_input_major(model) -> None:
+    """Every linear weight input-major (strides (1, out), same values): MKL's faster orientation
+    for one row, the engine's layout before it packed linears; a tied embedding stays tied."""
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight = torch.nn.Parameter(module.weight.t().contiguous().t(), requires_grad=False)
+    if tied:
+        model.model.embed_tokens.weight = model.lm_head.weight
+
+
 class Models:
     """Our model and Hugging Face's, with caches holding the same random S entries. Where the
     engine packs its linears or stores them bf16, a second copy of ours keeps MKL's input-major
@@ -204,7 +216,7 @@ class Models:
         self.ours_input_major = None
         if layout in ("packed", "bf16-stored"):
             self.ours_input_major, _ = load_model(name, dtype, torch.device("cpu"))
-            layouts.lay_out_linears(self.ours_input_major, "input-major")
+            store_weights_input_major(self.ours_input_major)
             self.ours_input_major.set_attention(pick_attention(torch.device("cpu"), use_cpu_kernel=True))
         self.hf = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype, attn_implementation="sdpa",
                                                        local_files_only=True).eval()

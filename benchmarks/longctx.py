@@ -1,7 +1,7 @@
 """CPU long-context benchmark: our level stacks side by side with Hugging Face transformers (issue 7).
 
 One process, one run. The committed sample book (assets/persuasion.txt) is cut to each context
-length and wrapped exactly as the app does (engine/chat.py: `document_ids` + `question_ids`).
+length and wrapped exactly as the app does (tools/chat.py: `document_ids` + `question_ids`).
 Each context is prefilled ONCE per implementation: ours with `Engine.open` (then `Session.save`,
 and `Session.restore` before every method), Hugging Face with one forward into a DynamicCache
 (deep-copied before every method; restoring and copying happen outside every measurement, after
@@ -44,11 +44,11 @@ import torch
 from benchmarks.cli import add_common_args
 from benchmarks.hardware import RssSampler, measure_hardware, read_gb_s, token_floor
 from engine.attention import pick_attention, sdpa_attention
-from engine.chat import ChatFormat
 from engine.config import EngineConfig, SamplingConfig
 from engine.device import cpu_has_amx_bf16, cpu_has_avx512_bf16, pick_dtype
-from engine.loading import resolve_model
+from engine.models import resolve_model
 from engine.session import Engine, Session
+from tools.chat import ChatFormat
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOK = ROOT / "assets" / "persuasion.txt"

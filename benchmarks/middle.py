@@ -28,9 +28,9 @@ import torch
 from benchmarks.cli import add_common_args
 from benchmarks.longctx import BOOK, book_doc_ids, log, machine
 from benchmarks.peers import answer
-from engine.chat import ChatFormat
 from engine.config import EngineConfig
 from engine.session import Engine
+from tools.chat import ChatFormat
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = "Summarize the story so far in one paragraph."

@@ -41,9 +41,9 @@ from benchmarks.cli import add_common_args
 from benchmarks.longctx import machine
 from benchmarks.quality import loops
 from engine.batch import Batcher
-from engine.chat import ChatFormat
 from engine.config import EngineConfig
 from engine.session import Engine
+from tools.chat import ChatFormat
 
 ROOT = Path(__file__).resolve().parent.parent
 # capitalized words that are not characters' names: titles, days, months, sentence words

@@ -38,11 +38,12 @@ import torch
 
 from benchmarks.cli import THREADS, add_common_args
 from benchmarks.longctx import BOOK, book_doc_ids, log, machine, timing
-from engine.chat import ChatFormat
 from engine.config import PAIRED_DRAFTS, EngineConfig, Levels, SamplingConfig
-from engine.loading import cache_root, generation_defaults, load_model
+from engine.files import cache_root
+from engine.loading import generation_defaults, load_model
 from engine.models import PACKAGED_MODELS, gguf_path
 from engine.session import Engine
+from tools.chat import ChatFormat
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = "Summarize the story so far in one paragraph."
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     missing = [str(path) for path in (bench, gguf) if not path.is_file() and (args.quick or path == gguf)]
     if missing:
         report["skipped"] = f"not found: {', '.join(missing)} (nice -n 19 bash scripts/build_llamacpp.sh; " \
-                            f"python -m engine.models --only {args.model})"
+                            f"python -m tools.models --only {args.model})"
         log(f"peers: skipped, {report['skipped']}")
         args.out.write_text(json.dumps(report, indent=1) + "\n")
         return 0

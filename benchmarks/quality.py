@@ -1,7 +1,7 @@
 """Answer quality of the models we ship, on a book (issue 21): a benchmark, not a test.
 
 Each context is the first N tokens of Persuasion (assets/persuasion.txt), wrapped as the app wraps
-a book (engine/chat.py, with its system message), with three pass keys hidden at 10%, 50% and
+a book (tools/chat.py, with its system message), with three pass keys hidden at 10%, 50% and
 90% of its depth ("The pass key of the red door is 52817."). One prefill per model and context
 answers everything: factual questions with key-word answers (only those whose key words occur
 in the kept text count), the three pass keys (a multi-needle variant of the passkey test: one
@@ -45,9 +45,9 @@ from app.session import BookSession, Prepared
 from app.tokens import TokenMap
 from benchmarks.cli import add_common_args
 from benchmarks.passages import PassageIndex, with_passages
-from engine.chat import BOOK_SYSTEM, ChatFormat
 from engine.config import EngineConfig, SamplingConfig
 from engine.session import Engine
+from tools.chat import BOOK_SYSTEM, ChatFormat
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOK = ROOT / "assets" / "persuasion.txt"

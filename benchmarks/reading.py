@@ -32,10 +32,10 @@ from app.library import Library
 from app.reading import ReadingStopped, open_session
 from benchmarks.cli import add_common_args
 from benchmarks.kernels import random_full_cache
-from engine.chat import ChatFormat
 from engine.config import EngineConfig, SamplingConfig
-from engine.loading import file_sha256
+from engine.files import file_sha256
 from engine.session import Engine, Session
+from tools.chat import ChatFormat
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = "Who is Sir Walter Elliot, and why must he leave Kellynch Hall?"

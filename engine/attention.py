@@ -1,13 +1,11 @@
 """Attention kernels over a KV view: torch SDPA always; flash-attn when importable on CUDA; on
-CPU our compiled kernel (engine/csrc/attention_cpu.cpp) when it builds here: few-row calls, and a
-bf16 model's prefill chunks where the CPU has AVX512-BF16.
+CPU our compiled kernel (engine/csrc/attention_cpu.cpp) when it builds: few-row calls, and a bf16
+model's prefill chunks where the CPU has AVX512-BF16.
 
-Every cache hands the model a view whose last `T` keys are the tokens of this call, and every
-earlier key is visible to all of them (docs/ALGORITHM.md section 7: stale slots are never in a view).
-So the only mask is over that tail: causal for a chain, an ancestor matrix for a token tree.
-GQA folds each KV head's query heads into the query length, one SDPA call on
-[B, Hkv, G*T, D]: each KV head is read once for its query heads (faster than `enable_gqa=True`
-on a CPU at long context: benchmarks/history/2026-11-results.md, issue 7).
+A view's last `T` keys are this call's tokens and every earlier key is visible to all of them
+(docs/ALGORITHM.md section 7), so the only mask is over that tail: causal for a chain, an ancestor
+matrix for a token tree. GQA folds each KV head's query heads into the query length, one SDPA call
+on [B, Hkv, G*T, D], so each KV head is read once (benchmarks/history/2026-11-results.md, issue 7).
 On CPU a call with a tail is split in two (keys before the tail unmasked, the tail masked) and
 merged by log-sum-exp, so no [T, S] mask is ever built (`_split_attention`).
 """

@@ -2,16 +2,12 @@
 
 Every answer is a generator of forward requests and events (`Session.answer_steps`). A round
 advances each active answer to its next request, packs the requests for the same model into one
-`Transformer.forward_packed` (the weights are read once for all; each segment attends over its
-own cache), and hands each its logits. On a memory-bound machine a forward over a few dozen tokens
-costs about as much as one token's, so sessions decoding together share that cost, whether a
-request is a top-level check, a middle-level check, a drafter step or a question's prefill.
-
-Answers join and leave between rounds: one that finishes, fails or is stopped never stalls the
-others. Each keeps its own caches, drafter state, sampling settings, coins and counters, so it
-commits the same tokens it would commit alone. Answers beyond `max_active` wait in order.
-Tensor parallel (engine/parallel.py): rank 0 decides each round's joins and stops, and every rank
-runs the same round on its copies of the sessions (`round_on_every_rank`), in step.
+`Transformer.forward_packed` (the weights are read once; each segment attends over its own
+cache) and hands each its logits: on a memory-bound machine a forward of a few dozen tokens costs
+about one token's. Answers join and leave between rounds, and each keeps its own caches, drafter
+state, sampling, coins and counters, so it commits the tokens it would commit alone; answers
+beyond `max_active` wait in order. Under tensor parallel rank 0 decides each round's joins and
+stops and every rank runs the same round (`round_on_every_rank`).
 """
 
 from __future__ import annotations

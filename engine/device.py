@@ -67,25 +67,24 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def linear_layout(device: torch.device, dtype: torch.dtype, weights_fit_bf16: bool = False) -> str:
-    """How linear weights are stored here, chosen once per model when the engine is built:
-    - "bf16-stored": float32 on a CPU with AVX2 whose weights are all exactly bf16 values (a
-      checkpoint published or converted in bf16, as every packaged model): stored as bf16 and
-      multiplied in float32 by engine/csrc/linear_cpu.cpp, the same products as float32 on half
-      the bytes read, faster than packed float32 where reading the weights is the cost;
-    - "packed": on a CPU where oneDNN prepacks linears (engine/layouts.py `PackedLinear`), for
-      float32, and for bf16 where the CPU has AVX512-BF16 but no AMX: a check of several drafted
-      tokens reads the weights once, as one token does, so speculation pays on such CPUs too;
-    - "input-major": float32 on a CPU without it (MKL's faster orientation for one row);
-    - "as loaded" otherwise: CUDA, and bf16 on AMX (not measured packed there) or on CPUs
-      without bf16 instructions (their kernels want rows).
-    Each choice was measured against the others: benchmarks/history/2026-11-results.md ("oneDNN-
-    packed linears", "bf16-stored weights")."""
+    """How a safetensors checkpoint's linear weights are stored here (a GGUF's blocks on a CPU keep
+    the file's layout), chosen once per model when the engine is built. The default for:
+    - "bf16-stored": float32 (the auto dtype of AVX2 and AVX-512 CPUs without BF16) with weights
+      that are all bf16 values (a checkpoint published in bf16): stored as bf16 and multiplied in
+      float32 by engine/csrc/linear_cpu.cpp, the same products on half the bytes read;
+    - "packed" (engine/layouts.py `PackedLinear`): float32 with other weights (float16 or float32
+      checkpoints, or where the kernel did not build), and bf16 on AVX512-BF16 CPUs without AMX
+      (Zen 4): a check of several drafted tokens reads the weights once, as one token does;
+    - "as loaded": GPUs, bf16 on AMX, and wherever oneDNN cannot pack (oneDNN packs float32 on
+      every x86 level from SSE4.1 to AMX).
+    Measured against each other: benchmarks/history/2026-11-results.md ("oneDNN-packed linears",
+    "bf16-stored weights")."""
     if device.type != "cpu":
         return "as loaded"
     if dtype == torch.float32:
         if weights_fit_bf16 and cpu_linear_kernel() is not None:
             return "bf16-stored"
-        return "packed" if can_pack_linear_weights(dtype) else "input-major"
+        return "packed" if can_pack_linear_weights(dtype) else "as loaded"
     if dtype == torch.bfloat16 and cpu_has_avx512_bf16() and not cpu_has_amx_bf16() and can_pack_linear_weights(dtype):
         return "packed"
     return "as loaded"

@@ -1,23 +1,14 @@
 """Compiling an engine/csrc kernel with torch's JIT extension builder, without hanging or rebuilding.
 
-`torch.utils.cpp_extension.load` builds in one folder per extension name, guarded by an empty
-`lock` file (torch/utils/file_baton.py). A build killed midway (Ctrl-C during a first start)
-leaves that file, and every later start waits on it forever, silently. And a folder shared by
-checkouts whose build commands differ (source paths, torch's include paths under each
-checkout's `.venv`, another version of the source) is rebuilt each time another one loads it.
-So `load_extension`:
-- builds in a folder named by a hash of everything its build command holds (source text, flags,
-  torch's include paths, torch and Python versions), with the source copied in under a fixed
-  name, so where the checkout lies does not matter: one build per distinct command, found again
-  by every later start; no two commands take turns rebuilding one folder (`build_dir`). (torch
-  writes its include paths as its package's path as imported: a `.venv` symlink in each of
-  several checkouts means one build per checkout, once.)
-- serialises builders with an flock on `<folder>/builder.lock`, which the kernel releases when
-  its holder dies however it dies, and which names the holder's PID. Whoever holds it knows a
-  torch `lock` file there is a dead build's: it is removed and the build runs again;
-- waits at most `wait_s` for a live builder, saying so in the log when it starts waiting, then
-  raises `BuildBusy` so the caller runs its exact fallback (and says so) instead of hanging;
-- says in the log when it starts a build, so a first start is not minutes of silence.
+torch builds in one folder per extension name, guarded by an empty `lock` file: a build killed
+midway leaves it and every later start waits forever; and a folder shared by checkouts whose build
+commands differ is rebuilt each time another one loads it. So `load_extension`:
+- builds in a folder named by a hash of its whole build command (source, flags, torch's include
+  paths and versions), the source copied in under a fixed name: one build per distinct command;
+- serialises builders with an flock (released by the kernel however its holder dies) that names
+  the holder's PID; its holder removes a dead build's `lock` file and builds again;
+- waits at most `wait_s` for a live builder, then raises `BuildBusy` so the caller runs its exact
+  fallback instead of hanging, and says in the log when it waits and when it builds.
 Every kernel loader goes through `engine.device.build_cpu_extension`, which calls this.
 """
 

@@ -1,12 +1,11 @@
 """Which checkpoints the forward (engine/model.py) runs exactly, read from headers only.
 
-`inspect_model(path)` describes a Hugging Face folder or a .gguf without reading a weight: family,
-quantization, native context, size on disk, and `error`, the `UnsupportedModel` that loading would
-raise (None: it runs). `check_hf_config` and `check_tensor_names` are the two rules loading applies:
-every config field that changes the forward is one the model handles (rope types, activations,
-soft-capping, sliding windows, biases; anything else differing from the family's defaults is
-refused, as are MoE and multipliers), and every tensor in the file has a parameter to go to.
-It does not load models (engine/loading.py, engine/quant.py do) and does not pair drafts.
+`inspect_model(path)` describes a Hugging Face folder or a .gguf without reading a weight, with
+`error`, the `UnsupportedModel` that loading would raise (None: it runs). `check_hf_config` and
+`check_tensor_names` are the rules loading applies: every config field that changes the forward is
+one the model handles (anything else differing from the family's defaults is refused, as are MoE
+and multipliers), and every tensor has a parameter to go to (a GGUF's names: `gguf_tensor_name`).
+Loading is engine/loading.py's.
 """
 
 from __future__ import annotations
@@ -16,11 +15,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.config import EngineError, ModelNotFound, UnsupportedModel
+from engine.config import FAMILY_NAMES, EngineError, ModelNotFound, UnsupportedModel
+from engine.quant import KERNEL_TYPES
 
-# model_type -> the name a reader knows; the families engine/model.py runs
-FAMILY_NAMES = {"llama": "Llama 2/3.x", "mistral": "Mistral", "qwen2": "Qwen2/2.5", "qwen3": "Qwen3 (dense)",
-                "gemma2": "Gemma 2", "gemma3_text": "Gemma 3 (text)", "phi3": "Phi-3/3.5"}
 GEMMAS = ("gemma2", "gemma3_text")
 # llama.cpp's general.architecture -> model_type (Mistral files say "llama")
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
@@ -225,17 +222,14 @@ def fix_gguf_config(hf, reader) -> None:
     own keys and tensors, by llama.cpp's rules (its forward is what the file was made for)."""
     fields = {name: _field(reader, name) for name in reader.fields}
     arch, family = fields["general.architecture"], hf.model_type
-
-    def get(key: str, default=None):
-        value = fields.get(f"{arch}.{key}")
-        return default if value is None else value
-
-    if get("attention.key_length") is not None:  # transformers maps it for Gemma only
-        if get("attention.value_length", get("attention.key_length")) != get("attention.key_length"):
+    keys = {name.removeprefix(f"{arch}."): value for name, value in fields.items()
+            if name.startswith(f"{arch}.") and value is not None}  # the architecture's own keys
+    if "attention.key_length" in keys:  # transformers maps it for Gemma only
+        if keys.get("attention.value_length", keys["attention.key_length"]) != keys["attention.key_length"]:
             raise UnsupportedModel(f"A GGUF of architecture {arch!r}", "its keys and values differ in length")
-        hf.head_dim = get("attention.key_length")
+        hf.head_dim = keys["attention.key_length"]
     if family in ("llama", "mistral", "phi3"):  # transformers names a Mistral only if general.name is "mistral"
-        hf.sliding_window = get("attention.sliding_window") or None  # llama.cpp: no key, no window
+        hf.sliding_window = keys.get("attention.sliding_window") or None  # llama.cpp: no key, no window
     if family in GEMMAS:
         is_27b = hf.num_hidden_layers == GEMMA_27B_LAYERS[family]
         hf.query_pre_attn_scalar = hf.hidden_size // hf.num_attention_heads if is_27b else hf.head_dim
@@ -243,25 +237,30 @@ def fix_gguf_config(hf, reader) -> None:
         if pattern is not None and pattern.types[-1].name == "BOOL":
             hf.layer_types = ["sliding_attention" if swa else "full_attention" for swa in pattern.contents()]
     if family == "gemma2":
-        hf.attn_logit_softcapping = get("attn_logit_softcapping", 50.0)
-        hf.final_logit_softcapping = get("final_logit_softcapping", 30.0)
-    if family == "gemma3_text" and get("rope.freq_base_swa") is not None:
-        hf.rope_parameters["sliding_attention"]["rope_theta"] = get("rope.freq_base_swa")
-    factors = {t.name: t.data.tolist() for t in reader.tensors if t.name.startswith("rope_factors_")}
-    if family == "phi3" and factors:
-        original = get("rope.scaling.original_context_length")
+        hf.attn_logit_softcapping = keys.get("attn_logit_softcapping", 50.0)
+        hf.final_logit_softcapping = keys.get("final_logit_softcapping", 30.0)
+    _fix_gguf_rope(hf, keys, {t.name: t.data.tolist() for t in reader.tensors if t.name.startswith("rope_")})
+
+
+def _fix_gguf_rope(hf, keys: dict, rope_tensors: dict[str, list[float]]) -> None:
+    """The RoPE of a GGUF's keys and tensors: Gemma 3's local base, Phi-3's LongRoPE factors,
+    Llama 3's scaling (stored as per-frequency divisors, `rope_freqs`)."""
+    family = hf.model_type
+    if family == "gemma3_text" and "rope.freq_base_swa" in keys:
+        hf.rope_parameters["sliding_attention"]["rope_theta"] = keys["rope.freq_base_swa"]
+    if family == "phi3" and "rope_factors_long.weight" in rope_tensors:
+        original = keys.get("rope.scaling.original_context_length")
         hf.rope_parameters = {**hf.rope_parameters, "rope_type": "longrope",
-                              "long_factor": factors["rope_factors_long.weight"],
-                              "short_factor": factors["rope_factors_short.weight"],
+                              "long_factor": rope_tensors["rope_factors_long.weight"],
+                              "short_factor": rope_tensors["rope_factors_short.weight"],
                               "original_max_position_embeddings": original}
-        if get("rope.scaling.attn_factor") is not None:
-            hf.rope_parameters["attention_factor"] = get("rope.scaling.attn_factor")
+        if "rope.scaling.attn_factor" in keys:
+            hf.rope_parameters["attention_factor"] = keys["rope.scaling.attn_factor"]
         hf.original_max_position_embeddings = original
-    divisors = next((t.data.tolist() for t in reader.tensors if t.name == "rope_freqs.weight"), None)
-    if family in ("llama", "mistral") and divisors is not None:
-        hf.rope_parameters = _llama3_rope(hf, divisors)
+    if family in ("llama", "mistral") and "rope_freqs.weight" in rope_tensors:
+        hf.rope_parameters = _llama3_rope(hf, rope_tensors["rope_freqs.weight"])
         if hf.rope_parameters is None:
-            raise UnsupportedModel(f"A GGUF of architecture {arch!r}", "its rope_freqs tensor is none of Llama 3's "
+            raise UnsupportedModel("A GGUF of architecture 'llama'", "its rope_freqs tensor is none of Llama 3's "
                                    "RoPE scalings")
 
 
@@ -297,7 +296,6 @@ def check_gguf(path: Path, fields: dict, tensors, family: str) -> tuple[str, ...
     cannot dequantize. Returns the block types that load dequantized (not kept as blocks)."""
     from gguf.quants import _type_traits
 
-    from engine.quant import KERNEL_TYPES, ROPE_FACTOR_TENSORS, gguf_tensor_name
 
     arch, what = str(fields["general.architecture"]), f"The GGUF {path.name} ({family})"
     for key in fields:
@@ -313,3 +311,39 @@ def check_gguf(path: Path, fields: dict, tensors, family: str) -> tuple[str, ...
     if unreadable:
         raise UnsupportedModel(what, f"its block types {', '.join(unreadable)} cannot be dequantized by gguf")
     return tuple(sorted(q.name for q in types if q.name not in plain and int(q) not in KERNEL_TYPES))
+
+
+_LAYER_MODULES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                  "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                  "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                  "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+
+
+# llama.cpp's names where a family's differ: Gemma's four norms a layer, Phi-3's fused linears
+_FAMILY_MODULES = {
+    "gemma": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+              "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+
+
+# RoPE scalings llama.cpp stores as tensors, read into the config (`fix_gguf_config`)
+ROPE_FACTOR_TENSORS = {"phi3": ("rope_factors_long.weight", "rope_factors_short.weight"),  # LongRoPE
+                       "llama": ("rope_freqs.weight",)}  # Llama 3.x
+
+
+def gguf_tensor_name(gguf_name: str, family: str) -> str | None:
+    """Our (Hugging Face) parameter name of a tensor of a GGUF of `family` (a model_type), or None
+    for a tensor the model has no parameter for (`check_gguf` refuses such a file)."""
+    fixed = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
+             "output_norm.weight": "model.norm.weight"}
+    if gguf_name in fixed:
+        return fixed[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) != 4 or parts[0] != "blk":
+        return None
+    _, layer, kind, what = parts
+    modules = _LAYER_MODULES | _FAMILY_MODULES.get("gemma" if family.startswith("gemma") else family, {})
+    has_qk_norm = family in ("qwen3", "gemma3_text")
+    module = modules.get(kind) if has_qk_norm or not kind.endswith(("q_norm", "k_norm")) else None
+    return None if module is None else f"model.layers.{layer}.{module}.{what}"

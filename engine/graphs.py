@@ -1,17 +1,13 @@
 """CUDA graphs for the one-token steps over fixed-capacity caches, off by default (docs/STYLE.md 5).
 
-`StaticDecodeStep` is a one-token forward of a model over a StreamingLLM cache (the model
-drafter's steps) or the retrieval cache (the middle level's single-token chains) whose shapes
-never change: the token, its position and its slot arrive as device tensors, the new K/V are
-written at the slot (`kv.StaticSlots`), and attention runs over the cache's whole capacity with
-a [1, S_max] key mask built from the slot. On CUDA with `use_cuda_graphs`, `CudaGraphStep`
-captures it once and replays it; anywhere else nothing is built and the forwards go through the
-eager `Forward` path as before (the reference). Tests run the static step uncaptured on CPU
-(`force_static_steps`) against that path. Multi-token forwards and the full cache stay eager.
-Each step is captured when it is built (with the level stack, `StaticDecodeStep`), never lazily
-on the thread that answers: a capture synchronises the device and its warm-up runs a forward, so
-every capture in the process holds `CAPTURE_LOCK`. The capture has never run on a GPU; see
-README "Running on GPUs".
+`StaticDecodeStep` is a one-token forward over a StreamingLLM cache (the model drafter's steps) or
+the retrieval cache (the middle level's single-token chains) whose shapes never change: token,
+position and slot arrive as device tensors, the new K/V are written at the slot (`kv.StaticSlots`)
+and attention runs over the whole capacity with a [1, S_max] key mask. On CUDA with
+`use_cuda_graphs`, `CudaGraphStep` captures it once, when the level stack is built (a capture
+synchronises the device: every capture holds `CAPTURE_LOCK`), and replays it; elsewhere the eager
+`Forward` path runs, the reference the tests compare the uncaptured static step with
+(`force_static_steps`). The capture has never run on a GPU; see README "Running on GPUs".
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """CPU weight layouts: how a built model's linear weights are stored for this CPU, applied from
 outside the model as `parallel.shard` is (engine/device.py `linear_layout` picks one per model).
 
-- `input-major`: same tensors, strides (1, out), so BLAS gets a plain x @ W_t;
 - `packed`: `PackedLinear`, oneDNN's blocked layout, prepacked once;
 - `bf16-stored`: `Bf16Linear`, weights that are exact bf16 values stored as bf16 and multiplied
   in float32 by engine/csrc/linear_cpu.cpp (half the bytes, the same products).
@@ -16,6 +15,7 @@ import threading
 import torch
 from torch import nn
 
+from engine.device import cpu_linear_kernel
 from engine.model import Transformer
 
 
@@ -24,25 +24,9 @@ def lay_out_linears(model: Transformer, layout: str) -> None:
     if layout == "packed":
         pack_linear_weights(model)
     elif layout == "bf16-stored":
-        from engine.device import cpu_linear_kernel
-
         store_weights_bf16(model, cpu_linear_kernel())
-    elif layout == "input-major":
-        store_weights_input_major(model)
     else:
         assert layout == "as loaded", f"unknown linear layout {layout!r}"
-
-
-def store_weights_input_major(model: Transformer) -> None:
-    """Store every linear weight input-major: same [out, in] shape, names and values, strides
-    (1, out), so F.linear hands BLAS a plain x @ W_t (engine/device.py says when it pays).
-    A tied embedding moves with the LM head and stays one tensor."""
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            module.weight = nn.Parameter(module.weight.t().contiguous().t(), requires_grad=False)
-    if tied:
-        model.model.embed_tokens.weight = model.lm_head.weight
 
 
 def _replace_linears(model: Transformer, make) -> None:

@@ -1,194 +1,101 @@
-"""Find a model on disk and read its tokenizer, Hugging Face config and weights.
+"""Read a model into our Transformer (engine/model.py), with its tokenizer.
 
-`resolve_model` turns what a user typed (a local folder, a `.gguf` file, a packaged model name,
-a hub id) into one local Hugging Face folder: config.json, *.safetensors, tokenizer files with
-the model's chat template. A GGUF is dequantised by transformers once and cached as safetensors.
-A model already on disk never touches the network. This module does not build our decoder
-(engine/model.py does) and does not assemble the packaged models (engine/models.py does).
+`load_model(source, ...)` is the one entry: a GGUF (a .gguf path or a packaged model) on a CPU
+whose kernel built keeps its quantized linears as the file's blocks (engine/quant.py's modules,
+placed by `load_quantized_model`; tokenizer and config from transformers' GGUF reader, cached
+as a small header folder); every other checkpoint is the safetensors folder engine/models.py
+`resolve_model` gives, built on the meta device and given the loaded tensors. Also here: the
+sampling settings a model was tuned with, and the check that two tokenizers agree. Finding and
+assembling models is engine/models.py's.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
-import os
-import re
-import shutil
-import time
-from collections.abc import Iterator
+import logging
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.nn as nn
 from safetensors import safe_open
 
+from engine import models
 from engine.config import EngineError, ModelConfig, ModelNotFound, TokenizerMismatch
-from engine.families import check_hf_config, check_tensor_names, fix_gguf_config, refuse_unsupported
+from engine.families import (
+    ROPE_FACTOR_TENSORS,
+    check_hf_config,
+    check_tensor_names,
+    fix_gguf_config,
+    gguf_tensor_name,
+    refuse_unsupported,
+)
+from engine.files import cache_root, complete_folder, file_sha256, is_complete
+from engine.model import Transformer, rotary_embedding
+from engine.quant import INTERLEAVED_TYPES, KERNEL_TYPES, QuantEmbedding, QuantLinear, cpu_quant_kernel
 
-COMPLETE_MARKER = ".bookchat-complete"  # written last: a folder without it is half-converted
-HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
-HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
-
-
-def cache_root() -> Path:
-    """`$BOOKCHAT_CACHE`, else ~/.cache/bookchat; wheels, GGUFs and converted models live here."""
-    return Path(os.environ.get("BOOKCHAT_CACHE") or Path.home() / ".cache" / "bookchat")
-
-
-def resolve_model(source: str) -> Path:
-    """A local Hugging Face folder for `source`; raises ModelNotFound with what to do."""
-    from engine import models  # lazy: models.py converts through this module
-
-    path = Path(source).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path)
-    if path.is_dir():
-        return _local_folder(path)
-    if source in models.PACKAGED_MODELS:
-        return models.packaged_model_dir(source, assemble=True)
-    if source.endswith(".gguf") or source.startswith(("/", ".", "~")):
-        raise ModelNotFound(f"No model file or folder at {path}: check the path.")
-    if HUB_ID.match(source):
-        return _hub_snapshot(source)
-    raise ModelNotFound(
-        f"No model {source!r}: give a local Hugging Face folder, a .gguf file, a hub id "
-        f"(org/name) or one of the packaged models: {', '.join(models.PACKAGED_MODELS)}."
-    )
+log = logging.getLogger(__name__)
 
 
-def _local_folder(path: Path) -> Path:
-    if (path / "config.json").is_file():
-        return path
-    ggufs = sorted(path.glob("*.gguf"))
-    if len(ggufs) == 1:
-        return convert_gguf(ggufs[0])
-    raise ModelNotFound(
-        f"{path} is not a Hugging Face model folder (no config.json) and does not hold exactly "
-        f"one .gguf file (found {len(ggufs)}); point at the folder or at the .gguf itself."
-    )
+def load_model(source: str, dtype: torch.dtype, device: torch.device, yarn_factor: float = 1.0,
+               keep_gguf_blocks: bool = True):
+    """(our Transformer with the weights of `source`, its tokenizer), weights on `device`.
 
-
-def _hub_snapshot(repo_id: str) -> Path:
-    from huggingface_hub import is_offline_mode, snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=True))
-    except LocalEntryNotFoundError:
-        pass
-    if is_offline_mode():
-        raise ModelNotFound(
-            f"{repo_id!r} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: download it "
-            f"on a connected machine, or pass a local folder or .gguf file instead."
-        )
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
-    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as error:
-        raise ModelNotFound(
-            f"Could not download {repo_id!r} from the Hugging Face hub ({error.__class__.__name__}"
-            f"): check the id and the network, or pass a local folder or .gguf file instead."
-        ) from error
-
-
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file, streamed (a model file takes a while: check it once, at assembly)."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def is_complete(model_dir: Path) -> bool:
-    return (model_dir / COMPLETE_MARKER).is_file()
-
-
-@contextlib.contextmanager
-def complete_folder(out_dir: Path, marker: dict) -> Iterator[Path]:
-    """Write into a scratch folder beside `out_dir`; on success it is marked complete (`marker`, which
-    the block may add to) and replaces `out_dir`: no half-written folder ever looks whole."""
-    tmp_dir = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    try:
-        yield tmp_dir
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    (tmp_dir / COMPLETE_MARKER).write_text(json.dumps(marker) + "\n")
-    shutil.rmtree(out_dir, ignore_errors=True)  # a stale, unmarked attempt
-    os.replace(tmp_dir, out_dir)
-
-
-def convert_gguf(gguf_path: Path, out_dir: Path | None = None, sha256: str | None = None) -> Path:
-    """Dequantise a GGUF once into a bfloat16 safetensors folder; later calls return the cache.
-
-    The default folder is keyed by the file's full sha256, so an edited file converts again.
-    Pass `sha256` when it is already known (engine/models.py verified it) to skip hashing.
+    A GGUF (a .gguf path or a packaged model) loaded on a CPU in float32 or bfloat16 keeps its
+    quantized linears as the file's blocks (engine/quant.py: they multiply in float32 and return
+    `dtype`) unless `keep_gguf_blocks` is False; otherwise the decoder is built on the meta
+    device (`meta_model`) and takes the loaded tensors as they are (no second copy).
     """
-    gguf_path = Path(gguf_path).resolve()
-    sha256 = sha256 or file_sha256(gguf_path)
-    if out_dir is None:
-        out_dir = cache_root() / "models" / f"{gguf_path.stem}-{sha256[:16]}"
-    if is_complete(out_dir):
-        return out_dir
-    started, marker = time.perf_counter(), {"gguf": str(gguf_path), "sha256": sha256}
-    with complete_folder(out_dir, marker) as tmp_dir:
-        _save_hf_folder(gguf_path, tmp_dir)
-        marker["convert_s"] = round(time.perf_counter() - started, 1)
-    return out_dir
+    gguf = _gguf_to_keep_quantized(source, dtype, device) if keep_gguf_blocks else None
+    if gguf is not None:
+        return load_quantized_model(*gguf, dtype=dtype, yarn_factor=yarn_factor)
+    model_dir = models.resolve_model(source)
+    refuse_unsupported(model_dir)  # from the headers: config, tokenizer, weight files
+    model, hf_config = meta_model(model_dir, yarn_factor)
+    check_tensor_names(f"The model in {model_dir}", set(split_fused(dict.fromkeys(safetensors_names(model_dir)),
+                                                                    model.config)), parameter_names(model))
+    state = {k: v.to(device) for k, v in split_fused(load_state_dict(model_dir, dtype), model.config).items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if model.config.has_tied_embeddings:  # `assign` untied them; a file's own lm_head copy is dropped here
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return finish_model(model, hf_config, device, model_dir), load_tokenizer(model_dir)
 
 
-def _save_hf_folder(gguf_path: Path, out_dir: Path) -> None:
-    from gguf import GGUFReader
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    where, name = gguf_path.parent, gguf_path.name
-    refuse_unsupported(gguf_path)  # before transformers reads (and drops) what it does not know
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)  # a local file: no network
-        config = AutoConfig.from_pretrained(where, gguf_file=name, local_files_only=True)
-        fix_gguf_config(config, GGUFReader(gguf_path))  # what transformers' reader leaves at the defaults
-        check_hf_config(config)
-        model = AutoModelForCausalLM.from_pretrained(
-            where, gguf_file=name, config=config, dtype=torch.bfloat16, local_files_only=True
-        )
-    except (ValueError, KeyError, OSError) as error:
-        raise EngineError(f"transformers could not read {gguf_path} as a GGUF model: {error}") from error
-    # The weights are plain dequantised tensors now; these two stop save_pretrained refusing them.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+def load_tokenizer_of(source: str, dtype: torch.dtype, device: torch.device):
+    """The tokenizer `load_model(source, dtype, device)` returns, without the weights."""
+    gguf = _gguf_to_keep_quantized(source, dtype, device)
+    if gguf is None:
+        return load_tokenizer(models.resolve_model(source))
+    path, sha256 = gguf
+    return load_tokenizer(gguf_header_dir(path, sha256 or file_sha256(path)))
 
 
-def load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-
-
-def generation_defaults(source: str, model_dir: Path) -> tuple[dict, set[int]]:
-    """(SamplingConfig fields, end token ids): the settings the model was tuned to be sampled with,
-    from the folder's generation_config.json, completed for a packaged model by the settings its
-    GGUF dropped (engine/models.py). Without `do_sample` the model decodes greedily, as Hugging
-    Face's `generate` would; no file means greedy and no extra end tokens."""
-    from engine import models
-
-    path = Path(model_dir) / "generation_config.json"
-    config = json.loads(path.read_text()) if path.is_file() else {}
-    packaged = models.PACKAGED_MODELS.get(source)
-    if packaged is not None and packaged.generation:
-        config |= packaged.generation
-    end_ids = config.get("eos_token_id")
-    end_ids = set(end_ids if isinstance(end_ids, list) else [end_ids] if end_ids is not None else [])
-    if not config.get("do_sample"):
-        return {"temperature": 0.0}, end_ids
-    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # the same in SamplingConfig
-    return {name: config[name] for name in names if config.get(name) is not None}, end_ids
+def _gguf_to_keep_quantized(source: str, dtype: torch.dtype, device: torch.device) -> tuple[Path, str | None] | None:
+    """(the .gguf of `source`, its sha256 if known) when engine/quant.py can keep its blocks:
+    float32 or bfloat16 (the `auto` dtype of CPUs with AVX512-BF16 or AMX) on a CPU where its
+    kernel built; None for every other checkpoint, dtype and device."""
+    path = Path(source).expanduser()
+    is_file = path.is_file() and path.suffix == ".gguf"
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not (is_file or source in models.PACKAGED_MODELS) or cpu_quant_kernel() is None:  # built only for a GGUF
+        return None
+    if is_file:
+        return path.resolve(), None
+    model = models.PACKAGED_MODELS[source]
+    return models.assemble_gguf(model, cache_root()), model.sha256
 
 
 def load_hf_config(model_dir: Path):
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
 
 def load_state_dict(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -211,6 +118,20 @@ def safetensors_names(model_dir: Path) -> list[str]:
         with safe_open(shard, framework="pt") as f:
             names.extend(f.keys())
     return names
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / shard for shard in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFound(
+            f"{model_dir} holds no *.safetensors weights; convert the model to safetensors "
+            f"(transformers save_pretrained) or pass its .gguf file."
+        )
+    return files
 
 
 def parameter_names(model) -> set[str]:
@@ -240,18 +161,180 @@ def split_fused(state: dict, cfg: ModelConfig) -> dict:
     return out
 
 
-def _safetensors_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [model_dir / shard for shard in sorted(set(weight_map.values()))]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelNotFound(
-            f"{model_dir} holds no *.safetensors weights; convert the model to safetensors "
-            f"(transformers save_pretrained) or pass its .gguf file."
-        )
-    return files
+def extend_context(hf_config, yarn_factor: float) -> None:
+    """YaRN RoPE scaling by `yarn_factor` over the native context, as Qwen documents for its 2.5
+    models (`rope_scaling: {type: yarn, factor: 4, original_max_position_embeddings: 32768}`);
+    transformers' rotary module computes it."""
+    if yarn_factor == 1:
+        return
+    native = hf_config.max_position_embeddings
+    hf_config.rope_parameters = {**hf_config.rope_parameters, "rope_type": "yarn", "factor": float(yarn_factor),
+                                 "original_max_position_embeddings": native}
+    hf_config.max_position_embeddings = int(native * yarn_factor)
+
+
+def meta_model(folder: Path, yarn_factor: float = 1.0):
+    """(our Transformer for the config in `folder`, on the meta device: no memory, no random
+    initialisation; the caller assigns its weights, then calls `finish_model`), the HF config."""
+    hf_config = load_hf_config(folder)
+    check_hf_config(hf_config)
+    extend_context(hf_config, yarn_factor)
+    with torch.device("meta"):
+        return Transformer(ModelConfig.from_hf(hf_config), hf_config), hf_config
+
+
+def finish_model(model, hf_config, device: torch.device, origin: Path):
+    """The RoPE buffers made for real on `device`; a weight still on meta is one `origin` lacks."""
+    with torch.device(device):
+        model.model.rotary_emb = rotary_embedding(hf_config)
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise EngineError(f"{origin} lacks weights for {', '.join(missing[:5])}")
+    return model.eval()
+
+
+def gguf_header_dir(gguf_path: Path, sha256: str) -> Path:
+    """A small folder read once from the GGUF and cached under the file's sha256: the Hugging Face
+    config and tokenizer (chat template included) by transformers, and `tensors.json`, where
+    each tensor's bytes lie, so later loads map the file without parsing its metadata again."""
+    out_dir = cache_root() / "models" / f"{gguf_path.stem}-{sha256[:16]}-header"
+    if is_complete(out_dir) and (out_dir / "tensors.json").is_file():
+        return out_dir
+    refuse_unsupported(gguf_path)  # before transformers reads (and drops) what it does not know
+    log.warning("reading the tokenizer and config of %s with transformers, once (a minute or so; "
+                "scripts/setup.sh does it ahead); later loads read them from %s", gguf_path.name, out_dir)
+    from gguf import GGUFReader
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        reader = GGUFReader(gguf_path)
+        tensors = [{"name": t.name, "type": int(t.tensor_type), "offset": int(t.data_offset),
+                    "n_bytes": int(t.n_bytes), "shape": list(t.data.shape), "dtype": t.data.dtype.str}
+                   for t in reader.tensors]
+    except Exception as error:  # tokenizers raises a plain Exception for a vocabulary it cannot build
+        raise EngineError(f"transformers could not read {gguf_path} as a GGUF model: {error}") from error
+    fix_gguf_config(config, reader)  # what transformers' reader leaves at the defaults, from the file's keys
+    check_hf_config(config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with complete_folder(out_dir, {"gguf": str(gguf_path), "sha256": sha256}) as tmp_dir:
+        config.save_pretrained(tmp_dir)
+        tokenizer.save_pretrained(tmp_dir)
+        (tmp_dir / "tensors.json").write_text(json.dumps(tensors) + "\n")
+    return out_dir
+
+
+def _hf_name(gguf_name: str, family: str) -> str:
+    name = gguf_tensor_name(gguf_name, family)
+    if name is None:
+        raise EngineError(f"unexpected tensor {gguf_name!r} in a {family} GGUF")
+    return name
+
+
+def _unpermute_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's row order of a Llama q / k projection (its RoPE pairs interleaved), as
+    transformers does; rows move whole, so the blocks of a quantized row are untouched."""
+    half = rows.shape[0] // n_heads // 2
+    return rows.reshape(n_heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def read_gguf_tensors(gguf_path: Path, header: Path, hf_config,
+                      mapped_types: tuple[int, ...] = ()) -> dict[str, tuple[torch.Tensor, int | None]]:
+    """{our name: (tensor, ggml type or None)}: the kernel's types as the file's blocks [rows, row
+    bytes] uint8, copied into memory, or for `mapped_types` left as pages of the file (mapped
+    copy-on-write: the page cache that holds the file anyway, no second copy); everything else
+    dequantized to float32 by gguf (numpy)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    file = np.memmap(gguf_path, dtype=np.uint8, mode="c")
+    family = hf_config.model_type
+    is_llama = family in ("llama", "mistral")  # llama.cpp permutes q / k rows of its "llama" architecture only
+    n_heads = hf_config.num_attention_heads
+    n_kv_heads = getattr(hf_config, "num_key_value_heads", None) or n_heads
+    tensors = {}
+    for t in json.loads((header / "tensors.json").read_text()):
+        if t["name"] in ROPE_FACTOR_TENSORS.get("llama" if is_llama else family, ()):  # read into the config
+            continue
+        name, qtype = _hf_name(t["name"], family), t["type"]
+        data = file[t["offset"]:t["offset"] + t["n_bytes"]].view(np.dtype(t["dtype"])).reshape(t["shape"])
+        keeps_blocks = qtype in KERNEL_TYPES
+        if not keeps_blocks:
+            data = dequantize(data, GGMLQuantizationType(qtype)).astype(np.float32)
+        if is_llama and ".self_attn.q_proj." in name:
+            data = _unpermute_rows(data, n_heads)
+        elif is_llama and ".self_attn.k_proj." in name:
+            data = _unpermute_rows(data, n_kv_heads)
+        elif family.startswith("gemma") and name.endswith("norm.weight"):
+            data = data - 1  # llama.cpp stores Gemma's norms as 1 + w, as its forward multiplies
+        mapped = keeps_blocks and qtype in mapped_types and isinstance(data, np.memmap)
+        tensors[name] = (torch.from_numpy(data if mapped else np.array(data)), qtype if keeps_blocks else None)
+    return tensors
+
+
+def load_quantized_model(gguf_path: Path, sha256: str | None = None, dtype: torch.dtype = torch.float32,
+                         yarn_factor: float = 1.0):
+    """(our Transformer on CPU with the GGUF's linears as `QuantLinear`, tokenizer). `dtype`
+    (float32 or bfloat16) is the model's: of its activations, norms, attention and KV cache; the
+    linears multiply in float32 whatever it is. The LM head returns float32 logits, as wide as
+    its kernel computes them (a bf16 model's would be rounded to 8 bits of mantissa: ties)."""
+    kernel = cpu_quant_kernel()
+    header = gguf_header_dir(gguf_path, sha256 or file_sha256(gguf_path))
+    model, hf_config = meta_model(header, yarn_factor)
+    cfg = model.config
+    # a bf16 model on a CPU with BF16 dot products decodes Q5_0, Q4_K and Q6_K from interleaved copies
+    # made here; their blocks in the file's order (for prefill, int8 drafts) stay pages of the file
+    interleaves = dtype == torch.bfloat16 and kernel.uses_bf16_dots()
+    tensors = split_fused(read_gguf_tensors(gguf_path, header, hf_config, INTERLEAVED_TYPES if interleaves else ()),
+                          cfg)
+    check_tensor_names(f"The GGUF {gguf_path.name}", set(tensors), parameter_names(model))
+    plain = _place_quantized(model, tensors, cfg.dim, kernel)
+    model.load_state_dict({name: t.to(dtype) for name, t in plain.items()}, strict=False, assign=True)
+    for module in model.modules() if interleaves else ():
+        if isinstance(module, QuantLinear):
+            module.interleaved(dtype)
+    if "model.embed_tokens.weight" in plain and not isinstance(model.lm_head, QuantLinear) and cfg.has_tied_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return finish_model(model, hf_config, torch.device("cpu"), gguf_path), load_tokenizer(header)
+
+
+def _place_quantized(model: nn.Module, tensors: dict, dim: int, kernel) -> dict[str, torch.Tensor]:
+    """Set each weight that keeps its blocks into the meta `model` as a `QuantEmbedding` or
+    `QuantLinear` (with its bias); return the other modules' tensors, for `load_state_dict`."""
+    if "lm_head.weight" not in tensors:  # tied: the LM head reads the embedding's blocks
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    quantized = [name.removesuffix(".weight") for name, (_, qtype) in tensors.items()
+                 if qtype is not None and name.endswith(".weight")]
+    for module_name in quantized:
+        blocks, qtype = tensors[f"{module_name}.weight"]
+        if module_name == "model.embed_tokens":
+            model.model.embed_tokens = QuantEmbedding(blocks, qtype, dim, kernel)
+        else:
+            bias = tensors.get(f"{module_name}.bias", (None, None))[0]
+            out_dtype = torch.float32 if module_name == "lm_head" else None
+            model.set_submodule(module_name, QuantLinear(blocks, qtype, model.get_submodule(module_name).in_features,
+                                                        bias, kernel, out_dtype))
+    return {name: t for name, (t, _) in tensors.items() if name.rsplit(".", 1)[0] not in quantized}
+
+
+def generation_defaults(source: str, model_dir: Path) -> tuple[dict, set[int]]:
+    """(SamplingConfig fields, end token ids): the settings the model was tuned to be sampled with,
+    from the folder's generation_config.json, completed for a packaged model by the settings its
+    GGUF dropped (engine/models.py). Without `do_sample` the model decodes greedily, as Hugging
+    Face's `generate` would; no file means greedy and no extra end tokens."""
+    path = Path(model_dir) / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    packaged = models.PACKAGED_MODELS.get(source)
+    if packaged is not None and packaged.generation:
+        config |= packaged.generation
+    end_ids = config.get("eos_token_id")
+    end_ids = set(end_ids if isinstance(end_ids, list) else [end_ids] if end_ids is not None else [])
+    if not config.get("do_sample"):
+        return {"temperature": 0.0}, end_ids
+    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # the same in SamplingConfig
+    return {name: config[name] for name in names if config.get(name) is not None}, end_ids
 
 
 def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
@@ -289,95 +372,3 @@ def _special_tokens(tokenizer) -> set[tuple[str, int]]:
     tokens = set(tokenizer.all_special_tokens)
     tokens |= {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
     return {(token, tokenizer.convert_tokens_to_ids(token)) for token in tokens}
-
-
-def extend_context(hf_config, yarn_factor: float) -> None:
-    """YaRN RoPE scaling by `yarn_factor` over the native context, as Qwen documents for its 2.5
-    models (`rope_scaling: {type: yarn, factor: 4, original_max_position_embeddings: 32768}`);
-    transformers' rotary module computes it."""
-    if yarn_factor == 1:
-        return
-    native = hf_config.max_position_embeddings
-    hf_config.rope_parameters = {**hf_config.rope_parameters, "rope_type": "yarn", "factor": float(yarn_factor),
-                                 "original_max_position_embeddings": native}
-    hf_config.max_position_embeddings = int(native * yarn_factor)
-
-
-def load_tokenizer_of(source: str, dtype: torch.dtype, device: torch.device):
-    """The tokenizer `load_model(source, dtype, device)` returns, without the weights."""
-    gguf = _gguf_to_keep_quantized(source, dtype, device)
-    if gguf is None:
-        return load_tokenizer(resolve_model(source))
-    from engine.quant import gguf_header_dir
-
-    path, sha256 = gguf
-    return load_tokenizer(gguf_header_dir(path, sha256 or file_sha256(path)))
-
-
-def load_model(source: str, dtype: torch.dtype, device: torch.device, yarn_factor: float = 1.0,
-               keep_gguf_blocks: bool = True):
-    """(our Transformer with the weights of `source`, its tokenizer), weights on `device`.
-
-    A GGUF (a .gguf path or a packaged model) loaded on a CPU in float32 or bfloat16 keeps its
-    quantized linears as the file's blocks (engine/quant.py: they multiply in float32 and return
-    `dtype`) unless `keep_gguf_blocks` is False; otherwise the decoder is built on the meta
-    device (`meta_model`) and takes the loaded tensors as they are (no second copy).
-    """
-    gguf = _gguf_to_keep_quantized(source, dtype, device) if keep_gguf_blocks else None
-    if gguf is not None:
-        from engine.quant import load_quantized_model
-
-        return load_quantized_model(*gguf, dtype=dtype, yarn_factor=yarn_factor)
-    model_dir = resolve_model(source)
-    refuse_unsupported(model_dir)  # from the headers: config, tokenizer, weight files
-    model, hf_config = meta_model(model_dir, yarn_factor)
-    check_tensor_names(f"The model in {model_dir}", set(split_fused(dict.fromkeys(safetensors_names(model_dir)),
-                                                                    model.config)), parameter_names(model))
-    state = {k: v.to(device) for k, v in split_fused(load_state_dict(model_dir, dtype), model.config).items()}
-    model.load_state_dict(state, strict=False, assign=True)
-    if model.config.has_tied_embeddings:  # `assign` untied them; a file's own lm_head copy is dropped here
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return finish_model(model, hf_config, device, model_dir), load_tokenizer(model_dir)
-
-
-def meta_model(folder: Path, yarn_factor: float = 1.0):
-    """(our Transformer for the config in `folder`, on the meta device: no memory, no random
-    initialisation; the caller assigns its weights, then calls `finish_model`), the HF config."""
-    from engine.model import Transformer
-
-    hf_config = load_hf_config(folder)
-    check_hf_config(hf_config)
-    extend_context(hf_config, yarn_factor)
-    with torch.device("meta"):
-        return Transformer(ModelConfig.from_hf(hf_config), hf_config), hf_config
-
-
-def finish_model(model, hf_config, device: torch.device, origin: Path):
-    """The RoPE buffers made for real on `device`; a weight still on meta is one `origin` lacks."""
-    from engine.model import rotary_embedding
-
-    with torch.device(device):
-        model.model.rotary_emb = rotary_embedding(hf_config)
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
-    if missing:
-        raise EngineError(f"{origin} lacks weights for {', '.join(missing[:5])}")
-    return model.eval()
-
-
-def _gguf_to_keep_quantized(source: str, dtype: torch.dtype, device: torch.device) -> tuple[Path, str | None] | None:
-    """(the .gguf of `source`, its sha256 if known) when engine/quant.py can keep its blocks:
-    float32 or bfloat16 (the `auto` dtype of CPUs with AVX512-BF16 or AMX) on a CPU where its
-    kernel built; None for every other checkpoint, dtype and device."""
-    from engine import models
-    from engine.quant import cpu_quant_kernel
-
-    path = Path(source).expanduser()
-    is_file = path.is_file() and path.suffix == ".gguf"
-    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
-        return None
-    if not (is_file or source in models.PACKAGED_MODELS) or cpu_quant_kernel() is None:  # built only for a GGUF
-        return None
-    if is_file:
-        return path.resolve(), None
-    model = models.PACKAGED_MODELS[source]
-    return models.assemble_gguf(model, cache_root()), model.sha256

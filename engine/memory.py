@@ -1,14 +1,11 @@
 """Memory planner: the bytes each part of the engine needs on each device, before prefill.
 
 Pure arithmetic over `ModelConfig` shapes (docs/ALGORITHM.md section 8): weights, full KV cache,
-retrieval cache, drafter (weights + StreamingLLM cache) and prefill activations, per GPU rank
-(tensor parallel: layer weights and KV heads split evenly; embeddings, drafter and logits
-replicated) and on the host. When the full cache does not fit on the GPUs, it lives in host
-memory and its first `n_resident_kv_layers` layers also stay on the GPU (`resident_kv_layers`
-asks the planner for that number on this machine). Nothing is allocated here, and only
-`free_memory_bytes` asks a device. Assumes fused attention (flash / memory-efficient SDPA), which
-never materialises [T, S] scores (only the masks SDPA is given), and a full cache allocated once
-at the planned length.
+retrieval cache, drafter and prefill activations, per GPU rank (tensor parallel: layer weights and
+KV heads split; embeddings, drafter and logits replicated) and on the host. When the full cache
+does not fit on the GPUs it lives in host memory with its first `n_resident_kv_layers` layers on
+the GPU (`resident_kv_layers`). Nothing is allocated here; only `free_memory_bytes` asks a device.
+Assumes fused attention (no [T, S] scores materialised) and a full cache allocated once.
 """
 
 from __future__ import annotations

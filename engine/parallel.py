@@ -1,14 +1,11 @@
 """Tensor parallelism over several GPUs (docs/ALGORITHM.md section 8, "Two GPUs"); gloo on CPU in tests.
 
 `shard` turns a loaded Transformer into one rank's part, as gpt-fast's tp.py does: query heads, KV
-heads (GQA-aware: the query heads of a KV head stay with it) and MLP columns split evenly;
-q/k/v/gate/up rows and o_proj/down_proj columns sliced; the partial outputs of attention and the
-MLP (o_proj's and down_proj's) summed by an all-reduce (forward hooks on the blocks); embeddings,
-norms and lm_head whole. The model code does not change. Every rank runs the same session code on
-its shard, in step, and must take the same decisions: rank 0 draws every random outcome and
-broadcasts it (`SharedCoins`: accept or not, which token), as it does the cancel flag (`SharedFlag`)
-and the adaptive draft lengths (`shared`, the tuners' `share`: they depend on timings). Rank 0
-drives (`Leader.call`): a session's changes (`everywhere`) and each batch round of answers
+heads (a KV head keeps its query heads) and MLP columns split evenly; the partial outputs of
+attention and the MLP summed by an all-reduce (forward hooks on the blocks); embeddings, norms and
+lm_head whole. Every rank runs the same session code on its shard, in step, and takes rank 0's
+decisions: its coins (`SharedCoins`), cancel flag (`SharedFlag`) and draft lengths (`shared`).
+Rank 0 drives (`Leader.call`): a session's changes (`everywhere`) and each batch round
 (engine/batch.py) are broadcast, then made on every rank (`follow`). `start` spawns ranks
 1..N-1 or joins torchrun.
 """

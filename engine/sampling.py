@@ -1,19 +1,13 @@
 """Sampling transforms and the acceptance rule of speculative decoding (docs/ALGORITHM.md section 3).
 
-Naming: `q` is the distribution of the level that checks, `r` the distribution of the level that
-proposed. A proposal is a token tree (a chain is a tree with one child per node); each node is
-either stochastic (`r` given: accept with min(1, q/r), on rejection continue with the residual
-norm(max(q - r, 0))) or deterministic (`r` one-hot: accept with q(x), on rejection continue with
-q without x, renormalised: the multi-candidate rule). When no child is accepted, one token is
-drawn from what is left of q; when a leaf is reached, a bonus token is drawn from q.
-Greedy decoding is not a second path: `sampling_probs` turns T = 0 into a one-hot argmax, under
-which this rule accepts exactly while argmax q == x and otherwise emits argmax q.
-`verify` takes its randomness as an input (`Coins`), so it is deterministic given it; tests
-enumerate every coin outcome exactly.
-Penalties (repetition, presence, frequency) depend on the tokens already in the answer: every
-level computes each row's distribution from the same history, the committed answer tokens plus
-the draft path up to that row (`draft_histories`), so a level's q is exactly the distribution
-plain decoding samples from after those tokens. Imports only torch.
+`q` is the distribution of the level that checks, `r` that of the level that proposed. A proposal
+is a token tree; a stochastic node (`r` given) is accepted with min(1, q/r), else the residual
+norm(max(q - r, 0)) continues; a deterministic one (`r` one-hot) with q(x), else q without x,
+renormalised. No child accepted: one token from what is left of q; a leaf reached: a bonus token
+from q. Greedy is not a second path: `sampling_probs` makes T = 0 a one-hot argmax. `verify` takes
+its randomness as an input (`Coins`), so tests enumerate every coin outcome. Penalties use each
+row's own history (`draft_histories`: the answer plus the draft path up to the row), so a level's
+q is exactly plain decoding's distribution after those tokens. Imports only torch.
 """
 
 from __future__ import annotations

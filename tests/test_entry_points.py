@@ -1,4 +1,4 @@
-"""The three entry points, `python app.py`, `python -m api` and `python -m engine generate`, take
+"""The three entry points, `python app.py`, `python -m api` and `python -m tools generate`, take
 the same sampling flags (one per engine.config.SAMPLING_FIELDS field) with the same defaults; the
 app's Settings start at what they set.
 """
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import ANSWER_TOKENS, SAMPLING_FIELDS, SamplingConfig, sampling_from_args
+from engine.config import ANSWER_TOKENS, SAMPLING_FIELDS, SamplingConfig
+from tools.flags import sampling_from_args
 
 ROOT = Path(__file__).resolve().parent.parent
 GIVEN = {"temperature": 0.3, "top_p": 0.9, "top_k": 5, "max_new_tokens": 64, "seed": 3, "min_p": 0.1,
@@ -27,18 +28,18 @@ def app_entry():
 
 def parsers() -> dict:
     from api.__main__ import parse_args as api_args
-    from engine.__main__ import parse_args as engine_args
+    from tools.__main__ import parse_args as engine_args
 
     generate = ["generate", "--file", "b.txt", "--question", "q"]
     return {"app.py": app_entry().parse_args, "python -m api": api_args,
-            "python -m engine generate": lambda argv: engine_args([*generate, *argv])}
+            "python -m tools generate": lambda argv: engine_args([*generate, *argv])}
 
 
 def flags(values: dict) -> list[str]:
     return [part for name, value in values.items() for part in (f"--{name.replace('_', '-')}", str(value))]
 
 
-@pytest.mark.parametrize("entry", ["app.py", "python -m api", "python -m engine generate"])
+@pytest.mark.parametrize("entry", ["app.py", "python -m api", "python -m tools generate"])
 def test_every_entry_point_takes_the_same_sampling_flags_with_the_same_defaults(entry):
     assert set(GIVEN) == set(SAMPLING_FIELDS)  # a new sampling field gets a flag here too
     parse = parsers()[entry]

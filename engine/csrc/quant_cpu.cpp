@@ -775,7 +775,7 @@ void quant_linear(const at::BFloat16* x, int64_t M, int64_t K, const uint8_t* w,
 // depend on the rows beside it.
 // At 2 threads the 1.5B's linears then read their blocks at about the memory's speed (history, 'Measurements that were in code comments'). Q5_0 is
 // here as most of the 0.5B's linears are (without this, widened to float32). The copy costs the
-// blocks' bytes again (the file's are then mapped, not copied: engine/quant.py).
+// blocks' bytes again (the file's are then mapped, not copied: engine/loading.py `read_gguf_tensors`).
 // A group of 16 rows (the last padded with zero rows) and one block column (256 values; Q5_0 32,
 // its layout at Q5016) is 16 blocks' bytes, rearranged:
 //   Q4_K: d [16] and dmin [16] fp16; the 12 scale bytes [12][16]; for c = 0..3 and pairs p = 0..15

@@ -1,19 +1,15 @@
 """The full KV cache offloaded to host memory (docs/ALGORITHM.md section 8, "Offloaded").
 
-Every layer's K and V live in host memory (pinned on CUDA, so copies run asynchronously; where
-the system refuses that much pinned memory, as WSL2 does, pageable memory: the same values,
-copies that wait for the host, `host_memory` says which); the
-first `n_resident_layers` layers also stay on the device and are never copied. During a forward,
-the filled entries (only `length` of them) of the next offloaded layer are copied host->device into
-one half of a double buffer on a side stream while the current layer computes on the other half;
-each call's new entries are written into the device copy and back to the host. On CPU the same
-code runs with device = cpu: separate host and device tensors, and a side stream that copies
-inline, so the tests exercise every copy and count its bytes.
-Storage is token-major, [L, S_max, B, Hkv, D], so a layer's filled prefix is one contiguous block
-(one memcpy; a strided copy would stage through unpinned memory); views are permuted to the
-engine-wide [B, Hkv, S, D]. The host copy is authoritative for every layer: `k`, `v`, `entries`
-and `state` read it, so the retrieval cache and snapshots use this cache as they use FullCache.
-It does not page, quantise, or offload the retrieval cache, the drafter or any weights.
+Every layer's K and V live in host memory (pinned on CUDA so copies run asynchronously; pageable
+where the system refuses that much pinned memory, as WSL2 does: `host_memory` says which); the
+first `n_resident_layers` layers also stay on the device. During a forward the filled entries of
+the next offloaded layer are copied host->device into one half of a double buffer on a side
+stream while the current layer computes on the other half; new entries are written to the device
+copy and back to the host. On CPU the same code runs with separate host and device tensors and a
+side stream that copies inline, so the tests exercise every copy. Storage is token-major,
+[L, S_max, B, Hkv, D], so a layer's filled prefix is one contiguous block (one memcpy); views are
+permuted to [B, Hkv, S, D]. The host copy is authoritative, so the retrieval cache and snapshots
+use this cache as they use FullCache. Nothing else is offloaded.
 """
 
 from __future__ import annotations

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from api.__main__ import parse_args
 
 
@@ -12,10 +10,3 @@ def test_the_api_takes_the_engine_flags_and_its_own():
                        "--no-library", "--max-active", "2", "--max-new-tokens", "64"])
     assert (args.model, args.levels, args.port, args.api_key) == ("smollm2-135m", "plain", 8001, "k")
     assert (args.no_library, args.max_active, args.max_new_tokens, args.host) == (True, 2, 64, "127.0.0.1")
-
-
-def test_engine_serve_says_where_the_api_went(capsys):
-    from engine.__main__ import main
-
-    with pytest.raises(SystemExit, match="python -m api"):
-        main(["serve", "--port", "8000"])

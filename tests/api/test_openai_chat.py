@@ -13,8 +13,8 @@ BOOK = "It is a truth universally acknowledged. " * 60  # 2,400 characters: a do
 @pytest.fixture(scope="module")
 def chat():
     from engine import models
-    from engine.chat import ChatFormat
     from engine.loading import load_tokenizer
+    from tools.chat import ChatFormat
 
     folder = models.packaged_model_dir(MODEL, assemble=False)
     if folder is None:

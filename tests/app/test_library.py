@@ -117,12 +117,11 @@ def test_the_weights_identity_of_a_gguf_read_as_blocks_needs_no_converted_copy(e
     """A first start on a CPU assembles the GGUF only (setup.sh --no-convert): saving a book must
     not convert it after all (4.6 GB for the default pair) just to hash the weights."""
     from app.snapshots import weights_sha256
-    from engine import loading
 
     def no_conversion(source):
         raise AssertionError(f"converted {source} to hash it")
 
-    monkeypatch.setattr(loading, "resolve_model", no_conversion)
+    monkeypatch.setattr(models, "resolve_model", no_conversion)
     assert weights_sha256(engine, tmp_path / "hashes.json") == "gguf:" + models.PACKAGED_MODELS["smollm2-135m"].sha256
 
 

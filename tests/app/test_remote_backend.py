@@ -77,7 +77,8 @@ def opened(app_url, server, tmp_path_factory):
 
 def test_the_app_reads_a_book_once_on_the_server_and_answers_through_it(opened, server):
     from app.tokens import PlainChatFormat
-    from engine.loading import load_tokenizer, resolve_model
+    from engine.loading import load_tokenizer
+    from engine.models import resolve_model
 
     client, loaded, warm = opened
     status = loaded[0]

@@ -46,7 +46,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def chat(engine):
-    from engine.chat import ChatFormat
+    from tools.chat import ChatFormat
 
     return ChatFormat(engine.tokenizer)
 

@@ -41,7 +41,7 @@ def test_quick_skips_cleanly_without_llamacpp(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_quick_reports_ours_beside_llama_bench(tmp_path, monkeypatch):
     if not gguf_path("smollm2-135m").is_file():
-        pytest.skip("smollm2-135m is not assembled: run `python -m engine.models --only smollm2-135m`")
+        pytest.skip("smollm2-135m is not assembled: run `python -m tools.models --only smollm2-135m`")
     bench = tmp_path / "llama" / "bin" / "llama-bench"
     bench.parent.mkdir(parents=True)
     fake_tool(bench, FAKE_BENCH)

@@ -218,7 +218,7 @@ def test_auto_dtype_and_weight_layout_follow_the_cpus_instructions(flags, dtype,
     if "avx512_bf16" not in flags:  # bf16 asked for on a CPU without bf16 dot products
         assert device.linear_layout(cpu, torch.bfloat16) == "as loaded"
     monkeypatch.setattr(device, "can_pack_linear_weights", lambda dtype: False)  # oneDNN cannot
-    assert device.linear_layout(cpu, dtype) == ("input-major" if dtype == torch.float32 else "as loaded")
+    assert device.linear_layout(cpu, dtype) == "as loaded"
 
 
 def test_this_cpus_flags_are_read():
@@ -228,12 +228,12 @@ def test_this_cpus_flags_are_read():
     assert not flags or "fpu" in flags or "sse2" in flags  # x86 /proc/cpuinfo, or nothing elsewhere
 
 
-@pytest.mark.parametrize("layout", ["packed", "input-major", "bf16-stored"])
+@pytest.mark.parametrize("layout", ["packed", "bf16-stored"])
 @pytest.mark.parametrize("levels", ["ngram>retrieval>full", "draft>retrieval>full"])
 def test_float32_on_cpu_lays_weights_out_for_the_cpu_and_stays_lossless(levels, layout, monkeypatch):
     """float32 on CPU takes bf16-stored linears where the weights are bf16 values, else
-    oneDNN-packed ones, else input-major weights (engine/device.py), for the target and the
-    draft; speculation over any of them still gives plain decoding's greedy answer."""
+    oneDNN-packed ones (engine/device.py), for the target and the draft; speculation over
+    either still gives plain decoding's greedy answer."""
     from engine import session as engine_module
     from engine.device import can_pack_linear_weights, cpu_linear_kernel
     from engine.layouts import Bf16Linear, PackedLinear
@@ -249,12 +249,8 @@ def test_float32_on_cpu_lays_weights_out_for_the_cpu_and_stays_lossless(levels, 
         engine = tiny_engine(stack, dtype="float32", bf16_weights=layout == "bf16-stored")
         for model in (engine.target, engine.draft):
             if model is not None:
-                up_proj = model.model.layers[0].mlp.up_proj
-                if layout == "input-major":
-                    assert up_proj.weight.stride() == (1, up_proj.weight.shape[0])
-                else:
-                    kind = PackedLinear if layout == "packed" else Bf16Linear
-                    assert isinstance(up_proj, kind) and isinstance(model.lm_head, kind)
+                kind = PackedLinear if layout == "packed" else Bf16Linear
+                assert isinstance(model.model.layers[0].mlp.up_proj, kind) and isinstance(model.lm_head, kind)
         session = engine.open(doc)
         answers.append([t for e in session.ask(question, SamplingConfig(max_new_tokens=20)) for t in e.tokens])
     assert len(answers[0]) == 20 and answers[1] == answers[0]
@@ -262,7 +258,7 @@ def test_float32_on_cpu_lays_weights_out_for_the_cpu_and_stays_lossless(levels, 
 
 def test_a_bf16_checkpoint_on_cpu_is_stored_bf16_and_others_are_not():
     """The engine picks "bf16-stored" per model: for weights that are bf16 values only."""
-    from engine.device import cpu_linear_kernel
+    from engine.device import can_pack_linear_weights, cpu_linear_kernel
     from engine.layouts import Bf16Linear, PackedLinear
 
     if cpu_linear_kernel() is None:
@@ -271,7 +267,7 @@ def test_a_bf16_checkpoint_on_cpu_is_stored_bf16_and_others_are_not():
     raw = tiny_engine("draft>full", dtype="float32")
     assert isinstance(rounded.target.lm_head, Bf16Linear) and isinstance(rounded.draft.lm_head, Bf16Linear)
     assert not isinstance(raw.target.lm_head, Bf16Linear)
-    assert isinstance(raw.target.lm_head, PackedLinear) or raw.target.lm_head.weight.stride(0) == 1
+    assert isinstance(raw.target.lm_head, PackedLinear) or not can_pack_linear_weights(torch.float32)
     assert rounded.dtype == raw.dtype == torch.float32
 
 
@@ -333,14 +329,14 @@ def test_the_stacks_own_time_per_token_leaves_out_the_callers(monkeypatch):
 
 
 def test_the_threads_flag_means_the_same_in_every_entry_point():
-    """app.py, `python -m engine` and `python -m api` share the engine's flags and `apply_threads`."""
+    """app.py, `python -m tools` and `python -m api` share the engine's flags and `apply_threads`."""
     import argparse
     import importlib.util
     from pathlib import Path
 
     from api.__main__ import parse_args as api_args
-    from engine.__main__ import parse_args as engine_args
-    from engine.config import add_engine_args, apply_threads
+    from tools.__main__ import parse_args as engine_args
+    from tools.flags import add_engine_args, apply_threads
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
@@ -361,11 +357,12 @@ def test_the_threads_flag_means_the_same_in_every_entry_point():
 
 
 def test_the_sampling_flags_are_the_sampling_fields_with_one_default_in_every_entry_point():
-    """`python -m engine generate` and `python -m api` take a flag for each SamplingConfig field a
+    """`python -m tools generate` and `python -m api` take a flag for each SamplingConfig field a
     reader sets, unset (the model's own) but the answer length, whose default is one constant."""
     from api.__main__ import parse_args as api_args
-    from engine.__main__ import parse_args as engine_args
-    from engine.config import ANSWER_TOKENS, SAMPLING_FIELDS, SamplingConfig, sampling_from_args
+    from engine.config import ANSWER_TOKENS, SAMPLING_FIELDS, SamplingConfig
+    from tools.__main__ import parse_args as engine_args
+    from tools.flags import sampling_from_args
 
     assert set(SAMPLING_FIELDS) == {"temperature", "top_p", "top_k", "max_new_tokens", "seed", "min_p",
                                     "repetition_penalty", "presence_penalty", "frequency_penalty"}

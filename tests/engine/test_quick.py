@@ -158,7 +158,7 @@ def gguf_file(name: str) -> Path:
 
     path = gguf_path(name)
     if not path.is_file():
-        pytest.skip(f"{name} is not assembled: run `python -m engine.models --only {name}`")
+        pytest.skip(f"{name} is not assembled: run `python -m tools.models --only {name}`")
     return path
 
 

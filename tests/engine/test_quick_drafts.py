@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.chat import ChatFormat
 from engine.config import EngineConfig, SamplingConfig
 from engine.quant import QuantLinear
 from engine.session import Engine
 from tests.conftest import XDIST, packaged_or_skip
+from tools.chat import ChatFormat
 
 BOOK = Path(__file__).parents[2] / "assets" / "persuasion.txt"
 MODEL = "qwen2.5-coder-0.5b"  # Q4_K / Q6_K / Q5_0 / Q8_0 linears: every one has a quick path

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from engine.attention import cpu_kernel
-from engine.chat import ChatFormat
 from engine.config import LEVEL_STACKS, EngineConfig, RetrievalConfig, SamplingConfig
 from engine.device import pick_dtype
 from engine.quant import is_quantized
 from engine.session import Engine
 from tests.conftest import XDIST, packaged_or_skip
+from tools.chat import ChatFormat
 
 pytestmark = pytest.mark.slow
 BOOK = Path(__file__).parents[2] / "assets" / "persuasion.txt"
@@ -100,7 +100,7 @@ def test_every_stack_equals_plain_decoding_on_real_weights(name, dtype):
 
 
 def test_cli_streams_an_answer_and_prints_level_stats(tmp_path, capsys):
-    from engine.__main__ import main
+    from tools.__main__ import main
 
     load("smollm2-135m")
     book = tmp_path / "book.txt"

@@ -3,7 +3,7 @@ tokenizer and chat template (so prompts, special tokens and page maps are real, 
 a few thousand tokens takes a fraction of a second), the app around it, driven either through
 its handlers with a fake request or through gradio_client against a server started here.
 
-Skips when SmolLM2's tokenizer is not assembled (`python -m engine.models --only smollm2-135m`).
+Skips when SmolLM2's tokenizer is not assembled (`python -m tools.models --only smollm2-135m`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def packaged_dir(name: str) -> Path | None:
 def smol_dir() -> Path:
     folder = packaged_dir("smollm2-135m")
     if folder is None:
-        pytest.skip("smollm2-135m is not assembled: run `python -m engine.models --only smollm2-135m`")
+        pytest.skip("smollm2-135m is not assembled: run `python -m tools.models --only smollm2-135m`")
     return folder
 
 

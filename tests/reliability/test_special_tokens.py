@@ -11,8 +11,8 @@ from collections import Counter
 import pytest
 
 from app.tokens import PlainChatFormat, TokenMap, plain_text
-from engine.chat import ChatFormat
 from tests.reliability.conftest import book_text, packaged_dir
+from tools.chat import ChatFormat
 
 TOKENIZERS = ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
 COMMON = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "</s>", "<s>", "<unk>", "<pad>", "<|eot_id|>",
@@ -25,7 +25,7 @@ def tokenizer(request):
 
     folder = packaged_dir(request.param)
     if folder is None:
-        pytest.skip(f"{request.param} is not assembled: run `python -m engine.models --only {request.param}`")
+        pytest.skip(f"{request.param} is not assembled: run `python -m tools.models --only {request.param}`")
     return AutoTokenizer.from_pretrained(folder)
 
 

@@ -12,9 +12,9 @@ import pytest
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from engine.chat import BOOK_SYSTEM, SEPARATOR, ChatFormat
 from engine.loading import load_tokenizer
 from tests.conftest import packaged_or_skip
+from tools.chat import BOOK_SYSTEM, SEPARATOR, ChatFormat
 
 BOOK_PATH = Path(__file__).resolve().parents[2] / "assets" / "persuasion.txt"  # committed
 BOOK = (

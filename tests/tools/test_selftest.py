@@ -1,4 +1,4 @@
-"""`python -m engine selftest` on CPU: the stand-ins run and pass, the CUDA-only checks say they
+"""`python -m tools selftest` on CPU: the stand-ins run and pass, the CUDA-only checks say they
 were not run, the report is written, and a broken path is reported as a failure (exit code 1)."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import json
 import pytest
 import torch
 
-from engine.__main__ import main
 from engine.kv.offload import OffloadCache
+from tools.__main__ import main
 
 
 def test_selftest_runs_the_stand_ins_on_cpu_and_writes_a_report(tmp_path, capsys):
     """The dry run a CPU can make (`--small`): the stand-ins, and the packaged GGUF's checks and
     speed table where setup assembled the models (issue 54 item 3)."""
-    from engine.selftest import REAL_MODEL_LONG, real_model
+    from tools.selftest import REAL_MODEL_LONG, real_model
 
     out = tmp_path / "report.json"
     assert main(["selftest", "--device", "cpu", "--small", "--out", str(out)]) == 0
@@ -45,7 +45,7 @@ def test_selftest_catches_a_broken_offload_on_the_packaged_gguf(tmp_path, monkey
     """The real model's offload run (many layers, one resident) fails when the streamed layers'
     keys come back changed once a half of the double buffer is reused (the third offloaded layer
     on): the bug a run with one or two offloaded layers never reaches."""
-    from engine.selftest import real_model
+    from tools.selftest import real_model
 
     if real_model() is None:
         pytest.skip("no packaged GGUF assembled")

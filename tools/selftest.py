@@ -1,4 +1,4 @@
-"""`python -m engine selftest`: each GPU path against its reference, on the user's machine.
+"""`python -m tools selftest`: each GPU path against its reference, on the user's machine.
 
 A tiny random Llama (built from a config, nothing downloaded) runs each device-specific path next
 to the exact path it replaces: flash-attn against SDPA over the offloaded cache's views; CUDA-graph
@@ -11,7 +11,7 @@ CUDA's peak, and a short speed table times plain decoding and the default stack 
 Without a GPU the CPU stand-ins run (the same code as the tests: CPU "host" and "device"
 tensors, uncaptured static steps, gloo ranks) and the checks that need CUDA say so; `Sizes`
 shrinks the real model's lengths for a dry run.
-Returns `Check` results; the CLI (engine/__main__.py) prints them and writes them as JSON.
+Returns `Check` results; the CLI (tools/__main__.py) prints them and writes them as JSON.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from engine.config import EngineConfig, ModelConfig, RetrievalConfig, SamplingCo
 from engine.kv.offload import OffloadCache
 from engine.memory import DeviceBudget, free_memory_bytes, plan_memory
 from engine.model import Transformer
+from engine.models import gguf_path
 from engine.session import CHAT_CAPACITY_TOKENS, Engine
 
 N_DOC_TOKENS, N_NEW_TOKENS, VOCAB = 400, 16, 256
@@ -193,12 +194,10 @@ def check_planner(device, dtype, sizes) -> tuple[str, str]:
 
 def real_model(names: tuple[str, ...] = REAL_MODELS) -> str | None:
     """The first of `names` whose packaged GGUF is assembled here, or None (nothing is downloaded)."""
-    from engine.models import gguf_path
-
     return next((name for name in names if gguf_path(name).is_file()), None)
 
 
-NOT_ASSEMBLED = "no packaged GGUF is assembled here (python -m engine.models --only smollm2-135m)"
+NOT_ASSEMBLED = "no packaged GGUF is assembled here (python -m tools.models --only smollm2-135m)"
 
 
 def real_engine(device: torch.device, name: str, **overrides) -> Engine:
