@@ -38,6 +38,19 @@ CHAT_RESERVE_TOKENS = 1024
 Report = Callable[[str, str], None]  # report(stage, detail): "Prefill", "chunk 3 of 9 · 410 tokens/s · ETA 12 s"
 
 
+class ChatFull(EngineError):
+    """A question that no longer fits after the book and the chat so far (re-read passages count:
+    they are part of the conversation). The chat and the book stay as they are."""
+
+    def __init__(self, n_book: int, n_chat: int, n_question: int, max_tokens: int):
+        self.n_book, self.n_chat, self.n_question, self.max_tokens = n_book, n_chat, n_question, max_tokens
+        super().__init__(
+            f"This chat has filled the model's context: the book takes {n_book:,} of its {max_tokens:,} "
+            f"tokens and the chat {n_chat:,}, so a question of {n_question:,} tokens has no room. Start a "
+            f"New chat (the book stays read; this chat is kept in the library), or read a shorter part of "
+            f"the book for longer chats.")
+
+
 @dataclass(frozen=True)
 class Prepared:
     """A tokenised document and whether it fits the context budget."""
@@ -142,6 +155,8 @@ class BookSession:
         s, last = self.session, self.turns[-1] if self.turns else None
         ended = last is not None and last.ids[-1:] == [self.chat.end_of_turn_id]
         q_ids = self.chat.question_ids(question, is_first=last is None, previous_answer_ended=ended)
+        if s.length + len(q_ids) + 1 > self.engine.max_context:
+            raise ChatFull(self.doc_len, s.length - self.doc_len, len(q_ids), self.engine.max_context)
         sources = self.find_sources(q_ids, self.chat.question_ids(NEUTRAL_QUESTION, last is None, ended))
         while reread and sources:  # the passages leave room for the answer, or the last ones go
             reread_ids = self.chat.question_ids(with_passages(question, sources, self.passages_first),

@@ -104,6 +104,19 @@ def test_passages_that_would_leave_no_room_for_the_answer_are_dropped(engine, bo
     assert turn.ids[:turn.answer_start - turn.start] == q_ids
 
 
+def test_a_chat_that_filled_the_context_says_so_and_keeps_the_chat(engine, book, monkeypatch):
+    from app.session import ChatFull
+    from engine.session import Engine
+
+    list(book.ask(QUESTION, GREEDY, reread=True))  # the passages stay in the conversation
+    n_held, turns = book.session.length, list(book.turns)
+    monkeypatch.setattr(Engine, "max_context", property(lambda self: n_held + 5))
+    with pytest.raises(ChatFull, match="New chat") as error:
+        list(book.ask("And which county?", GREEDY, reread=True))
+    assert (error.value.n_book, error.value.n_chat) == (book.doc_len, n_held - book.doc_len)
+    assert book.session.length == n_held and book.turns == turns  # nothing lost, nothing half-asked
+
+
 def test_sources_are_exported_and_come_back_with_the_chat(engine, chat, document, book):
     list(book.ask(QUESTION, GREEDY, reread=True))
     saved = book.to_json()
