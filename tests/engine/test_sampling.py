@@ -225,3 +225,37 @@ def test_each_check_row_counts_the_answer_so_far_and_its_draft_path():
     tree = Draft(torch.tensor([5, 6, 7]), torch.tensor([-1, -1, 1]), None)  # 5 and 6 siblings, 7 after 6
     assert draft_histories([9, 9, 9, 1, 2], tree, sampling) == [[1, 2], [1, 2, 5], [1, 2, 6], [1, 2, 6, 7]]
     assert draft_histories([9, 9, 9, 1, 2], tree, SamplingConfig(temperature=1.0)) == []  # off: nothing to count
+
+
+def dense_sampling_probs(logits, temperature, top_k, top_p, min_p):
+    """The transforms over the whole vocabulary, as sampling_probs computed them before its top-k path."""
+    logits = logits.double() / temperature
+    kth = logits.topk(top_k, dim=-1).values[..., -1:]
+    probs = logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
+    if top_p < 1.0:
+        kept = probs.sort(-1, descending=True).values
+        before = kept.cumsum(-1) - kept  # mass of the tokens more probable than each
+        threshold = kept.masked_fill(before >= top_p, float("inf")).amin(-1, keepdim=True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if min_p > 0:
+        probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(20, 1.0, 0.0), (20, 0.8, 0.0), (5, 0.95, 0.1), (50, 0.5, 0.05)])
+def test_top_k_on_its_candidates_alone_is_the_distribution_over_the_whole_vocabulary(top_k, top_p, min_p):
+    g = torch.Generator().manual_seed(top_k)
+    logits = torch.randn(3, 5000, generator=g) * 3
+    got = sampling_probs(logits, 0.7, top_k=top_k, top_p=top_p, min_p=min_p)
+    want = dense_sampling_probs(logits, 0.7, top_k, top_p, min_p)
+    assert got.dtype == torch.float64 and torch.equal(got > 0, want > 0)
+    assert torch.allclose(got, want, rtol=1e-12, atol=0)
+
+
+def test_a_tie_at_the_top_k_cut_keeps_every_tied_token():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 2.0, 1.0, 2.0]])  # the 3rd largest, 2.0, three times
+    probs = sampling_probs(logits, 1.0, top_k=3)
+    assert (probs > 0).tolist() == [[True, True, True, True, False, True]]
+    assert torch.allclose(probs, dense_sampling_probs(logits, 1.0, 3, 1.0, 0.0), rtol=1e-12, atol=0)
