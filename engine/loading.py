@@ -25,10 +25,10 @@ from engine.config import EngineError, ModelConfig, ModelNotFound, TokenizerMism
 from engine.families import (
     ROPE_FACTOR_TENSORS,
     check_hf_config,
+    check_model,
     check_tensor_names,
     fix_gguf_config,
     gguf_tensor_name,
-    refuse_unsupported,
 )
 from engine.files import cache_root, complete_folder, file_sha256, is_complete
 from engine.model import Transformer, rotary_embedding
@@ -50,7 +50,7 @@ def load_model(source: str, dtype: torch.dtype, device: torch.device, yarn_facto
     if gguf is not None:
         return load_quantized_model(*gguf, dtype=dtype, yarn_factor=yarn_factor)
     model_dir = models.resolve_model(source)
-    refuse_unsupported(model_dir)  # from the headers: config, tokenizer, weight files
+    check_model(model_dir)  # from the headers: config, tokenizer, weight files
     model, hf_config = meta_model(model_dir, yarn_factor)
     check_tensor_names(f"The model in {model_dir}", set(split_fused(dict.fromkeys(safetensors_names(model_dir)),
                                                                     model.config)), parameter_names(model))
@@ -200,7 +200,7 @@ def gguf_header_dir(gguf_path: Path, sha256: str) -> Path:
     out_dir = cache_root() / "models" / f"{gguf_path.stem}-{sha256[:16]}-header"
     if is_complete(out_dir) and (out_dir / "tensors.json").is_file():
         return out_dir
-    refuse_unsupported(gguf_path)  # before transformers reads (and drops) what it does not know
+    check_model(gguf_path)  # before transformers reads (and drops) what it does not know
     log.warning("reading the tokenizer and config of %s with transformers, once (a minute or so; "
                 "scripts/setup.sh does it ahead); later loads read them from %s", gguf_path.name, out_dir)
     from gguf import GGUFReader

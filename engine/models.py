@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineError, ModelNotFound
-from engine.families import check_hf_config, fix_gguf_config, refuse_unsupported
+from engine.families import check_hf_config, check_model, fix_gguf_config
 from engine.files import cache_root, complete_folder, file_sha256, is_complete
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -197,7 +197,7 @@ def _save_hf_folder(gguf_path: Path, out_dir: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     where, name = gguf_path.parent, gguf_path.name
-    refuse_unsupported(gguf_path)  # before transformers reads (and drops) what it does not know
+    check_model(gguf_path)  # before transformers reads (and drops) what it does not know
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)  # a local file: no network
         config = AutoConfig.from_pretrained(where, gguf_file=name, local_files_only=True)
