@@ -23,11 +23,10 @@ from app.sources import NEUTRAL_QUESTION, Quote, QuoteIndex, Source, find_passag
 from app.speeds import duration, time_left
 from app.storage import write_failure
 from app.tokens import TokenMap
-from engine import models
 from engine.config import Cancelled, DocumentTooLong, EmptyPrompt, EngineConfig, EngineError, SamplingConfig
-from engine.files import cache_root
 from engine.session import Engine, Session, Stats
 from tools.chat import ChatFormat
+from tools.models import assemble_missing
 
 if TYPE_CHECKING:
     from app.backend import Backend
@@ -279,10 +278,8 @@ def read_document(path: str, password: str | None, limits: Limits, engine: Engin
 def load_engine(config: EngineConfig, report: Report | None = None, cancel=None) -> Engine:
     """The engine of `config`, assembling its packaged models on first use (a few minutes: the
     steps go to `report`); `cancel` is not checked (loading cannot stop half-way)."""
-    for name in (config.target, config.draft):  # the GGUF; Engine.load converts it if it cannot read its blocks
-        if name in models.PACKAGED_MODELS and not models.gguf_path(name).is_file():
-            models.assemble_gguf(models.PACKAGED_MODELS[name], cache_root(),
-                                 lambda message: report and report("Model", message))
+    # the GGUF; Engine.load converts it if it cannot read its blocks
+    assemble_missing([config.target, config.draft], lambda message: report and report("Model", message))
     return Engine.load(config)
 
 

@@ -5,8 +5,8 @@ whose kernel built keeps its quantized linears as the file's blocks (engine/quan
 placed by `load_quantized_model`; tokenizer and config from transformers' GGUF reader, cached
 as a small header folder); every other checkpoint is the safetensors folder engine/models.py
 `resolve_model` gives, built on the meta device and given the loaded tensors. Also here: the
-sampling settings a model was tuned with, and the check that two tokenizers agree. Finding and
-assembling models is engine/models.py's.
+sampling settings a model was tuned with, and the check that two tokenizers agree. Finding
+models is engine/models.py's.
 """
 
 from __future__ import annotations
@@ -82,8 +82,7 @@ def _gguf_to_keep_quantized(source: str, dtype: torch.dtype, device: torch.devic
         return None
     if is_file:
         return path.resolve(), None
-    model = models.PACKAGED_MODELS[source]
-    return models.assemble_gguf(model, cache_root()), model.sha256
+    return models.packaged_gguf(source), models.PACKAGED_MODELS[source].sha256
 
 
 def load_hf_config(model_dir: Path):
