@@ -20,7 +20,7 @@ from app.documents import Document, Limits, Section, load_document
 from app.library import Library, book_id_of, model_fingerprint
 from app.reading import open_session
 from app.sources import NEUTRAL_QUESTION, Quote, QuoteIndex, Source, find_passages, footer, with_passages
-from app.speeds import duration, time_left
+from app.speeds import attention_share, duration, time_left
 from app.storage import write_failure
 from app.tokens import TokenMap
 from engine.config import Cancelled, DocumentTooLong, EmptyPrompt, EngineConfig, EngineError, SamplingConfig
@@ -305,7 +305,7 @@ def open_book(engine: Engine, chat: ChatFormat, prepared: Prepared, library: Lib
     Raises DocumentTooLong when the document does not fit its budget (the caller offers choices)."""
     if not prepared.fits:
         raise DocumentTooLong(len(prepared.doc_ids), prepared.budget_tokens)
-    chunk, share = engine.prefill_chunk_tokens, engine.target.config.attention_share()  # chunk: larger offloaded
+    chunk, share = engine.prefill_chunk_tokens, attention_share(engine.target.config)  # chunk: larger offloaded
     started, n_before, read_in = time.perf_counter(), 0, None
 
     def progress(done: int, total: int):

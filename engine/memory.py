@@ -72,20 +72,6 @@ class MemoryPlan:
     def is_offloaded(self) -> bool:
         return self.n_resident_kv_layers < self.n_layers
 
-    def describe(self) -> list[str]:
-        where = (f"full KV offloaded, {self.n_resident_kv_layers} of {self.n_layers} layers "
-                 "resident" if self.is_offloaded else "all on chip")
-        return [f"{self.n_tokens:,} tokens: {where}"] + [_describe(d) for d in self.devices]
-
-
-def _describe(d: DevicePlan) -> str:
-    parts = {"weights": d.weights_bytes, "full KV": d.full_kv_bytes,
-             "offload buffers": d.kv_buffer_bytes, "retrieval KV": d.retrieval_kv_bytes,
-             "drafter": d.drafter_weights_bytes + d.drafter_cache_bytes,
-             "activations": d.activation_bytes, "scoring queries": d.query_log_bytes}
-    shown = ", ".join(f"{name} {n / GIB:.2f} GiB" for name, n in parts.items() if n)
-    return f"{d.name}: {shown} = {d.total_bytes / GIB:.2f} of {d.free_bytes / GIB:.2f} GiB free"
-
 
 @dataclass(frozen=True)
 class Workload:

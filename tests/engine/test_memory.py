@@ -171,13 +171,6 @@ def test_self_speculation_counts_only_the_streaming_cache():
     assert plan.devices[0].drafter_cache_bytes == 516 * 512 * KIB
 
 
-def test_describe_lists_each_device_in_gib():
-    lines = plan_memory(llama2_7b(), N_128K, rtx4090s(1)).describe()
-    assert lines[0] == "131,072 tokens: full KV offloaded, 2 of 32 layers resident"
-    assert lines[1].startswith("cuda:0: weights 12.55 GiB, full KV 4.00 GiB")
-    assert lines[2] == "cpu: full KV 64.00 GiB = 64.00 of 128.00 GiB free"
-
-
 def test_free_memory_of_cpu_is_positive():
     assert free_memory_bytes("cpu") > 0
 
