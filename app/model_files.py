@@ -241,14 +241,14 @@ def _safetensors_params(shards: list[Path]) -> tuple[int, str]:
 def _folder_tokenizer(path: Path) -> dict:
     from transformers import AutoTokenizer
 
+    from engine.loading import special_tokens
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as error:
         return {"problem": f"its tokenizer cannot be read ({error.__class__.__name__})"}
-    tokens = set(tokenizer.all_special_tokens)  # as engine/loading.py `check_same_tokenizer` counts them
-    tokens |= {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
-    special = {(token, tokenizer.convert_tokens_to_ids(token)) for token in tokens}
-    return {"vocab_key": vocab_key(tokenizer.get_vocab(), special)}
+    # what engine/loading.py `check_same_tokenizer` compares
+    return {"vocab_key": vocab_key(tokenizer.get_vocab(), special_tokens(tokenizer))}
 
 
 def _replace(info: ModelInfo, **changes) -> ModelInfo:

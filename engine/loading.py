@@ -343,7 +343,7 @@ def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: st
     must be identical; chat templates may differ (the target's builds the prompt).
     """
     target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
-    target_special, draft_special = _special_tokens(target_tok), _special_tokens(draft_tok)
+    target_special, draft_special = special_tokens(target_tok), special_tokens(draft_tok)
     if target_vocab != draft_vocab:
         why = (f"vocabularies differ ({len(target_vocab):,} vs {len(draft_vocab):,} tokens; "
                f"{_first_difference(target_vocab, draft_vocab)})")
@@ -366,7 +366,7 @@ def _first_difference(target_vocab: dict[str, int], draft_vocab: dict[str, int])
     return "same ids, but some tokens map to several ids"
 
 
-def _special_tokens(tokenizer) -> set[tuple[str, int]]:
+def special_tokens(tokenizer) -> set[tuple[str, int]]:
     """(token, id) of every special token: the named ones and the added special ones."""
     tokens = set(tokenizer.all_special_tokens)
     tokens |= {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
