@@ -3,9 +3,9 @@
 `check_model(path)` raises, for a Hugging Face folder or a .gguf, the `UnsupportedModel` loading
 would raise, without reading a weight (what the model picker shows of a file is app/model_files.py's).
 `check_hf_config` and `check_tensor_names` are the rules loading applies: every config field that
-changes the forward is one the model handles (anything else differing from the family's defaults is refused, as are MoE
-and multipliers), and every tensor has a parameter to go to (a GGUF's names: `gguf_tensor_name`).
-Loading is engine/loading.py's.
+changes the forward is one the model handles (anything else differing from the family's defaults
+is refused, as are MoE and multipliers), and every tensor has a parameter to go to (a GGUF's names:
+`gguf_tensor_name`). Loading is engine/loading.py's.
 """
 
 from __future__ import annotations
