@@ -70,9 +70,11 @@ def remote_backend(args: argparse.Namespace):
     from app.remote import RemoteEngine
     from engine.loading import load_tokenizer
     from engine.models import resolve_model
+    from tools.models import assemble_missing
 
     if not args.base_url or args.api:
         sys.exit("--backend openai needs --base-url URL (and serves no --api of its own)")
+    assemble_missing([args.model], lambda message: print(f"  {message}", flush=True))
     return RemoteEngine(args.base_url, args.api_key, load_tokenizer(resolve_model(args.model)), args.remote_model)
 
 

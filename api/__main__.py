@@ -38,10 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     from engine.session import Engine
     from tools.chat import ChatFormat
     from tools.flags import apply_threads, engine_config, sampling_from_args
+    from tools.models import assemble_missing
 
     apply_threads(args)
     try:
-        engine = Engine.load(engine_config(args))
+        config = engine_config(args)
+        assemble_missing([config.target, config.draft], lambda message: print(message, file=sys.stderr))
+        engine = Engine.load(config)
         engine.default_sampling = sampling_from_args(args, engine.default_sampling)
     except (EngineError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)

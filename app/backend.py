@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 from app.library import Library, model_fingerprint
 from app.picker import machine_of
 from app.session import BookSession, Prepared, Report, load_engine, n_read_before, open_book
+from app.speeds import attention_share
 from engine.config import LEVEL_STACKS, Levels, SamplingConfig
 from tools.chat import ChatFormat
 
@@ -79,7 +80,7 @@ class LocalEngine:
     default_sampling = property(lambda self: self.engine.default_sampling)
     where = property(lambda self: f"{self.engine.device.type} {str(self.engine.dtype).split('.')[-1]}")
     fingerprint = property(lambda self: model_fingerprint(self.engine))
-    attention_share = property(lambda self: self.engine.target.config.attention_share())
+    attention_share = property(lambda self: attention_share(self.engine.target.config))
     outline_engine = property(lambda self: self.engine)
 
     def machine(self) -> Machine:

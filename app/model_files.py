@@ -5,7 +5,7 @@ parses its key-values and tensor table; the tensor data stays on disk) or a Hugg
 config.json, safetensors headers and tokenizer files, and returns a `ModelInfo`: family, bytes,
 quantization, native context, and what stops it loading: in the files (cut short, no tokenizer,
 blocks the `gguf` package cannot read) or in the engine's verdict (engine/families.py
-`inspect_model`: a family or a config field it does not run). `blockers(info, machine)` adds what
+`check_model`: a family or a config field it does not run). `blockers(info, machine)` adds what
 this machine says (weights that do not fit). A tokenizer is
 summed up as `vocab_key`: a hash of its vocabulary and special tokens, what
 engine/loading.py `check_same_tokenizer` compares, so two models with equal keys give the same ids.
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.speeds import disk_size
-from engine.config import EngineError
+from engine.config import EngineError, UnsupportedModel
 
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken")
@@ -79,14 +79,16 @@ def inspect_model(path: str | Path) -> ModelInfo:
 
 
 def _engine_verdict(path: Path) -> dict:
-    """A folder's family as the engine names it, and why the engine refuses it ("" it runs)."""
-    from engine.families import inspect_model as engine_inspect
+    """A folder's family as the engine names it, or why the engine refuses it: engine/families.py
+    `check_model`."""
+    from engine.families import check_model
 
     try:
-        found = engine_inspect(path)
+        return {"family": check_model(path)}
+    except UnsupportedModel as refusal:
+        return {"problem": refusal.why}
     except EngineError as error:
         return {"problem": str(error).rstrip(".")}
-    return {"family": found.family, "problem": found.error.why if found.error else ""}
 
 
 # ---- GGUF ---------------------------------------------------------------------------------------
@@ -126,7 +128,6 @@ def _inspect_gguf(path: Path) -> ModelInfo:
 
 def _gguf_verdict(path: Path, reader, fields: dict) -> dict:
     """The engine's family of a GGUF and why it refuses it ("" it runs): engine/families.py's rules."""
-    from engine.config import UnsupportedModel
     from engine.families import check_gguf, gguf_family
 
     arch = str(fields.get("general.architecture", ""))
@@ -240,14 +241,14 @@ def _safetensors_params(shards: list[Path]) -> tuple[int, str]:
 def _folder_tokenizer(path: Path) -> dict:
     from transformers import AutoTokenizer
 
+    from engine.loading import special_tokens
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as error:
         return {"problem": f"its tokenizer cannot be read ({error.__class__.__name__})"}
-    tokens = set(tokenizer.all_special_tokens)  # as engine/loading.py `check_same_tokenizer` counts them
-    tokens |= {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
-    special = {(token, tokenizer.convert_tokens_to_ids(token)) for token in tokens}
-    return {"vocab_key": vocab_key(tokenizer.get_vocab(), special)}
+    # what engine/loading.py `check_same_tokenizer` compares
+    return {"vocab_key": vocab_key(tokenizer.get_vocab(), special_tokens(tokenizer))}
 
 
 def _replace(info: ModelInfo, **changes) -> ModelInfo:

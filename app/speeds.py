@@ -4,7 +4,7 @@ Every prefill the app runs and every plain-decoding probe (the speedup's baselin
 `speeds.json` in the library folder, so the model picker shows speeds measured here, and a book
 about to be prefilled gets a time estimate before it starts (issue 21). A prefill of n tokens
 costs about n + share * n^2 / 2 tokens' worth of linear work (each token attends to those before
-it; `ModelConfig.attention_share` from the model's shapes), so the estimate scales the nearest
+it; `attention_share` from the model's shapes), so the estimate scales the nearest
 measured length by that (tests/app/test_speeds.py checks it against a whole novel's reading,
 where scaling linearly says a quarter of the time). Estimates improve as books of that length are
 read.
@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+
+from engine.config import ModelConfig
 
 KEEP = 8  # measurements kept per model and kind
 
@@ -82,9 +84,17 @@ class Speeds:
             pass
 
 
+def attention_share(cfg: ModelConfig) -> float:
+    """A token's attention multiply-adds per key it reads, over its linears' (lm_head aside): a
+    prefill of n tokens does about n + share * n^2 / 2 tokens' worth of linear work."""
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    linears = cfg.n_layers * cfg.dim * (2 * q + 2 * kv + 3 * cfg.intermediate)
+    return 2 * cfg.n_layers * q / linears
+
+
 def prefill_work(n_tokens: int, attention_share: float) -> float:
     """A prefill of `n_tokens` in tokens' worth of linear work: each token also attends to the ones
-    before it (`ModelConfig.attention_share`)."""
+    before it (`attention_share`)."""
     return n_tokens + attention_share * n_tokens * n_tokens / 2
 
 

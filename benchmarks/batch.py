@@ -34,7 +34,7 @@ from benchmarks.cli import add_common_args
 from benchmarks.longctx import BOOK, machine, timing
 from engine.batch import Batcher
 from engine.config import EngineConfig, SamplingConfig
-from engine.session import Engine, Session
+from engine.session import Engine
 from tools.chat import ChatFormat
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,7 +78,7 @@ def documents(chat: ChatFormat, book_ids: list[int], n_ctx: int, n_docs: int) ->
 
 
 def run_alone(engine, path, levels, q_ids, sampling, stop_ids) -> dict:
-    session = Session.restore(engine, path)
+    session = engine.restore(path)
     session.set_levels(levels)
     events, tokens = [], []
     t0 = time.perf_counter()
@@ -89,7 +89,7 @@ def run_alone(engine, path, levels, q_ids, sampling, stop_ids) -> dict:
 
 
 def run_batched(engine, paths, levels, q_ids, sampling, stop_ids) -> dict:
-    sessions = [Session.restore(engine, p) for p in paths]
+    sessions = [engine.restore(p) for p in paths]
     for s in sessions:
         s.set_levels(levels)
     batcher = Batcher(max_active=len(sessions), background=False)

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from engine.config import LEVEL_STACKS, EngineConfig, Levels, ModelConfig
-from engine.memory import GIB, DeviceBudget, plan_memory, weight_bytes
+from engine.memory import GIB, DeviceBudget, Workload, plan_memory, weight_bytes
 
 RESULTS_PATH = Path(__file__).parent / "results" / "cost_model.json"
 STATED_ERROR = 0.25  # the reproduction must land within 25% of every published number
@@ -228,9 +228,8 @@ def planned_setup(hw: Hardware, target: ModelConfig, n_tokens: int, stack: str,
             for i in range(hw.n_gpus)]
     host = DeviceBudget("cpu", HOST_MEMORY_BYTES, "cpu")
     plan = plan_memory(target, n_tokens, gpus + [host],
-                       draft=stack_draft, retrieval_budget_tokens=budget,
-                       prefill_chunk_tokens=prefill_chunk_tokens,
-                       draft_cache_tokens=STREAMING_CACHE_TOKENS)
+                       Workload(draft=stack_draft, retrieval_budget_tokens=budget,
+                                prefill_chunk_tokens=prefill_chunk_tokens, draft_cache_tokens=STREAMING_CACHE_TOKENS))
     return Setup(hw, target, n_tokens, draft, retrieval_budget_tokens, STREAMING_CACHE_TOKENS,
                  plan.n_resident_kv_layers if plan.is_offloaded else None, rates)
 
@@ -475,9 +474,9 @@ def mission_setup(hw: Hardware, target: ModelConfig, draft: ModelConfig, n_token
     """What the engine's planner keeps resident for this pair (flash-attn prefill, the engine's
     own draft cache and logits rows), as a cost-model `Setup`."""
     gpus = [DeviceBudget(f"cuda:{i}", hw.gpu_memory_bytes - CUDA_CONTEXT_BYTES, "cuda") for i in range(hw.n_gpus)]
-    plan = plan_memory(target, n_tokens, gpus + [DeviceBudget("cpu", HOST_MEMORY_BYTES, "cpu")], draft=draft,
-                       retrieval_budget_tokens=budget, prefill_chunk_tokens=MISSION_CHUNK_TOKENS,
-                       has_tail_masks=False)
+    plan = plan_memory(target, n_tokens, gpus + [DeviceBudget("cpu", HOST_MEMORY_BYTES, "cpu")],
+                       Workload(draft=draft, retrieval_budget_tokens=budget, prefill_chunk_tokens=MISSION_CHUNK_TOKENS,
+                                has_tail_masks=False))
     return Setup(hw, target, n_tokens, draft, budget, STREAMING_CACHE_TOKENS,
                  plan.n_resident_kv_layers if plan.is_offloaded else None, MISSION_RATES)
 

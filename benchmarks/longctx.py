@@ -3,7 +3,7 @@
 One process, one run. The committed sample book (assets/persuasion.txt) is cut to each context
 length and wrapped exactly as the app does (tools/chat.py: `document_ids` + `question_ids`).
 Each context is prefilled ONCE per implementation: ours with `Engine.open` (then `Session.save`,
-and `Session.restore` before every method), Hugging Face with one forward into a DynamicCache
+and `Engine.restore` before every method), Hugging Face with one forward into a DynamicCache
 (deep-copied before every method; restoring and copying happen outside every measurement, after
 a warm-up of both implementations). Every method then answers the same questions with the same
 settings, greedy and sampled. Timing is wall clock around the token stream (a streamer for HF,
@@ -226,7 +226,7 @@ def ours_session(method: str, engine: Engine, state_path: Path) -> Session:
     for model in (engine.target, engine.draft):  # "@sdpa": the same stack on torch's attention
         if model is not None:
             model.set_attention(attend)
-    session = Session.restore(engine, state_path)
+    session = engine.restore(state_path)
     session.set_levels(levels)
     return session
 

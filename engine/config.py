@@ -197,13 +197,6 @@ class ModelConfig:
             if n % n_ranks:
                 raise HeadsNotDivisible(what, n, n_ranks)
 
-    def attention_share(self) -> float:
-        """A token's attention multiply-adds per key it reads, over its linears' (lm_head aside): a
-        prefill of n tokens does about n + share * n^2 / 2 tokens' worth of linear work."""
-        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        linears = self.n_layers * self.dim * (2 * q + 2 * kv + 3 * self.intermediate)
-        return 2 * self.n_layers * q / linears
-
 
 @dataclass(frozen=True)
 class RetrievalConfig:

@@ -1,22 +1,20 @@
 """Which checkpoints the forward (engine/model.py) runs exactly, read from headers only.
 
-`inspect_model(path)` describes a Hugging Face folder or a .gguf without reading a weight, with
-`error`, the `UnsupportedModel` that loading would raise (None: it runs). `check_hf_config` and
-`check_tensor_names` are the rules loading applies: every config field that changes the forward is
-one the model handles (anything else differing from the family's defaults is refused, as are MoE
-and multipliers), and every tensor has a parameter to go to (a GGUF's names: `gguf_tensor_name`).
-Loading is engine/loading.py's.
+`check_model(path)` raises, for a Hugging Face folder or a .gguf, the `UnsupportedModel` loading
+would raise, without reading a weight (what the model picker shows of a file is app/model_files.py's).
+`check_hf_config` and `check_tensor_names` are the rules loading applies: every config field that
+changes the forward is one the model handles (anything else differing from the family's defaults
+is refused, as are MoE and multipliers), and every tensor has a parameter to go to (a GGUF's names:
+`gguf_tensor_name`). Loading is engine/loading.py's.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import FAMILY_NAMES, EngineError, ModelNotFound, UnsupportedModel
-from engine.quant import KERNEL_TYPES
 
 GEMMAS = ("gemma2", "gemma3_text")
 # llama.cpp's general.architecture -> model_type (Mistral files say "llama")
@@ -93,80 +91,37 @@ def check_tensor_names(what: str, file_names: set[str], model_names: set[str]) -
         raise UnsupportedModel(what, f"it lacks the tensors {', '.join(missing[:4])}")
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    """A checkpoint as the model picker lists it, from its header alone."""
-
-    path: Path
-    family: str  # model_type ("qwen3", "gemma3_text") or the file's own architecture name
-    architecture: str  # the HF class ("Qwen3ForCausalLM") or the GGUF's general.architecture
-    quantization: str  # "bfloat16", "Q4_K_M" (the GGUF's file type), ...
-    native_context_tokens: int
-    size_bytes: int  # of the weight files
-    dequantized_types: tuple[str, ...]  # GGUF block types loaded as float32 (4 bytes a weight), not kept
-    error: UnsupportedModel | None  # None: it runs here
-
-    @property
-    def runs(self) -> bool:
-        return self.error is None
-
-
-def inspect_model(path: str | Path) -> ModelInfo:
-    """Describe a Hugging Face folder or a .gguf without reading weights. A checkpoint we cannot
-    run comes back with `error` set (never raised); a path that is no model at all, or a file
-    that cannot be parsed (truncated), raises ModelNotFound / EngineError."""
+def check_model(path: str | Path) -> str:
+    """The family (model_type) of a Hugging Face folder or a .gguf, from its headers alone (no
+    weight is read). Raises the UnsupportedModel loading would raise; ModelNotFound for a path that
+    is no model at all, EngineError for a GGUF that cannot be parsed (truncated)."""
     path = Path(path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return _inspect_gguf(path)
+        return _check_gguf_file(path)
     if path.is_dir() and (path / "config.json").is_file():
-        return _inspect_folder(path)
+        return _check_folder(path)
     raise ModelNotFound(f"{path} is neither a .gguf file nor a Hugging Face folder with a config.json.")
 
 
-def refuse_unsupported(path: str | Path) -> None:
-    """Raise the UnsupportedModel `inspect_model(path)` finds, if any."""
-    error = inspect_model(path).error
-    if error is not None:
-        raise error
-
-
-def _inspect_folder(path: Path) -> ModelInfo:
+def _check_folder(path: Path) -> str:
     from transformers import AutoConfig
 
     try:
         hf = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (ValueError, KeyError, OSError) as error:
-        return _refused(path, json.loads((path / "config.json").read_text()), str(error).split("\n")[0])
-    files = sorted(path.glob("*.safetensors"))
-    error = None
-    try:
-        check_hf_config(hf)
-        if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-            raise UnsupportedModel(f"{path}", "the folder has no tokenizer (tokenizer.json or tokenizer.model)")
-        if not files:
-            raise UnsupportedModel(f"{path}", "the folder has no *.safetensors weights")
-    except UnsupportedModel as refusal:
-        error = refusal
-    dtype = str(getattr(hf, "dtype", None) or "float32").removeprefix("torch.")
-    return ModelInfo(path, hf.model_type, (getattr(hf, "architectures", None) or [hf.model_type])[0], dtype,
-                     _native_context(hf), sum(f.stat().st_size for f in files), (), error)
+    except (ValueError, KeyError, OSError) as error:  # an architecture transformers does not know
+        family = json.loads((path / "config.json").read_text()).get("model_type", "unknown")
+        why = str(error).split("\n")[0]
+        raise UnsupportedModel(f"A {family!r} model", f"transformers cannot read its config ({why})") from error
+    check_hf_config(hf)
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise UnsupportedModel(f"{path}", "the folder has no tokenizer (tokenizer.json or tokenizer.model)")
+    if not any(path.glob("*.safetensors")):
+        raise UnsupportedModel(f"{path}", "the folder has no *.safetensors weights")
+    return hf.model_type
 
 
-def _refused(path: Path, config: dict, why: str) -> ModelInfo:
-    """A folder transformers cannot even configure (an architecture it does not know)."""
-    family = str(config.get("model_type", "unknown"))
-    error = UnsupportedModel(f"A {family!r} model", f"transformers cannot read its config ({why})")
-    return ModelInfo(path, family, (config.get("architectures") or [family])[0], str(config.get("torch_dtype", "?")),
-                     int(config.get("max_position_embeddings") or 0), 0, (), error)
-
-
-def _native_context(hf) -> int:
-    rope = hf.rope_parameters if hf.model_type != "gemma3_text" else {}
-    return int((rope or {}).get("original_max_position_embeddings") or hf.max_position_embeddings)
-
-
-def _inspect_gguf(path: Path) -> ModelInfo:
-    from gguf import GGUFReader, LlamaFileType
+def _check_gguf_file(path: Path) -> str:
+    from gguf import GGUFReader
 
     try:
         reader = GGUFReader(path)
@@ -174,18 +129,9 @@ def _inspect_gguf(path: Path) -> ModelInfo:
         raise EngineError(f"{path} is not a readable GGUF file ({error}): it may be truncated; download it again.") \
             from error
     fields = {name: _field(reader, name) for name in reader.fields}
-    arch = str(fields.get("general.architecture", "unknown"))
-    file_type = fields.get("general.file_type")
-    quantization = LlamaFileType(file_type).name.removeprefix("MOSTLY_") if file_type is not None else "?"
-    types = {t.tensor_type.name for t in reader.tensors}
-    error, dequantized = None, ()
-    try:
-        family = gguf_family(arch, fields)
-        dequantized = check_gguf(path, fields, reader.tensors, family)
-    except UnsupportedModel as refusal:
-        error, family = refusal, arch
-    return ModelInfo(path, family, arch, quantization if quantization != "?" else "/".join(sorted(types)),
-                     int(fields.get(f"{arch}.context_length") or 0), path.stat().st_size, dequantized, error)
+    family = gguf_family(str(fields.get("general.architecture", "unknown")), fields)
+    check_gguf(path, fields, reader.tensors, family)
+    return family
 
 
 def _field(reader, name: str):
@@ -290,12 +236,11 @@ def _llama3_rope(hf, divisors: list[float]) -> dict | None:
     return None
 
 
-def check_gguf(path: Path, fields: dict, tensors, family: str) -> tuple[str, ...]:
+def check_gguf(path: Path, fields: dict, tensors, family: str) -> None:
     """Raise UnsupportedModel for a GGUF the loader would run wrong: a metadata key of its
     architecture that changes the forward, a tensor kind with no parameter, a block type gguf
-    cannot dequantize. Returns the block types that load dequantized (not kept as blocks)."""
+    cannot dequantize."""
     from gguf.quants import _type_traits
-
 
     arch, what = str(fields["general.architecture"]), f"The GGUF {path.name} ({family})"
     for key in fields:
@@ -305,12 +250,10 @@ def check_gguf(path: Path, fields: dict, tensors, family: str) -> tuple[str, ...
         is_rope_factors = t.name in ROPE_FACTOR_TENSORS.get("llama" if family == "mistral" else family, ())
         if gguf_tensor_name(t.name, family) is None and not is_rope_factors:
             raise UnsupportedModel(what, f"its tensor {t.name} would go unused")
-    plain = ("F32", "F16", "BF16")
     types = {t.tensor_type for t in tensors}
-    unreadable = sorted(q.name for q in types if q.name not in plain and q not in _type_traits)
+    unreadable = sorted(q.name for q in types if q.name not in ("F32", "F16", "BF16") and q not in _type_traits)
     if unreadable:
         raise UnsupportedModel(what, f"its block types {', '.join(unreadable)} cannot be dequantized by gguf")
-    return tuple(sorted(q.name for q in types if q.name not in plain and int(q) not in KERNEL_TYPES))
 
 
 _LAYER_MODULES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",

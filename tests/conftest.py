@@ -29,7 +29,7 @@ def packaged_or_skip(name: str):
     """The packaged model's folder; the test skips when it is not assembled (a checkout before setup)."""
     from engine.models import packaged_model_dir
 
-    model_dir = packaged_model_dir(name, assemble=False)
+    model_dir = packaged_model_dir(name, convert=False)
     if model_dir is None:
         pytest.skip(f"{name} is not assembled: run `python -m tools.models --only {name}`")
     return model_dir

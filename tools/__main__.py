@@ -17,6 +17,7 @@ from engine.config import EngineError
 from engine.session import Engine, Stats
 from tools.chat import ChatFormat
 from tools.flags import add_engine_args, add_sampling_args, apply_threads, engine_config, sampling_from_args
+from tools.models import assemble_missing
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -71,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         return selftest(args)
     apply_threads(args)
     try:
-        engine = Engine.load(engine_config(args))
+        config = engine_config(args)
+        assemble_missing([config.target, config.draft], lambda message: print(message, file=sys.stderr))
+        engine = Engine.load(config)
         sampling = sampling_from_args(args, engine.default_sampling)
         chat = ChatFormat(engine.tokenizer, end_ids=engine.end_ids)
         doc_ids = chat.document_ids(Path(args.file).read_text(encoding="utf-8-sig"))[: args.max_doc_tokens]

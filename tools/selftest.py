@@ -30,7 +30,7 @@ from transformers import LlamaConfig
 from engine import attention, graphs, parallel
 from engine.config import EngineConfig, ModelConfig, RetrievalConfig, SamplingConfig
 from engine.kv.offload import OffloadCache
-from engine.memory import DeviceBudget, free_memory_bytes, plan_memory
+from engine.memory import DeviceBudget, Workload, free_memory_bytes, plan_memory
 from engine.model import Transformer
 from engine.models import gguf_path
 from engine.session import CHAT_CAPACITY_TOKENS, Engine
@@ -265,11 +265,10 @@ def planned_vs_peak(device, make_engine: Callable[[], Engine], doc: list[int]) -
     n_tokens = len(doc) + CHAT_CAPACITY_TOKENS  # the capacity Engine.open allocates
     budget = [DeviceBudget(str(device), free_memory_bytes(device) + weights, "cuda")]
     draft = engine.draft.config if engine.draft is not None else None
-    planned = plan_memory(engine.target.config, n_tokens, budget, engine.dtype.itemsize, draft=draft,
-                          retrieval_budget_tokens=engine.config.retrieval.budget_tokens,
-                          retrieval=engine.config.retrieval, prefill_chunk_tokens=engine.prefill_chunk_tokens,
-                          has_tail_masks=engine.attend is not attention.flash_attention,
-                          n_logit_rows=engine.config.gamma_limit + 1).devices[0].total_bytes
+    work = Workload(engine.dtype.itemsize, draft, engine.config.retrieval.budget_tokens, engine.config.retrieval,
+                    engine.prefill_chunk_tokens, has_tail_masks=engine.attend is not attention.flash_attention,
+                    n_logit_rows=engine.config.gamma_limit + 1)
+    planned = plan_memory(engine.target.config, n_tokens, budget, work).devices[0].total_bytes
     ok = measured <= planned
     return ("pass" if ok else "fail"), (f"peak {measured / 2**20:.1f} MiB measured, {planned / 2**20:.1f} MiB "
                                         "planned (weights + caches + activations)")

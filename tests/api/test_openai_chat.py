@@ -16,7 +16,7 @@ def chat():
     from engine.loading import load_tokenizer
     from tools.chat import ChatFormat
 
-    folder = models.packaged_model_dir(MODEL, assemble=False)
+    folder = models.packaged_model_dir(MODEL, convert=False)
     if folder is None:
         pytest.skip(f"{MODEL} is not assembled")
     return ChatFormat(load_tokenizer(folder))

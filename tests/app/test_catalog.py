@@ -60,7 +60,7 @@ def test_environment_variables_move_the_hugging_face_cache_and_ollama(home, tmp_
 
 
 def test_an_ollama_blob_loads_through_a_gguf_name_that_the_engine_accepts_and_that_goes_with_it(home, tmp_path):
-    from engine.families import inspect_model as engine_inspect
+    from engine.families import check_model
 
     blob = ollama_model(home / ".ollama" / "models", "tiny", "latest", write_gguf(tmp_path / "z.gguf"))
     catalog = Catalog(home=home, env={})
@@ -69,7 +69,7 @@ def test_an_ollama_blob_loads_through_a_gguf_name_that_the_engine_accepts_and_th
     link = Path(catalog.loadable(found.source))
     assert link.suffix == ".gguf" and link.parent == tmp_path / "bookchat-cache" / "links"
     assert link.resolve() == link and link.samefile(blob)  # a hard link: the engine's resolve() keeps the name
-    assert engine_inspect(link).runs  # the engine's own check of the file it would load
+    assert check_model(link) == "llama"  # the engine's own check of the file it would load
     assert catalog.loadable(found.source) == str(link)  # made once
     blob.unlink()  # its blob gone: the link goes at the next search, and the bytes with it
     assert rows(Catalog(home=home, env={}))["tiny:latest"]["runs here"] == "no: its file is missing"

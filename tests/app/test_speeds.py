@@ -1,6 +1,6 @@
 """app/speeds.py: the prefill estimate a reader sees before a book is read."""
 
-from app.speeds import Speeds
+from app.speeds import Speeds, attention_share
 from engine.config import ModelConfig
 
 # Qwen2.5-Coder-1.5B's shapes
@@ -11,7 +11,7 @@ QWEN_1_5B = ModelConfig(n_layers=28, dim=1536, n_heads=12, n_kv_heads=2, head_di
 
 def test_the_attention_share_counts_multiply_adds_from_the_shapes():
     linears_per_layer = 1536 * (2 * 1536 + 2 * 256 + 3 * 8960)  # q, o; k, v; gate, up, down
-    assert QWEN_1_5B.attention_share() == 2 * 12 * 128 / linears_per_layer  # about 6.6e-5
+    assert attention_share(QWEN_1_5B) == 2 * 12 * 128 / linears_per_layer  # about 6.6e-5
 
 
 def test_a_long_book_is_estimated_from_a_short_one_as_it_was_measured():
@@ -20,7 +20,7 @@ def test_a_long_book_is_estimated_from_a_short_one_as_it_was_measured():
     the estimate is within 10% of both; linear scaling said 310 s and 1,085 s."""
     speeds = Speeds(None)
     speeds.record_prefill("qwen2.5-coder-1.5b", 8192, 79.5)
-    share = QWEN_1_5B.attention_share()
+    share = attention_share(QWEN_1_5B)
     for n_tokens, measured_s in ((32000, 526.0), (111831, 3937.0)):
         assert abs(speeds.prefill_s("qwen2.5-coder-1.5b", n_tokens, share) / measured_s - 1) < 0.1
     assert speeds.prefill_s("qwen2.5-coder-1.5b", 111831) < 0.3 * 3937.0  # linear: far too short
@@ -41,7 +41,7 @@ def test_the_time_left_is_timed_in_work_not_tokens():
     8K-only estimate above), not the 18 a tokens/s rate would say."""
     from app.speeds import time_left
 
-    share = QWEN_1_5B.attention_share()
+    share = attention_share(QWEN_1_5B)
     left = time_left(79.5, 8192, 111831, share)
     assert abs((79.5 + left) / 3937.0 - 1) < 0.1
     assert time_left(79.5, 8192, 111831, 0.0) == 79.5 * (111831 - 8192) / 8192
@@ -56,7 +56,7 @@ def test_a_reading_taken_up_again_is_timed_from_where_it_went_on_and_estimated_a
     from app.speeds import prefill_work, time_left
     from app.ui import App
 
-    share = QWEN_1_5B.attention_share()
+    share = attention_share(QWEN_1_5B)
     per_work = 3937.0 / prefill_work(111831, share)  # one 112K reading's rate
     elapsed = per_work * (prefill_work(64000, share) - prefill_work(56000, share))  # 56K -> 64K
     want = per_work * (prefill_work(111831, share) - prefill_work(64000, share))

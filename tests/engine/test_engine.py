@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from engine.config import Cancelled, DocumentTooLong, EmptyPrompt, EngineConfig, SamplingConfig
-from engine.session import Session
 from tests.conftest import tiny_engine
 from tests.engine.test_speculative import random_ids
 
@@ -98,7 +97,7 @@ def test_snapshot_restores_a_session_that_answers_the_same(tmp_path):
     session = engine.open(doc)
     session.save(tmp_path / "snap.pt", meta={"doc": "x"})
     want = answer(session, q)
-    restored = Session.restore(engine, tmp_path / "snap.pt")
+    restored = engine.restore(tmp_path / "snap.pt")
     assert answer(restored, q) == want and engine.n_prefills == 1
 
 
@@ -120,7 +119,7 @@ def test_a_reading_stopped_saved_and_taken_up_again_equals_one_read(tmp_path, dt
         part.read(doc[14:70], on_progress=lambda done, total: done >= 14 and cancel.set(), cancel=cancel)
     assert part.tokens == doc[:28] and part.full.length == 28
     part.save(tmp_path / "partial.pt")
-    again = Session.restore(engine, tmp_path / "partial.pt", n_total=90)  # allocated for all 90 at once
+    again = engine.restore(tmp_path / "partial.pt", n_total=90)  # allocated for all 90 at once
     capacity = again.full.capacity
     again.read(doc[28:])
     assert again.full.capacity == capacity == whole.full.capacity  # no growth: on a GPU, no second copy

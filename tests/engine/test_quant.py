@@ -349,7 +349,7 @@ def test_a_packaged_gguf_keeps_its_blocks_in_bf16_and_with_yarn():
     assert rope.rope_type == "yarn" and not torch.equal(rope.inv_freq, native.model.rotary_emb.inv_freq)
     assert model.model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
     assert isinstance(model.lm_head, QuantLinear) and model.lm_head.out_dtype == torch.float32  # logits
-    if packaged_model_dir(name, assemble=False) is not None:
+    if packaged_model_dir(name, convert=False) is not None:
         plain, _ = load_model(name, torch.bfloat16, torch.device("cpu"), keep_gguf_blocks=False)
         assert not is_quantized(plain)
 

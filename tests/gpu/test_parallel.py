@@ -30,7 +30,7 @@ from engine.config import (
 from engine.kv.full import FullCache
 from engine.kv.offload import OffloadCache
 from engine.model import run
-from engine.session import Engine, Session
+from engine.session import Engine
 from tests.conftest import ours, tiny_hf
 from tests.engine.test_loading import word_tokenizer
 from tests.engine.test_speculative import random_ids
@@ -191,8 +191,7 @@ def test_engine_load_with_two_gpus_starts_the_workers_itself(tmp_path):
             answers.append([t for e in session.ask(random_ids(4, 128, 6), sampling) for t in e.tokens])
             assert isinstance(session.full, OffloadCache) and session.full.n_resident_layers == 0  # CPU
             session.save(tmp_path / f"snapshot{n_gpus}.pt")  # a prefill snapshot, restored on every rank
-            restored = (engine.restore if n_gpus > 1 else functools.partial(Session.restore, engine))(
-                tmp_path / f"snapshot{n_gpus}.pt")
+            restored = engine.restore(tmp_path / f"snapshot{n_gpus}.pt")
             answers.append([t for e in restored.ask(random_ids(3, 128, 7), sampling) for t in e.tokens])
         finally:
             if n_gpus > 1:

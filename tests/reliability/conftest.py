@@ -32,7 +32,7 @@ CONTEXT_TOKENS = 4096  # the tiny model's context: the app's document budget is 
 def packaged_dir(name: str) -> Path | None:
     from engine import models
 
-    return models.packaged_model_dir(name, assemble=False)
+    return models.packaged_model_dir(name, convert=False)
 
 
 @pytest.fixture(scope="session")
