@@ -68,28 +68,16 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top
 
     Order as in Hugging Face: temperature, then top-k, then top-p (nucleus, keeping at least one),
     then min-p (tokens at least min_p x the most likely one's probability). Ties at a cut are kept
-    together, so the result does not depend on how a sort orders them. With top-k and no tie at
-    its cut, the rest runs on the k candidates alone (the same distribution: every other token
-    has probability 0), so a step costs one pass over the vocabulary instead of a dozen.
+    together, so the result does not depend on how a sort orders them.
     """
     if temperature == 0:
         hot = torch.zeros(logits.shape, dtype=torch.promote_types(logits.dtype, torch.float64),
                           device=logits.device)
         return hot.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    if 0 < top_k < logits.shape[-1]:
-        values, ids = logits.topk(top_k, dim=-1)  # temperature and float64 keep this order
-        if bool(((logits >= values[..., -1:]).sum(-1) == top_k).all()):  # no tie at the cut
-            probs = _softmax_top_p_min_p(values.double() / temperature, top_p, min_p)
-            out = torch.zeros(logits.shape, dtype=probs.dtype, device=logits.device)
-            return out.scatter_(-1, ids, probs)
     logits = logits.double() / temperature
     if 0 < top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    return _softmax_top_p_min_p(logits, top_p, min_p)
-
-
-def _softmax_top_p_min_p(logits: torch.Tensor, top_p: float, min_p: float) -> torch.Tensor:
     probs = logits.softmax(-1)
     if top_p < 1.0:
         probs = probs.masked_fill(probs < nucleus_threshold(probs, top_p), 0.0)

@@ -228,7 +228,7 @@ def test_each_check_row_counts_the_answer_so_far_and_its_draft_path():
 
 
 def dense_sampling_probs(logits, temperature, top_k, top_p, min_p):
-    """The transforms over the whole vocabulary, as sampling_probs computed them before its top-k path."""
+    """The transforms with a full sort for top-p (sampling_probs sorts only the top tokens)."""
     logits = logits.double() / temperature
     kth = logits.topk(top_k, dim=-1).values[..., -1:]
     probs = logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
@@ -245,7 +245,7 @@ def dense_sampling_probs(logits, temperature, top_k, top_p, min_p):
 
 
 @pytest.mark.parametrize("top_k,top_p,min_p", [(20, 1.0, 0.0), (20, 0.8, 0.0), (5, 0.95, 0.1), (50, 0.5, 0.05)])
-def test_top_k_on_its_candidates_alone_is_the_distribution_over_the_whole_vocabulary(top_k, top_p, min_p):
+def test_the_partial_sort_of_top_p_gives_the_full_sort_s_distribution(top_k, top_p, min_p):
     g = torch.Generator().manual_seed(top_k)
     logits = torch.randn(3, 5000, generator=g) * 3
     got = sampling_probs(logits, 0.7, top_k=top_k, top_p=top_p, min_p=min_p)

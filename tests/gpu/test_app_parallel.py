@@ -13,8 +13,8 @@ from engine import parallel
 from engine.config import EngineConfig, RetrievalConfig
 from engine.session import Engine
 from tests.conftest import tiny_hf
-from tests.engine.test_chat import TINY
 from tests.reliability.conftest import last, make_app, request, run, write_book
+from tests.tools.test_chat import TINY
 
 LEVELS = "ngram>retrieval>full"
 
