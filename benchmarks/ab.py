@@ -38,7 +38,10 @@ def child(args) -> None:
     from benchmarks.peers import QUESTION, answer
     from engine.config import EngineConfig
     from engine.session import Engine
-    from tools.chat import ChatFormat
+    try:
+        from tools.chat import ChatFormat
+    except ImportError:  # a checkout from before the chat prompts moved out of engine/ (issue 57)
+        from engine.chat import ChatFormat
 
     torch.set_num_threads(args.threads)
     engine = Engine.load(EngineConfig(target=args.model))
