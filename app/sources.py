@@ -122,7 +122,8 @@ def with_passages(question: str, sources: list[Source], first: bool = False) -> 
 
 
 # ---- quotes: the spans an answer puts in quotation marks, looked up in the book --------------
-_QUOTE = re.compile(r'"([^"\n]{3,}?)"|“([^”\n]{3,}?)”')
+# a quote may wrap onto the next line (a small model breaks lines mid-answer), never over a blank one
+_QUOTE = re.compile(r'"((?:[^"\n]|\n(?!\s*\n)){3,}?)"|“((?:[^”\n]|\n(?!\s*\n)){3,}?)”')
 _SAME = str.maketrans({"“": '"', "”": '"', "„": '"', "‘": "'", "’": "'", "‚": "'", "\u00a0": " "})
 MIN_QUOTE_CHARS = 4  # "a" or "it" in quotes is not a quotation of the book
 

@@ -117,6 +117,17 @@ def test_quotes_are_found_with_typographic_quotes_and_white_space_normalised():
     assert index.check("No quotes here.") == []
 
 
+def test_a_quote_the_answer_wrapped_onto_the_next_line_is_still_checked():
+    """SmolLM2 answered 'the "Lady Russell's\nDaughter."' (seen in the browser test): the quote
+    went unchecked. A blank line still ends a quote: two separate paragraphs are not one."""
+    doc = book("Chapter 1", "Vanity was the beginning and the end of Sir Walter Elliot's character.")
+    wrapped, = QuoteIndex(doc).check('He said "Vanity was the beginning\nand the end" of it.')
+    assert wrapped.is_found and wrapped.text == "Vanity was the beginning\nand the end"
+    missing, = QuoteIndex(doc).check('It is the "Lady Russell\'s\nDaughter."')
+    assert not missing.is_found and missing.label == "not in the book"
+    assert QuoteIndex(doc).check('An open "quote.\n\nA new paragraph" here.') == []
+
+
 def test_footer_names_sources_and_quotes():
     index = QuoteIndex(book("Chapter 1", "She walked to Bath."))
     text = footer([Source("Chapter 1", "She walked to Bath.", 0, 10, 0.42)], index.check('"walked to Bath" and "flew"'))
