@@ -154,8 +154,10 @@ class BookSession:
         s, last = self.session, self.turns[-1] if self.turns else None
         ended = last is not None and last.ids[-1:] == [self.chat.end_of_turn_id]
         q_ids = self.chat.question_ids(question, is_first=last is None, previous_answer_ended=ended)
-        if s.length + len(q_ids) + 1 > self.engine.max_context:
-            raise ChatFull(self.doc_len, s.length - self.doc_len, len(q_ids), self.engine.max_context)
+        try:  # the engine's own rule for room, said as what a reader can do about it
+            self.engine.check_ids(q_ids, "question", s.length)
+        except DocumentTooLong:
+            raise ChatFull(self.doc_len, s.length - self.doc_len, len(q_ids), self.engine.max_context) from None
         sources = self.find_sources(q_ids, self.chat.question_ids(NEUTRAL_QUESTION, last is None, ended))
         while reread and sources:  # the passages leave room for the answer, or the last ones go
             reread_ids = self.chat.question_ids(with_passages(question, sources, self.passages_first),

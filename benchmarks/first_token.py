@@ -23,11 +23,9 @@ from pathlib import Path
 import psutil
 import torch
 
-from app.documents import Document
-from app.session import BookSession, Prepared
-from app.tokens import TokenMap
+from app.session import BookSession
 from benchmarks.cli import add_common_args
-from benchmarks.quality import BOOK, NEEDLES, PROMPTS, context, open_book, questions
+from benchmarks.quality import BOOK, NEEDLES, PROMPTS, book_session, context, open_book, questions
 from engine.config import EngineConfig, SamplingConfig
 from engine.session import Engine
 from tools.chat import ChatFormat
@@ -61,9 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
     book_ids = engine.tokenizer(BOOK.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
     doc_ids, text = context(chat, book_ids, args.context, keys)
     session = open_book(engine, args.model, doc_ids, args.snapshots)
-    book = BookSession(engine, chat, Prepared(Document("Persuasion", text, "txt"), doc_ids,
-                                              TokenMap(engine.tokenizer, text, len(doc_ids)), engine.max_context),
-                       session, "benchmark")
+    book = book_session(engine, chat, text, doc_ids, session)
     book.passages_first = args.passages_first
     asked = [q for kind, q, _ in questions(text, keys) if kind in ("fact", "held-out")][:args.questions]
     first_token_s(book, asked[0], False)  # warm-up: the neutral question's scoring is cached per book

@@ -194,6 +194,13 @@ def open_book(engine: Engine, name: str, doc_ids: list[int], snapshots: Path | N
     return session
 
 
+def book_session(engine: Engine, chat: ChatFormat, text: str, doc_ids: list[int], session) -> BookSession:
+    """The prefilled book as the app holds it, so questions are asked as the app asks them."""
+    prepared = Prepared(Document("Persuasion", text, "txt"), doc_ids, TokenMap(engine.tokenizer, text, len(doc_ids)),
+                        engine.max_context)
+    return BookSession(engine, chat, prepared, session, "benchmark")
+
+
 def answer(book: BookSession, question: str, sampling: SamplingConfig, reread: bool) -> tuple[str, dict]:
     """One question asked as the app asks it (sources found first; quoted after it with `reread`),
     then the chat cleared, so the next question sees the book alone again."""
@@ -228,9 +235,7 @@ def run_model(args, name: str, report: dict, save) -> None:
             t0 = time.perf_counter()
             session = open_book(engine, name, doc_ids, args.snapshots)
             prefill_s = time.perf_counter() - t0
-            document = Document("Persuasion", text, "txt")
-            book = BookSession(engine, chat, Prepared(document, doc_ids, TokenMap(engine.tokenizer, text, len(doc_ids)),
-                                                      engine.max_context), session, "benchmark")
+            book = book_session(engine, chat, text, doc_ids, session)
             for prompt_name in [p for p in args.prompts if PROMPTS[p].system == system]:
                 for setting in args.settings:
                     rows = ask_all(args, engine, book, questions(text, keys), setting, prompt_name, text)
