@@ -45,7 +45,7 @@ from benchmarks.cli import add_common_args
 from benchmarks.hardware import RssSampler, measure_hardware, read_gb_s, token_floor
 from engine.attention import pick_attention, sdpa_attention
 from engine.config import EngineConfig, SamplingConfig
-from engine.device import cpu_has_amx_bf16, cpu_has_avx512_bf16, pick_dtype
+from engine.device import cpu_flags, pick_dtype
 from engine.models import resolve_model
 from engine.session import Engine, Session
 from tools.chat import ChatFormat
@@ -270,7 +270,7 @@ def level_breakdown(stats, result: dict) -> list[dict]:
 def machine() -> dict:
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
-    return {"cpu": cpu, "amx_bf16": cpu_has_amx_bf16(), "avx512_bf16": cpu_has_avx512_bf16(),
+    return {"cpu": cpu, "amx_bf16": "amx_bf16" in cpu_flags(), "avx512_bf16": "avx512_bf16" in cpu_flags(),
             "n_cores": psutil.cpu_count(),
             "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "python": platform.python_version(),
             "torch": torch.__version__, "transformers": __import__("transformers").__version__,

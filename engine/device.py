@@ -1,6 +1,5 @@
-"""The few device decisions outside the kernels: which device and dtype, and how to time.
-
-Nothing else in the engine names "cuda" or synchronises (docs/STYLE.md section 5).
+"""The few device decisions outside the kernels: which device and dtype, how a CPU stores linear
+weights, and how to time. Nothing else in the engine names "cuda" or synchronises (docs/STYLE.md 5).
 """
 
 from __future__ import annotations
@@ -38,22 +37,10 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def cpu_has_amx_bf16() -> bool:
-    return "amx_bf16" in cpu_flags()
-
-
-def cpu_has_avx512_bf16() -> bool:
-    """bf16 dot products in AVX-512 (Zen 4, Cooper Lake and later): oneDNN's packed bf16
-    linears run on them, at a higher rate than float32's on half its bytes."""
-    return "avx512_bf16" in cpu_flags()
-
-
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto": bfloat16 on CUDA GPUs that compute in it (Ampere, sm80, and later; float16 on older
-    ones: T4, V100, which only emulate bf16) and on CPUs with AMX-BF16 or AVX512-BF16, else
-    float32. Without them torch's bf16 matmuls of more than one row are many times slower than
-    float32's; with them packed bf16 linears beat packed float32 ones (benchmarks/history/2026-11-
-    results.md, "oneDNN-packed linears")."""
+    """"auto": bfloat16 on CUDA GPUs that compute in it (Ampere and later; float16 on T4 or V100,
+    which only emulate it) and on CPUs with bf16 dot products (AMX-BF16, AVX512-BF16), else float32:
+    without them torch's bf16 matmuls of more than one row are many times slower than float32's."""
     if name != "auto":
         return getattr(torch, name)
     if device.type == "cuda":
@@ -61,41 +48,32 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
             return torch.bfloat16
         log.warning("this GPU has no native bfloat16: the model runs in float16")
         return torch.float16
-    if cpu_has_amx_bf16() or cpu_has_avx512_bf16():
+    if cpu_flags() & {"amx_bf16", "avx512_bf16"}:
         return torch.bfloat16
     return torch.float32
 
 
 def linear_layout(device: torch.device, dtype: torch.dtype, weights_fit_bf16: bool = False) -> str:
-    """How a safetensors checkpoint's linear weights are stored here (a GGUF's blocks on a CPU keep
-    the file's layout), chosen once per model when the engine is built. The default for:
-    - "bf16-stored": float32 (the auto dtype of AVX2 and AVX-512 CPUs without BF16) with weights
-      that are all bf16 values (a checkpoint published in bf16): stored as bf16 and multiplied in
-      float32 by engine/csrc/linear_cpu.cpp, the same products on half the bytes read;
-    - "packed" (engine/layouts.py `PackedLinear`): float32 with other weights (float16 or float32
-      checkpoints, or where the kernel did not build), and bf16 on AVX512-BF16 CPUs without AMX
-      (Zen 4): a check of several drafted tokens reads the weights once, as one token does;
-    - "as loaded": GPUs, bf16 on AMX, and wherever oneDNN cannot pack (oneDNN packs float32 on
-      every x86 level from SSE4.1 to AMX).
-    Measured against each other: benchmarks/history/2026-11-results.md ("oneDNN-packed linears",
-    "bf16-stored weights")."""
+    """How a safetensors checkpoint's linear weights are stored here (engine/layouts.py), chosen once per
+    model: "bf16-stored" multiplies the same products on half float32's bytes (engine/csrc/linear_cpu.cpp);
+    "packed" (oneDNN) lets a check of several drafted tokens read the weights once, as one token does."""
     if device.type != "cpu":
         return "as loaded"
     if dtype == torch.float32:
         if weights_fit_bf16 and cpu_linear_kernel() is not None:
             return "bf16-stored"
         return "packed" if can_pack_linear_weights(dtype) else "as loaded"
-    if dtype == torch.bfloat16 and cpu_has_avx512_bf16() and not cpu_has_amx_bf16() and can_pack_linear_weights(dtype):
+    is_avx512_bf16_without_amx = "avx512_bf16" in cpu_flags() and "amx_bf16" not in cpu_flags()
+    if dtype == torch.bfloat16 and is_avx512_bf16_without_amx and can_pack_linear_weights(dtype):
         return "packed"
     return "as loaded"
 
 
 def build_cpu_extension(name: str, source: Path, fallback: str, wait_s: float = extensions.WAIT_S,
                         extra_cflags: tuple[str, ...] = ()):
-    """A C++ extension of engine/csrc compiled by torch on first use (once, and scripts/setup.sh
-    does it ahead; cached in ~/.cache/torch_extensions; engine/extensions.py), or None where it
-    cannot be: no AVX2, no C++ compiler or ninja, or another process still building it after
-    `wait_s`. `fallback` says, in the one log line, what runs instead."""
+    """A C++ extension of engine/csrc, compiled on first use (engine/extensions.py), or None where it
+    cannot be: no AVX2, no C++ compiler or ninja, or another process still building it after `wait_s`.
+    `fallback` says, in the one log line, what runs instead."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         log.warning("this CPU has no AVX2: %s", fallback)
         return None
@@ -135,12 +113,8 @@ def can_pack_linear_weights(dtype: torch.dtype) -> bool:
     return bool(torch.allclose(out.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2))
 
 
-def sync(device: torch.device) -> None:
+def now(device: torch.device) -> float:
+    """Seconds, after the device has finished the work queued so far: the one place that synchronises."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def now(device: torch.device) -> float:
-    """Seconds, after the device has finished the work queued so far."""
-    sync(device)
     return time.perf_counter()
