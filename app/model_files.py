@@ -109,10 +109,9 @@ def _inspect_gguf(path: Path) -> ModelInfo:
         if magic != b"GGUF":
             return _replace(empty, problem="it is not a GGUF file")
         return _replace(empty, problem="the file is cut short or damaged (an interrupted download?)")
-    from gguf import GGUFValueType
+    from engine.families import gguf_fields
 
-    fields = {name: None if f.types and f.types[0] == GGUFValueType.ARRAY else f.contents()  # arrays: vocabularies
-              for name, f in reader.fields.items()}
+    fields = gguf_fields(reader)
     arch = str(fields.get("general.architecture", ""))
     types: dict[str, list[int]] = {}
     for tensor in reader.tensors:
@@ -123,20 +122,17 @@ def _inspect_gguf(path: Path) -> ModelInfo:
         str(path), "gguf", str(fields.get("general.name") or path.stem), arch, n_bytes,
         _file_type(fields.get("general.file_type"), types), int(fields.get(f"{arch}.context_length") or 0),
         sum(n for n, _ in types.values()), types, _gguf_vocab_key(reader, fields), _gguf_problem(reader, types))
-    return info if info.problem else _replace(info, **_gguf_verdict(path, reader, fields))
+    return info if info.problem else _replace(info, **_gguf_verdict(path, reader))
 
 
-def _gguf_verdict(path: Path, reader, fields: dict) -> dict:
+def _gguf_verdict(path: Path, reader) -> dict:
     """The engine's family of a GGUF and why it refuses it ("" it runs): engine/families.py's rules."""
-    from engine.families import check_gguf, gguf_family
+    from engine.families import check_gguf
 
-    arch = str(fields.get("general.architecture", ""))
     try:
-        family = gguf_family(arch, fields)
-        check_gguf(path, fields, reader.tensors, family)
+        return {"family": check_gguf(path, reader)}
     except UnsupportedModel as refusal:
         return {"problem": refusal.why}
-    return {"family": family}
 
 
 def _file_type(file_type, types: dict[str, list[int]]) -> str:

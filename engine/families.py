@@ -1,15 +1,15 @@
 """Which checkpoints the forward (engine/model.py) runs exactly, read from headers only.
 
 `check_model(path)` raises, for a Hugging Face folder or a .gguf, the `UnsupportedModel` loading
-would raise, without reading a weight (what the model picker shows of a file is app/model_files.py's).
-`check_hf_config` and `check_tensor_names` are the rules loading applies: every config field that
-changes the forward is one the model handles (anything else differing from the family's defaults
-is refused, as are MoE and multipliers), and every tensor has a parameter to go to (a GGUF's names:
-`gguf_tensor_name`). Loading is engine/loading.py's.
+would raise, without reading a weight. The rules loading applies: every config field that changes
+the forward is one the model handles (`check_hf_config`: MoE, multipliers and other fields off the
+family's defaults are refused), and every tensor has a parameter to go to (`check_tensor_names`;
+a GGUF's names: `gguf_tensor_name`).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -97,7 +97,14 @@ def check_model(path: str | Path) -> str:
     is no model at all, EngineError for a GGUF that cannot be parsed (truncated)."""
     path = Path(path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return _check_gguf_file(path)
+        from gguf import GGUFReader
+
+        try:
+            reader = GGUFReader(path)
+        except (ValueError, OSError, IndexError, KeyError) as error:
+            raise EngineError(f"{path} is not a readable GGUF file ({error}): it may be truncated; "
+                              "download it again.") from error
+        return check_gguf(path, reader)
     if path.is_dir() and (path / "config.json").is_file():
         return _check_folder(path)
     raise ModelNotFound(f"{path} is neither a .gguf file nor a Hugging Face folder with a config.json.")
@@ -120,36 +127,12 @@ def _check_folder(path: Path) -> str:
     return hf.model_type
 
 
-def _check_gguf_file(path: Path) -> str:
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(path)
-    except (ValueError, OSError, IndexError, KeyError) as error:
-        raise EngineError(f"{path} is not a readable GGUF file ({error}): it may be truncated; download it again.") \
-            from error
-    fields = {name: _field(reader, name) for name in reader.fields}
-    family = gguf_family(str(fields.get("general.architecture", "unknown")), fields)
-    check_gguf(path, fields, reader.tensors, family)
-    return family
-
-
-def _field(reader, name: str):
+def gguf_fields(reader) -> dict:
+    """A GGUF's metadata, {key: value}; arrays (vocabularies, merges: large, never needed here) are None."""
     from gguf import GGUFValueType
 
-    field = reader.fields[name]
-    if field.types and field.types[0] == GGUFValueType.ARRAY:
-        return None  # vocabularies and merges: large, never needed here
-    return field.contents()
-
-
-def gguf_family(arch: str, fields: dict) -> str:
-    """The model_type of a GGUF of architecture `arch`, or UnsupportedModel."""
-    if arch not in GGUF_ARCHITECTURES:
-        raise UnsupportedModel(f"A GGUF of architecture {arch!r}", "its architecture is not one the engine implements")
-    if arch == "llama" and "mistral" in str(fields.get("general.name", "")).lower():
-        return "mistral"
-    return GGUF_ARCHITECTURES[arch]
+    return {name: None if field.types and field.types[0] == GGUFValueType.ARRAY else field.contents()
+            for name, field in reader.fields.items()}
 
 
 # {arch}.* metadata the loader understands (transformers maps them into the config, or they name
@@ -166,7 +149,7 @@ GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}  # llama.cpp's 27B: queries
 def fix_gguf_config(hf, reader) -> None:
     """Set the config fields transformers' GGUF reader leaves at the class defaults from the file's
     own keys and tensors, by llama.cpp's rules (its forward is what the file was made for)."""
-    fields = {name: _field(reader, name) for name in reader.fields}
+    fields = gguf_fields(reader)
     arch, family = fields["general.architecture"], hf.model_type
     keys = {name.removeprefix(f"{arch}."): value for name, value in fields.items()
             if name.startswith(f"{arch}.") and value is not None}  # the architecture's own keys
@@ -205,20 +188,14 @@ def _fix_gguf_rope(hf, keys: dict, rope_tensors: dict[str, list[float]]) -> None
         hf.original_max_position_embeddings = original
     if family in ("llama", "mistral") and "rope_freqs.weight" in rope_tensors:
         hf.rope_parameters = _llama3_rope(hf, rope_tensors["rope_freqs.weight"])
-        if hf.rope_parameters is None:
-            raise UnsupportedModel("A GGUF of architecture 'llama'", "its rope_freqs tensor is none of Llama 3's "
-                                   "RoPE scalings")
 
 
-# Llama 3.x's RoPE scaling, which llama.cpp stores as per-frequency divisors (rope_freqs): the
-# (factor, low_freq_factor, high_freq_factor, original context) of the released models
+# the released Llama 3.x RoPE scalings: (factor, low_freq_factor, high_freq_factor, original context)
 LLAMA3_ROPES = ((8.0, 1.0, 4.0, 8192), (32.0, 1.0, 4.0, 8192), (16.0, 1.0, 4.0, 8192))
 
 
-def _llama3_rope(hf, divisors: list[float]) -> dict | None:
-    """The llama3 rope_parameters whose frequencies are the base ones over `divisors`, or None."""
-    import copy
-
+def _llama3_rope(hf, divisors: list[float]) -> dict:
+    """The llama3 rope_parameters whose frequencies are the base ones over `divisors`."""
     import torch
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -233,43 +210,44 @@ def _llama3_rope(hf, divisors: list[float]) -> dict | None:
         got, _ = ROPE_INIT_FUNCTIONS["llama3"](candidate, "cpu")
         if got.shape == want.shape and torch.allclose(got.double(), want, rtol=1e-5, atol=0):
             return candidate.rope_parameters
-    return None
+    raise UnsupportedModel("A GGUF of architecture 'llama'", "its rope_freqs tensor is none of Llama 3's RoPE scalings")
 
 
-def check_gguf(path: Path, fields: dict, tensors, family: str) -> None:
-    """Raise UnsupportedModel for a GGUF the loader would run wrong: a metadata key of its
-    architecture that changes the forward, a tensor kind with no parameter, a block type gguf
-    cannot dequantize."""
+def check_gguf(path: Path, reader) -> str:
+    """The family (model_type) of the GGUF `reader` holds, or UnsupportedModel for one the loader would
+    run wrong: an architecture, a metadata key or a tensor the forward does not implement, or a block
+    type gguf cannot dequantize."""
     from gguf.quants import _type_traits
 
-    arch, what = str(fields["general.architecture"]), f"The GGUF {path.name} ({family})"
+    fields = gguf_fields(reader)
+    arch = str(fields.get("general.architecture", "unknown"))
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModel(f"A GGUF of architecture {arch!r}", "its architecture is not one the engine implements")
+    is_mistral = arch == "llama" and "mistral" in str(fields.get("general.name", "")).lower()
+    family = "mistral" if is_mistral else GGUF_ARCHITECTURES[arch]
+    what = f"The GGUF {path.name} ({family})"
     for key in fields:
         if key.startswith(f"{arch}.") and key.removeprefix(f"{arch}.") not in GGUF_KNOWN_KEYS:
             raise UnsupportedModel(what, f"its metadata {key}={fields[key]!r} is not one the loader handles")
-    for t in tensors:
-        is_rope_factors = t.name in ROPE_FACTOR_TENSORS.get("llama" if family == "mistral" else family, ())
-        if gguf_tensor_name(t.name, family) is None and not is_rope_factors:
+    for t in reader.tensors:
+        if gguf_tensor_name(t.name, family) is None and t.name not in ROPE_FACTOR_TENSORS.get(arch, ()):
             raise UnsupportedModel(what, f"its tensor {t.name} would go unused")
-    types = {t.tensor_type for t in tensors}
+    types = {t.tensor_type for t in reader.tensors}
     unreadable = sorted(q.name for q in types if q.name not in ("F32", "F16", "BF16") and q not in _type_traits)
     if unreadable:
         raise UnsupportedModel(what, f"its block types {', '.join(unreadable)} cannot be dequantized by gguf")
+    return family
 
 
 _LAYER_MODULES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                   "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                  "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-                  "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-
-
-# llama.cpp's names where a family's differ: Gemma's four norms a layer, Phi-3's fused linears
-_FAMILY_MODULES = {
-    "gemma": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
-              "post_ffw_norm": "post_feedforward_layernorm"},
-    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
-}
-
-
+                  "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+# llama.cpp's names a family adds or names differently: q/k norms, Gemma's four norms a layer, Phi-3's fused linears
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_GEMMA_NORMS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+_FAMILY_MODULES = {"qwen3": _QK_NORMS, "gemma2": _GEMMA_NORMS, "gemma3_text": _GEMMA_NORMS | _QK_NORMS,
+                   "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
 # RoPE scalings llama.cpp stores as tensors, read into the config (`fix_gguf_config`)
 ROPE_FACTOR_TENSORS = {"phi3": ("rope_factors_long.weight", "rope_factors_short.weight"),  # LongRoPE
                        "llama": ("rope_freqs.weight",)}  # Llama 3.x
@@ -286,7 +264,5 @@ def gguf_tensor_name(gguf_name: str, family: str) -> str | None:
     if len(parts) != 4 or parts[0] != "blk":
         return None
     _, layer, kind, what = parts
-    modules = _LAYER_MODULES | _FAMILY_MODULES.get("gemma" if family.startswith("gemma") else family, {})
-    has_qk_norm = family in ("qwen3", "gemma3_text")
-    module = modules.get(kind) if has_qk_norm or not kind.endswith(("q_norm", "k_norm")) else None
+    module = (_LAYER_MODULES | _FAMILY_MODULES.get(family, {})).get(kind)
     return None if module is None else f"model.layers.{layer}.{module}.{what}"
