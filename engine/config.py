@@ -20,14 +20,10 @@ LEVEL_STACKS = (
     "ngram+draft>retrieval>full",
     "selfspec>full",
 )
-# draft="auto": the small model of the same family that drafts for a packaged target (same
-# tokenizer); levels="auto": the stack measured best for the pair (benchmarks/RESULTS.md,
-# issue 21: sampled answers at 16K), else the model-free default
-PAIRED_DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}
-AUTO_LEVELS = {True: "draft>retrieval>full", False: "ngram>retrieval>full"}  # has a draft -> stack
-# on a CPU: the 1.5B's fastest stack at 8K, 16K and 32K on abstractive answers, 2 threads, with the
-# middle level in int8 activations (benchmarks/RESULTS.md, "Int8 drafts"): the 0.5B's drafts cost
-# more than they save there; it is loaded when a session first chooses a stack that uses it (Engine.draft)
+PAIRED_DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}  # draft="auto": a packaged target's small sibling
+# levels="auto", by whether there is a draft: the fastest stack measured (benchmarks/RESULTS.md). On a
+# CPU the draft's proposals cost more than they save; it is loaded when a session first asks for it
+AUTO_LEVELS = {True: "draft>retrieval>full", False: "ngram>retrieval>full"}
 CPU_AUTO_LEVELS = {True: "retrieval>full", False: "ngram>retrieval>full"}
 
 
@@ -75,11 +71,8 @@ class EngineError(Exception):
 
 class DocumentTooLong(EngineError):
     def __init__(self, n_tokens: int, max_tokens: int):
-        self.n_tokens, self.max_tokens = n_tokens, max_tokens
-        super().__init__(
-            f"The prompt has {n_tokens:,} tokens but the model's context holds {max_tokens:,}; "
-            f"shorten it by {n_tokens - max_tokens:,} tokens (keep the first part, or pick chapters)."
-        )
+        super().__init__(f"The prompt has {n_tokens:,} tokens but the model's context holds {max_tokens:,}; "
+                         f"shorten it by {n_tokens - max_tokens:,} tokens (keep the first part, or pick chapters).")
 
 
 class EmptyPrompt(EngineError):
@@ -103,7 +96,7 @@ class UnsupportedModel(EngineError, ValueError):
     """A checkpoint the forward would run wrong: refused from its header, before any weight is read."""
 
     def __init__(self, what: str, why: str):
-        self.what, self.why = what, why
+        self.why = why
         super().__init__(f"{what} cannot run here: {why}. The families that run: {', '.join(FAMILY_NAMES.values())}.")
 
 
@@ -212,17 +205,13 @@ class RetrievalConfig:
 
     def __post_init__(self):
         if self.budget_tokens < self.sink_tokens + self.window_tokens + self.chunk_tokens:
-            raise ValueError(
-                f"budget_tokens={self.budget_tokens} must hold sinks ({self.sink_tokens}), "
-                f"window ({self.window_tokens}) and at least one chunk ({self.chunk_tokens})"
-            )
+            raise ValueError(f"budget_tokens={self.budget_tokens} must hold sinks ({self.sink_tokens}), "
+                             f"window ({self.window_tokens}) and at least one chunk ({self.chunk_tokens})")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    # a local folder, GGUF file, hub id or packaged model name; the 1.5B answers questions about a
-    # book where the 0.5B loops and garbles (issue 21)
-    target: str = "qwen2.5-coder-1.5b"
+    target: str = "qwen2.5-coder-1.5b"  # a folder, GGUF file, hub id or packaged name; the 0.5B garbles answers
     draft: str | None = "auto"  # small model for the `draft` level (same tokenizer); "auto": PAIRED_DRAFTS
     levels: str = "auto"  # a LEVEL_STACKS entry; "auto": AUTO_LEVELS, or CPU_AUTO_LEVELS on a CPU
     # YaRN RoPE scaling for books beyond the native context (Qwen2.5's recipe: 4 -> 131,072 tokens);
@@ -231,32 +220,25 @@ class EngineConfig:
     device: str = "auto"  # "auto" picks cuda when present, else cpu
     dtype: str = "auto"  # "auto": bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32
     retrieval: RetrievalConfig = RetrievalConfig()
-    prefill_chunk_tokens: int = 512  # CPU: 256..4096 prefill equally fast (issue 7); smaller cancel sooner
+    prefill_chunk_tokens: int = 512  # smaller chunks cancel sooner; on a CPU larger ones prefill no faster
     streaming_sink_tokens: int = 4  # StreamingLLM cache of the draft / self-speculation level
     streaming_window_tokens: int = 256
     max_ngram: int = 4  # longest suffix the context database matches
-    # continuations tried per n-gram check (multi-candidate rule); every tree node costs the full
-    # level attention over the whole context, and on real answers extra candidates bought fewer
-    # tokens than their nodes cost (benchmarks/RESULTS.md, issue 7)
+    # continuations tried per n-gram check (multi-candidate rule): each costs a token tree node, an
+    # attention over the whole context, and on real answers earned less than that (benchmarks/RESULTS.md)
     n_ngram_candidates: int = 1
     gamma_bottom: int | None = None  # None: adaptive (docs/ALGORITHM.md section 6)
     gamma_middle: int | None = None
     max_gamma: int = 8  # upper bound for adaptive draft lengths
     offload_kv: bool = False  # full cache in host memory, streamed to the GPU per layer (kv/offload.py)
-    # ... with offload_kv (`gamma_limit`): a top step then waits on PCIe for every offloaded
-    # layer, so longer drafts pay, as TriForce's 16 (benchmarks/cost_model.py `mission_rows`).
-    # The retrieval budget stays: its gain is acceptance, which the cost model takes as an input
-    offload_max_gamma: int = 16
+    offload_max_gamma: int = 16  # max_gamma with offload_kv: a check waits on PCIe, so longer drafts pay
     resident_kv_layers: int | None = None  # with offload_kv: first layers kept on the GPU; None: planner
     n_gpus: int = 1  # tensor-parallel ranks (engine/parallel.py); 1 runs in this process
     use_flash_attn: bool = True  # on CUDA when installed; torch SDPA otherwise (exact either way)
-    # compiled AVX2 attention for decoding and checks on CPU (engine/csrc; built once by setup):
-    # faster than SDPA at long context (benchmarks/history/2026-11-results.md); SDPA where it cannot build
-    use_cpu_kernel: bool = True
+    use_cpu_kernel: bool = True  # engine/csrc's AVX2 attention on CPU (faster at long context); else SDPA
     use_cuda_graphs: bool = False  # off by default, as torch.compile (docs/STYLE.md 5); eager on CPU
-    # the levels below the top (the draft model, and the target's weights in the middle level and
-    # `selfspec`) read the GGUF's blocks with int8 activations, as llama.cpp does (engine/quant.py
-    # `quick_view`): lossy, which costs only acceptance, as the top's check stays exact. Off: exact
+    # the levels below the top read a GGUF's blocks with int8 activations (engine/quant.py `quick_view`):
+    # lossy, which costs only acceptance, as the top's check stays exact
     quick_drafts: bool = True
 
     @property
@@ -318,8 +300,7 @@ class SamplingConfig:
         return self.temperature == 0
 
 
-# the settings a reader, a flag or a request sets, {name: int or float}: every field but the engine's
-# own `penalty_start`. The CLIs' flags (tools/flags.py), the API's request fields
-# (api/openai_chat.py) and the UI's controls (app/ui.py) are these.
+# the settings a reader, a flag or a request sets, {name: int or float}: every field but `penalty_start`;
+# the CLIs' flags (tools/flags.py), the API's request fields and the UI's controls are these
 SAMPLING_FIELDS = {f.name: type(f.default) for f in fields(SamplingConfig) if f.default is not None}
 ANSWER_TOKENS = 512  # `--max-new-tokens`'s default in app.py, `python -m tools generate` and `python -m api`
