@@ -258,7 +258,7 @@ class Engine:
         first = doc_ids[:n_first or len(doc_ids)]
         run(self.prefill_steps(session.full, first, session.query_log, on_progress, cancel))
         self.n_prefills += 1
-        session.start(list(first))
+        session.start(first)
         return session
 
     def build_stack(self, full: FullCache, query_log: QueryLog, name: str
