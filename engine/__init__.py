@@ -1,11 +1,6 @@
-"""The engine's face in one import (docs/DESIGN.md "The engine's face"):
-
-    from engine import Engine, EngineConfig, SamplingConfig
-    session = Engine.load(EngineConfig(...)).open(doc_ids)
-    for event in session.ask(question_ids, SamplingConfig(temperature=0.6)): ...
-
+"""The engine's face in one import, `from engine import Engine, EngineConfig, SamplingConfig` (its use:
+docs/DESIGN.md "The engine's face"; engine/README.md walks one request through the modules).
 Names resolve on first use, so `import engine.config` (flags, settings) stays free of torch.
-engine/README.md walks one request through the modules.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """Several readers at once: the answers of many sessions share one forward per model (MagicDec).
 
 Every answer is a generator of forward requests and events (`Session.answer_steps`). A round
-advances each active answer to its next request, packs the requests for the same model into one
-`Transformer.forward_packed` (the weights are read once; each segment attends over its own
-cache) and hands each its logits: on a memory-bound machine a forward of a few dozen tokens costs
-about one token's. Answers join and leave between rounds, and each keeps its own caches, drafter
-state, sampling, coins and counters, so it commits the tokens it would commit alone; answers
-beyond `max_active` wait in order. Under tensor parallel rank 0 decides each round's joins and
-stops and every rank runs the same round (`round_on_every_rank`).
+advances each active answer to its next request and packs the requests for the same model into one
+`Transformer.forward_packed`: the weights are read once, each segment attends over its own cache.
+Each answer keeps its own caches, drafter state, sampling, coins and counters, so it commits the
+tokens it would commit alone; answers beyond `max_active` wait in order. Under tensor parallel
+rank 0 decides each round's joins and stops and every rank runs the round (`round_on_every_rank`).
 """
 
 from __future__ import annotations
@@ -56,8 +54,7 @@ class Job:
                 return self.end()
 
     def end(self, last=_DONE) -> None:
-        """Close the answer (a no-op once it returned or raised) and give its consumer `last`: the
-        end, or the error."""
+        """Close the answer (a no-op once it returned or raised); its consumer gets `last`: the end or the error."""
         self.steps.close()
         self.request = None
         self.out.put(last)
@@ -111,8 +108,7 @@ class Batcher:
     def _loop(self) -> None:
         while True:
             with self.cond:
-                while not self.waiting and not self.active:
-                    self.cond.wait()
+                self.cond.wait_for(lambda: self.waiting or self.active)
             self.round()
 
     def round(self) -> None:
@@ -175,10 +171,9 @@ class Batcher:
 
 
 def round_on_every_rank(ranks, admitted: list[tuple], closing: list[int], batcher: Batcher | None = None) -> None:
-    """One tensor-parallel round (`parallel.Leader.call`): rank 0 passes its batcher; the other
-    ranks start rank 0's new answers on their copies of the sessions (`origin`: session id,
-    question, sampling, stop ids), stop the ones rank 0 stops (by place: every rank's active
-    answers are in the same order) and run the same round."""
+    """One tensor-parallel round (`parallel.Leader.call`): rank 0 passes its batcher; the other ranks
+    start rank 0's new answers on their copies of the sessions (`origin`), stop the ones rank 0 stops
+    (by place: every rank's active answers are in the same order) and run the same round."""
     if batcher is None:
         batcher = ranks.batcher
         for sid, question_ids, sampling, stop_ids in admitted:

@@ -3,8 +3,7 @@
 `Engine` holds the loaded target (and draft) model; `Engine.open(doc_ids)` prefills a document
 once into a full cache and returns a `Session`; `Session.ask(question_ids, sampling)` appends
 the question and yields `Event`s as the level stack commits tokens. Multi-turn reuses the
-cache; `truncate` rolls it back (regenerate, edit). Events are plain dataclasses; errors are
-typed (engine/config.py). The engine never prints and never imports the app.
+cache; `truncate` rolls it back (regenerate, edit). Errors are typed (engine/config.py).
 """
 
 from __future__ import annotations
@@ -19,16 +18,7 @@ import torch
 
 from engine import layouts, parallel
 from engine.attention import flash_attention, pick_attention
-from engine.config import (
-    BadTokens,
-    Busy,
-    Cancelled,
-    DocumentTooLong,
-    EmptyPrompt,
-    EngineConfig,
-    Levels,
-    SamplingConfig,
-)
+from engine.config import BadTokens, Busy, Cancelled, DocumentTooLong, EmptyPrompt, EngineConfig, Levels, SamplingConfig
 from engine.device import linear_layout, now, pick_device, pick_dtype
 from engine.drafters.lookup_first import LookupFirst
 from engine.drafters.model import ModelDrafter
@@ -46,9 +36,8 @@ from engine.sources import chunk_ranges, contrast, layer_shares
 from engine.speculative import CheckingDrafter, GammaTuner, LevelStack, LevelStats, Scorer, shared_prefix
 
 Progress = Callable[[int, int], None]  # (tokens done, tokens total)
-# A session's full-cache slots beyond its document, for the chat (questions, answers), allocated
-# (and planned) with it once: a cache that grows holds its old and new copies at once, so growing
-# a 128K cache can run a GPU out of memory.
+# full-cache slots past the document for the chat, allocated and planned with it: a cache that
+# grows holds its old and new copies at once
 CHAT_CAPACITY_TOKENS = 2048
 OFFLOAD_PREFILL_CHUNK_TOKENS = 8192  # see Engine.prefill_chunk_tokens
 
@@ -59,20 +48,15 @@ class Stats:
 
     levels: list[LevelStats]  # checking levels, bottom-most checker first, "full" last
     n_tokens: int = 0
-    elapsed_s: float = 0.0  # since the question was received
     ttft_s: float = 0.0  # question prefill + first check
     tbt_ms_last: float = 0.0  # time per token of the last check
     tbt_ms_mean: float = 0.0  # decode time per token, first check excluded
     drafter_s: float = 0.0  # time in the drafters below the top level
-    # the stack's own time per token (as tbt_ms_mean, less the caller's time between steps), and
-    # plain decoding's step in the same conditions: the top level's undrafted checks in this answer
-    # (first check excluded), else its recent ones; 0: none yet. Their ratio is the speedup over
-    # plain decoding, whatever the caller (an app, a browser) takes between steps.
-    step_ms_mean: float = 0.0
+    step_ms_mean: float = 0.0  # tbt_ms_mean less the caller's time between steps
+    # plain decoding's time per token here (the top level's undrafted checks; 0: none yet):
+    # plain_ms / step_ms_mean is the speedup, whatever the caller takes between steps
     plain_ms: float = 0.0
-    # an offloaded full cache's host memory: "pinned", or "pageable" where pinning was refused
-    # (kv/offload.py: its copies then wait for the host); "" when the cache is not offloaded
-    kv_host_memory: str = ""
+    kv_host_memory: str = ""  # an offloaded full cache's: "pinned", or "pageable" where pinning was refused
 
     @property
     def tokens_per_s(self) -> float:
@@ -96,21 +80,17 @@ class Engine:
                  draft: Transformer | None = None, generation: tuple[dict, set[int]] = ({}, set()),
                  load_draft: Callable[[], Transformer] | None = None):
         self.config, self.target, self.tokenizer = config, target, tokenizer
-        # the draft model, or `load_draft`, which loads it at the first stack that drafts with it
-        # (`Engine.load` on a CPU, whose default stack does not: the draft's memory is saved until then)
+        # the draft model, or `load_draft`, called at the first stack that drafts with it
         self._draft, self._load_draft, self._draft_lock = draft, load_draft, threading.Lock()
-        # how the model was tuned to be sampled, and every token it ends a turn with
-        # (loading.generation_defaults); callers start from these and change what the user sets
+        # how the model is meant to be sampled and the tokens that end its turn (loading.generation_defaults)
         self.default_sampling = SamplingConfig(**generation[0])
         self.end_ids: set[int] = set(generation[1])
         self.device = target.lm_head.weight.device
         self.dtype = target.dtype
         self.attend = pick_attention(self.device, config.use_flash_attn, config.use_cpu_kernel)
-        # one-token drafter and middle-level steps (engine/graphs.py); one process only: tensor
-        # parallel's all-reduces (NCCL) inside a captured graph are not attempted
+        # drafter and middle-level steps (engine/graphs.py), not around tensor parallel's all-reduces
         self.uses_cuda_graphs = graphs_available(self.device, config.use_cuda_graphs and config.n_gpus == 1)
-        # the levels below the top may read the GGUF's blocks with int8 activations (lossy costs
-        # only acceptance there); the views share the weights. Stacks built later follow the switch
+        # the levels below the top may read a GGUF's blocks with int8 activations (costs only acceptance)
         self.quick_drafts = config.quick_drafts
         self._quick: dict[Transformer, Transformer] = {}
         for model in (target, draft):
@@ -154,12 +134,11 @@ class Engine:
         device = pick_device(config.device)
         if config.n_gpus > 1 and not torch.distributed.is_initialized():
             return parallel.start(functools.partial(cls.load, config), config.n_gpus, device)
-        if config.n_gpus > 1:
-            device = parallel.rank_device(device)
         dtype = pick_dtype(config.dtype, device)
         if config.n_gpus == 1:
             target, tokenizer = load_model(config.target, dtype, device, config.yarn_factor)
         else:  # loaded on the host, so only this rank's shard reaches its GPU
+            device = parallel.rank_device(device)
             target, tokenizer = load_model(config.target, dtype, torch.device("cpu"), config.yarn_factor)
             target = parallel.shard(target, torch.distributed.get_rank(), config.n_gpus).to(device)
         generation = generation_defaults(config.target, Path(tokenizer.name_or_path))
@@ -171,8 +150,7 @@ class Engine:
             check_same_tokenizer(tokenizer, draft_tokenizer, config.target, config.draft)
             return draft
         if device.type == "cpu" and config.n_gpus == 1 and not Levels.parse(config.levels).needs_draft:
-            # no CPU default drafts with it (benchmarks/RESULTS.md): loaded when a session's stack does,
-            # and a draft of another tokenizer still refused now
+            # no CPU default stack drafts with it: loaded when one does; another tokenizer is refused now
             check_same_tokenizer(tokenizer, load_tokenizer_of(config.draft, dtype, device), config.target, config.draft)
             return cls(config, target, tokenizer, None, generation, load_draft=load_draft)
         return cls(config, target, tokenizer, load_draft(), generation)
@@ -200,21 +178,17 @@ class Engine:
 
     @property
     def prefill_chunk_tokens(self) -> int:
-        """Tokens per prefill forward. An offloaded forward copies every offloaded layer's filled
-        prefix to the GPU, so a 128K prefill in 512-token chunks moves terabytes over PCIe;
-        with flash-attn (no [T, S] masks) chunks of `OFFLOAD_PREFILL_CHUNK_TOKENS` move 16x less
-        (the planner counts their activations)."""
+        """Tokens per prefill forward; at least `OFFLOAD_PREFILL_CHUNK_TOKENS` for an offloaded cache with
+        flash-attn (no [T, S] masks): each forward copies every offloaded layer's filled prefix to the GPU."""
         chunk = self.config.prefill_chunk_tokens
         if self.config.offload_kv and self.attend is flash_attention:
             return max(chunk, OFFLOAD_PREFILL_CHUNK_TOKENS)
         return chunk
 
     def _planned_resident_layers(self, capacity: int, offload_allowed: bool = True) -> int:
-        """The memory plan's resident layers for `capacity` tokens (0 on CPU: one memory); raises
-        OutOfMemoryPlan, naming the largest length that fits, when nothing does. Under
-        tensor parallel every rank measures its GPU and the plan is made from all ranks' numbers
-        and rank 0's host figure, so every rank keeps the same layers (a collective: every rank
-        calls this at the same point, from `open` or `restore`)."""
+        """The memory plan's resident layers for `capacity` tokens (0 on CPU); raises OutOfMemoryPlan
+        when nothing fits. Under tensor parallel a collective: the plan is made from every rank's
+        free memory and rank 0's host memory, so every rank keeps the same layers."""
         if self.device.type != "cuda":
             return 0
         c, n_ranks = self.target.config, self.config.n_gpus
@@ -230,39 +204,40 @@ class Engine:
                         has_tail_masks=self.attend is not flash_attention, n_logit_rows=self.config.gamma_limit + 1)
         return resident_kv_layers(whole, capacity, gpus, host, work)
 
-    def prefill(self, cache: FullCache, ids: list[int], query_log: QueryLog | None,
-                on_progress: Progress | None = None, cancel=None) -> None:
-        """Chunked prefill of `ids` after the cache's length; cancel is checked between chunks."""
-        run(self.prefill_steps(cache, ids, query_log, on_progress, cancel))
-
     def prefill_steps(self, cache: FullCache, ids: list[int], query_log: QueryLog | None,
                       on_progress: Progress | None = None, cancel=None) -> Steps[None]:
+        """Chunked prefill of `ids` after the cache's length; cancel is checked between chunks."""
         chunk = self.prefill_chunk_tokens
         cache.reserve(len(ids))
         for i in range(0, len(ids), chunk):
             if is_set(cancel):
                 raise Cancelled("prefill")
             piece = ids[i:i + chunk]
-            start = cache.length
-            pos = torch.arange(start, start + len(piece), device=self.device)
-            yield Forward(self.target, Segment(torch.tensor([piece], device=self.device), pos, cache, None,
-                                               query_log))
+            tokens = torch.tensor([piece], device=self.device)  # [1, T]
+            pos = torch.arange(cache.length, cache.length + len(piece), device=self.device)  # [T]
+            yield Forward(self.target, Segment(tokens, pos, cache, None, query_log))
             self.n_prefill_tokens += len(piece)
             if on_progress:
                 on_progress(i + len(piece), len(ids))
 
     def restore(self, path: str | Path, n_total: int | None = None, doc_ids: list[int] | None = None) -> Session:
-        """Reopen a prefill snapshot (`Session.save`) without prefilling again; `n_total`: it holds
-        the first tokens of a document that long, whose rest `Session.read` reads (the cache is
-        allocated and planned for all of it at once). `doc_ids`: another document that begins as
-        the saved one does; only the whole prefill chunks the two share are kept (`shared_start`)."""
+        """Reopen a prefill snapshot (`Session.save`) without prefilling again. `n_total`: the length of
+        the document it begins, allocated for now (`Session.read` reads the rest); `doc_ids`: another
+        document, keeping the whole prefill chunks it shares with the snapshot (`shared_start`)."""
         # memory-mapped in host memory: the cache copies it to the device a layer at a time
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        return Session.from_state(self, state, n_total, doc_ids)
+        return self.restore_state(state, n_total, doc_ids)
 
     def restore_state(self, state: dict, n_total: int | None = None, doc_ids: list[int] | None = None) -> Session:
         """A session from a snapshot's state (`Session.state`), e.g. one rank's heads of it."""
-        return Session.from_state(self, state, n_total, doc_ids)
+        if doc_ids is not None:
+            state = shared_start(state, doc_ids, self.prefill_chunk_tokens)
+        n_tokens = max(state["cache"]["k"].shape[3], n_total or 0)
+        full = self.new_full_cache(min(self.max_context, n_tokens + CHAT_CAPACITY_TOKENS), state["cache"])
+        session = Session(self, full)
+        session.query_log.queries = [q if q is None else q.to(self.device) for q in state["queries"]]
+        session.start(state["tokens"])
+        return session
 
     def check_ids(self, ids: list[int], what: str, n_held: int = 0) -> None:
         """Ids in the vocabulary, and room for them after `n_held` tokens and for one token after."""
@@ -281,9 +256,9 @@ class Engine:
         self.check_ids(doc_ids, "document")
         session = Session(self, self.new_full_cache(min(self.max_context, len(doc_ids) + CHAT_CAPACITY_TOKENS)))
         first = doc_ids[:n_first or len(doc_ids)]
-        self.prefill(session.full, first, session.query_log, on_progress, cancel)
+        run(self.prefill_steps(session.full, first, session.query_log, on_progress, cancel))
         self.n_prefills += 1
-        session.start(list(first))
+        session.start(first)
         return session
 
     def build_stack(self, full: FullCache, query_log: QueryLog, name: str
@@ -364,16 +339,14 @@ class Session:
     def probe_plain_tbt(self, n_tokens: int = 8) -> float:
         """Milliseconds per token of plain decoding at this context length (the speedup's
         baseline, measured on this machine); the session is left as it was."""
-        length = self.length
         plain = LevelStack(Scorer(self.engine.target, self.full), None, LevelStats("probe"), GammaTuner(0, 1))
         plain.reset(self.tokens)
-        plain.truncate(length)
         coins = GeneratorCoins(torch.Generator().manual_seed(0))
         t0 = now(self.engine.device)
         for _ in range(n_tokens):
             run(plain.step(SamplingConfig(), coins, n_tokens))
         ms = 1000 * (now(self.engine.device) - t0) / n_tokens
-        plain.truncate(length)
+        plain.truncate(self.length)
         return ms
 
     @parallel.everywhere
@@ -381,9 +354,8 @@ class Session:
         self.stack.reset(tokens)
 
     def read(self, ids: list[int], on_progress: Progress | None = None, cancel=None) -> None:
-        """Prefill more of the document after the tokens held, before any question: a long book read
-        in parts, or a stopped reading taken up again. Stopped by `cancel` (or failed), the session
-        keeps every whole chunk read, so its `length` says where to go on from."""
+        """Prefill more of the document, before any question (a long book read in parts). Stopped by
+        `cancel` (or failed), the session keeps every whole chunk read: its `length` says where to go on."""
         if self.leader is not None:  # tensor parallel: every rank reads, taking rank 0's cancel flag
             return self.leader.call(parallel.read, self.sid, list(ids), on_progress=on_progress, cancel=cancel)
         self.read_here(ids, on_progress, cancel)
@@ -397,7 +369,7 @@ class Session:
         n_held = self.length
         self.engine.check_ids(ids, "document", n_held)
         try:
-            self.engine.prefill(self.full, ids, self.query_log, on_progress, cancel)
+            run(self.engine.prefill_steps(self.full, ids, self.query_log, on_progress, cancel))
         finally:  # the chunks whose KV is in the full cache are committed, all of them
             self.stack.reset(self.tokens + ids[:self.full.length - n_held])
 
@@ -412,20 +384,17 @@ class Session:
     @parallel.everywhere
     def score_document(self, question_ids: list[int], start: int, end: int,
                        neutral_ids: list[int]) -> list[tuple[int, int, float]]:
-        """(start, end, share) of every chunk of document positions [start, end) (chunks of the
-        retrieval level's size): how much more the question's attention reads it than the neutral
-        question's (engine/sources.py), for any level stack. Both are run through the target for
-        their queries and their KV is dropped: the session, its query log and the answer asked
-        next are as without this call. The neutral scores are kept per span. Under tensor
-        parallel: the heads of rank 0."""
+        """(start, end, share) of every retrieval chunk of document positions [start, end): how much
+        more the question's attention reads it than the neutral question's (engine/sources.py). Both
+        run through the target and their KV is dropped: the session is as without this call. Under
+        tensor parallel: rank 0's heads."""
         if not question_ids or not neutral_ids:
             raise EmptyPrompt("question")
-        C = self.engine.config.retrieval.chunk_tokens
         key = (tuple(neutral_ids), start, end)
         if key not in self._neutral_shares:
             self._neutral_shares = {key: self._layer_shares(neutral_ids, start, end)}
         shares = contrast(self._layer_shares(question_ids, start, end), self._neutral_shares[key])
-        return chunk_ranges(shares, start, C)
+        return chunk_ranges(shares, start, self.engine.config.retrieval.chunk_tokens)
 
     def _layer_shares(self, ids: list[int], start: int, end: int):
         """[L, n] attention of the last of `ids`, asked now, over the chunks of [start, end)."""
@@ -434,7 +403,7 @@ class Session:
             n_kept = self.full.length
             log = QueryLog(self.engine.target.config.n_layers, 1)
             try:
-                self.engine.prefill(self.full, self.tokens[n_kept:] + ids, log)
+                run(self.engine.prefill_steps(self.full, self.tokens[n_kept:] + ids, log))
             finally:  # slots past the length are stale: the next question writes its own
                 self.full.truncate(n_kept)
             return layer_shares(log.queries, self.full.k, start, min(end, n_kept),
@@ -455,7 +424,7 @@ class Session:
             yield from self.leader.batcher.ask(self, question_ids, sampling, cancel, stop_ids)
             return
         with self.lock:
-            yield from drive(self._steps(question_ids, sampling, cancel, stop_ids, coins))
+            yield from drive(self._answer(question_ids, sampling, cancel, stop_ids, coins))
 
     def answer_steps(self, question_ids: list[int], sampling: SamplingConfig = SamplingConfig(),
                      cancel=None, stop_ids: set[int] | None = None, coins: Coins | None = None
@@ -465,20 +434,17 @@ class Session:
         if not self.lock.acquire(blocking=False):
             raise Busy()
         try:
-            yield from self._steps(question_ids, sampling, cancel, stop_ids, coins)
+            yield from self._answer(question_ids, sampling, cancel, stop_ids, coins)
         finally:
             self.lock.release()
 
-    def _steps(self, question_ids, sampling, cancel, stop_ids, coins):
+    def _answer(self, question_ids, sampling, cancel, stop_ids, coins):
         if not question_ids:
             raise EmptyPrompt("question")
         self.engine.check_ids(question_ids, "question", self.length)
         coins = coins or GeneratorCoins(torch.Generator().manual_seed(sampling.seed))
         if self.sid is not None:  # tensor parallel: every rank takes rank 0's draws and cancel flag
             coins, cancel = parallel.SharedCoins(coins), parallel.SharedFlag(cancel)
-        yield from self._answer(question_ids, sampling, cancel, stop_ids or set(), coins)
-
-    def _answer(self, question_ids, sampling, cancel, stop_ids, coins):
         engine, stack = self.engine, self.stack
         max_new = min(sampling.max_new_tokens, engine.max_context - self.length - len(question_ids))
         for s in self.level_stats:
@@ -499,7 +465,7 @@ class Session:
                 yield Event([], stats, None, "cancelled")
                 return
             t0 = now(engine.device)
-            new, reason = yield from stack.step(sampling, coins, max_new - n_new, stop_ids)
+            new, reason = yield from stack.step(sampling, coins, max_new - n_new, stop_ids or set())
             t1 = now(engine.device)
             n_new += len(new)
             if t_first:
@@ -515,13 +481,12 @@ class Session:
     def _stats(self, n_new, n_first, t_start, t_first, t_now, tbt_last_s, steps_s) -> Stats:
         n_after_first, top = n_new - n_first, self.level_stats[-1]
         mean_s = (t_now - t_first) / n_after_first if n_after_first else tbt_last_s
+        step_s = steps_s / n_after_first if n_after_first else tbt_last_s
         plain_s = top.alone_s / top.n_alone if top.n_alone else self.stack.tuner.check_s.get(1, 0.0)
-        return Stats([replace(s) for s in self.level_stats], n_tokens=n_new, elapsed_s=t_now - t_start,
-                     ttft_s=t_first - t_start, tbt_ms_last=1000 * tbt_last_s, tbt_ms_mean=1000 * mean_s,
-                     drafter_s=self.stack.drafter_s,
-                     step_ms_mean=1000 * (steps_s / n_after_first if n_after_first else tbt_last_s),
-                     plain_ms=1000 * plain_s,
-                     kv_host_memory=self.full.host_memory if isinstance(self.full, OffloadCache) else "")
+        host_memory = self.full.host_memory if isinstance(self.full, OffloadCache) else ""
+        return Stats([replace(s) for s in self.level_stats], n_new, ttft_s=t_first - t_start,
+                     tbt_ms_last=1000 * tbt_last_s, tbt_ms_mean=1000 * mean_s, drafter_s=self.stack.drafter_s,
+                     step_ms_mean=1000 * step_s, plain_ms=1000 * plain_s, kv_host_memory=host_memory)
 
     def _reading(self, seen_version):
         """Token ranges the retrieval cache reads, when they changed since `seen_version`."""
@@ -544,24 +509,11 @@ class Session:
         queries = [q if q is None else q.cpu() for q in self.query_log.queries]
         return {"tokens": self.tokens, "cache": self.full.state(), "queries": queries, "meta": meta or {}}
 
-    @classmethod
-    def from_state(cls, engine: Engine, state: dict, n_total: int | None = None,
-                   doc_ids: list[int] | None = None) -> Session:
-        if doc_ids is not None:
-            state = shared_start(state, doc_ids, engine.prefill_chunk_tokens)
-        n_tokens = max(state["cache"]["k"].shape[3], n_total or 0)
-        full = engine.new_full_cache(min(engine.max_context, n_tokens + CHAT_CAPACITY_TOKENS), state["cache"])
-        session = cls(engine, full)
-        session.query_log.queries = [q if q is None else q.to(engine.device) for q in state["queries"]]
-        session.start(state["tokens"])
-        return session
-
 
 def shared_start(state: dict, doc_ids: list[int], chunk_tokens: int) -> dict:
     """A snapshot's state cut to the whole prefill chunks its tokens share with `doc_ids`, leaving
-    at least one token of `doc_ids` to read: the first 16K tokens of a book read before its first
-    32K. Their KV is what reading `doc_ids` gives, bit for bit (the same tokens in the same
-    forwards). The retrieval queries belong to later tokens, so they go."""
+    at least one token of `doc_ids` to read. Their KV is what reading `doc_ids` gives, bit for bit
+    (the same tokens in the same forwards); the retrieval queries belong to later tokens, so they go."""
     saved = state["tokens"]
     n = shared_prefix(saved, doc_ids[:-1])
     n -= n % chunk_tokens
@@ -574,14 +526,13 @@ def shared_start(state: dict, doc_ids: list[int], chunk_tokens: int) -> dict:
 def reading_ranges(chunk_starts: torch.Tensor, chunk_tokens: int, top: int = 12) -> list[tuple[int, int, float]]:
     """Merge selected chunks ([L, B, Hkv, n] start positions) into ranges weighted by selection share."""
     starts, counts = chunk_starts.flatten().unique(return_counts=True)
-    total = float(counts.sum())
     ranges: list[list[float]] = []
-    for s, n in zip(starts.tolist(), counts.tolist()):
+    for s, share in zip(starts.tolist(), (counts.double() / counts.sum()).tolist()):
         if ranges and ranges[-1][1] == s:
             ranges[-1][1] = s + chunk_tokens
-            ranges[-1][2] += n / total
+            ranges[-1][2] += share
         else:
-            ranges.append([s, s + chunk_tokens, n / total])
+            ranges.append([s, s + chunk_tokens, share])
     ranges.sort(key=lambda r: -r[2])
     return [(int(a), int(b), w) for a, b, w in ranges[:top]]
 

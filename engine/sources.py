@@ -1,11 +1,9 @@
 """Where a question reads in the document: the sources of an answer, from the model's own attention.
 
-The question's last query (the one whose output is the answer's first token) attends, in every
-layer and query head, over the document's keys in the full cache; each chunk gets that attention's
-mass, normalised per layer (`layer_shares`), contrasted with a neutral question's (`contrast`: a
-book's opening and headings draw attention whatever is asked). The retrieval level's rule (mean
-keys) found the passage holding a fact less often (benchmarks/RESULTS.md, issue 55).
-`Session.score_document` drops the questions' KV afterwards; text passages are the app's.
+The question's last query (whose output is the answer's first token) attends, in every layer and
+query head, over the document's keys in the full cache; each chunk gets that attention's mass,
+normalised per layer (`layer_shares`), contrasted with a neutral question's (`contrast`: a book's
+opening and headings draw attention whatever is asked). Text passages are the app's.
 """
 
 from __future__ import annotations
@@ -24,8 +22,6 @@ def layer_shares(queries: list[torch.Tensor | None], keys: torch.Tensor, start: 
     C, L = chunk_tokens, len(queries)
     n = max(0, end - start) // C
     shares = torch.zeros(L, n, dtype=torch.float64)
-    if n == 0:
-        return shares
     for layer_idx, q in enumerate(queries):
         if q is None:
             continue

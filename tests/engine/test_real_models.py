@@ -13,6 +13,7 @@ import torch
 from engine.attention import cpu_kernel
 from engine.config import LEVEL_STACKS, EngineConfig, RetrievalConfig, SamplingConfig
 from engine.device import pick_dtype
+from engine.model import run
 from engine.quant import is_quantized
 from engine.session import Engine
 from tests.conftest import XDIST, packaged_or_skip
@@ -44,7 +45,7 @@ def load(name: str, dtype: str = "float32") -> Engine:
 def top2_margin(engine: Engine, prefix: list[int]) -> float:
     """Gap between the two largest logits of plain decoding after `prefix`."""
     cache = engine.new_full_cache(len(prefix))
-    engine.prefill(cache, prefix[:-1], None)
+    run(engine.prefill_steps(cache, prefix[:-1], None))
     logits = engine.target(torch.tensor([prefix[-1:]]), torch.tensor([len(prefix) - 1]), cache)[0, -1]
     top = logits.topk(2).values
     return float(top[0] - top[1])

@@ -103,7 +103,7 @@ def test_flash_path_takes_the_tree_classification_from_the_call(monkeypatch):
 def test_segments_carry_whether_their_tail_is_a_tree():
     """The checker classifies its tail where it builds it (on the host): a tree of two siblings
     is a tree, a chain is not; prefill chains are not; and the kernels are told so."""
-    from engine.model import QueryLog
+    from engine.model import QueryLog, run
     from engine.sampling import Draft
     from engine.speculative import Scorer
 
@@ -116,7 +116,7 @@ def test_segments_carry_whether_their_tail_is_a_tree():
 
     engine.target.set_attention(attend)
     cache = engine.new_full_cache(64)
-    engine.prefill(cache, list(range(5, 25)), None)
+    run(engine.prefill_steps(cache, list(range(5, 25)), None))
     scorer = Scorer(engine.target, cache, QueryLog(2, 4))
     siblings = Draft(torch.tensor([7, 8, 9]), torch.tensor([-1, -1, 0]), None)  # 7 and 8 both follow the root
     for draft in (siblings, Draft.chain([7, 8, 9])):
