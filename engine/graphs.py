@@ -4,10 +4,9 @@
 the retrieval cache (the middle level's single-token chains) whose shapes never change: token,
 position and slot arrive as device tensors, the new K/V are written at the slot (`kv.StaticSlots`)
 and attention runs over the whole capacity with a [1, S_max] key mask. On CUDA with
-`use_cuda_graphs`, `CudaGraphStep` captures it once, when the level stack is built (a capture
-synchronises the device: every capture holds `CAPTURE_LOCK`), and replays it; elsewhere the eager
-`Forward` path runs, the reference the tests compare the uncaptured static step with
-(`force_static_steps`). The capture has never run on a GPU; see README "Running on GPUs".
+`use_cuda_graphs`, `CudaGraphStep` captures it once, when the level stack is built, and replays
+it; elsewhere the eager `Forward` path runs, the reference the tests compare the uncaptured static
+step with (`force_static_steps`).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ log = logging.getLogger(__name__)
 # Tests set this to build the static steps on any device and run them uncaptured: the exact
 # check of the code CUDA captures (as nanochat's flash-attention override).
 force_static_steps = False
-CAPTURE_LOCK = threading.Lock()  # one capture at a time in the process (see the module doc)
+CAPTURE_LOCK = threading.Lock()  # a capture synchronises the device: one at a time in the process
 
 
 @functools.cache
@@ -44,64 +43,38 @@ def graphs_available(device: torch.device, use_cuda_graphs: bool) -> bool:
 
 
 class CudaGraphStep:
-    """`step(*tensors) -> tensor` captured per input signature and replayed (CUDA only).
+    """`step(*inputs) -> tensor` captured once, at construction, and replayed (CUDA only). Calls
+    pass tensors of `inputs`' shapes and dtypes; the step reads everything that changes from them,
+    and its Python side effects must not depend on the call: a replay runs no Python."""
 
-    The step must read everything that changes between calls from its tensor arguments, and its
-    Python side effects must not depend on the call: a replay runs no Python.
-    """
-
-    def __init__(self, step: Callable[..., torch.Tensor], device: torch.device, max_graphs: int = 16):
-        self.step, self.device, self.max_graphs = step, device, max_graphs
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor]] = {}
-        self.pool = None  # one memory pool shared by every captured graph
-
-    def capture(self, *inputs: torch.Tensor) -> None:
-        """Capture the graph of `inputs`' signature now (their values only warm it up)."""
-        with torch.cuda.device(self.device):
-            key = tuple((t.shape, t.dtype) for t in inputs)
-            if key not in self.graphs:
-                self.graphs[key] = self._capture(inputs)
-
-    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+    def __init__(self, step: Callable[..., torch.Tensor], device: torch.device, *inputs: torch.Tensor):
+        self.device = device
         # streams, capture and replay belong to the current device: make it the step's (cuda:1
         # under cuda:0 as current would capture on the wrong device and replay stale outputs)
+        with torch.cuda.device(device), CAPTURE_LOCK:
+            self.inputs = [t.clone() for t in inputs]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside the graph (cuBLAS handles, autotuning)
+                step(*self.inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            # thread_local: other threads may serve other readers' eager forwards meanwhile
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                self.output = step(*self.inputs)
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
         with torch.cuda.device(self.device):
-            key = tuple((t.shape, t.dtype) for t in inputs)
-            if key not in self.graphs:
-                if len(self.graphs) >= self.max_graphs:  # too many shapes: this call runs eager
-                    return self.step(*inputs)
-                self.graphs[key] = self._capture(inputs)
-            graph, static_inputs, static_output = self.graphs[key]
-            for buffer, t in zip(static_inputs, inputs):
+            for buffer, t in zip(self.inputs, inputs):
                 buffer.copy_(t)
-            graph.replay()
-            return static_output.clone()  # the static buffer is overwritten by the next replay
-
-    def _capture(self, inputs):
-        with CAPTURE_LOCK:
-            return self._capture_alone(inputs)
-
-    def _capture_alone(self, inputs):
-        static_inputs = [t.clone() for t in inputs]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the graph (cuBLAS handles, autotuning)
-            self.step(*static_inputs)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads may serve other readers' eager forwards meanwhile
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            static_output = self.step(*static_inputs)
-        self.pool = graph.pool()
-        return graph, static_inputs, static_output
+            self.graph.replay()
+            return self.output.clone()  # the static buffer is overwritten by the next replay
 
 
 class StaticDecodeStep:
-    """`step(token, pos) -> logits [1, 1, V]` of `model` over `cache`, at slot `cache.length`.
-
-    The cache's buffers must never be reallocated (a graph holds their addresses): true of the
-    streaming and retrieval caches, whose capacity is fixed at construction.
-    """
+    """`step(token, pos) -> logits [1, 1, V]` of `model` over `cache`, at slot `cache.length`. The
+    cache's buffers must never be reallocated (a graph holds their addresses): true of the
+    streaming and retrieval caches, whose capacity is fixed at construction."""
 
     def __init__(self, model: Transformer, cache: SlotCache, is_captured: bool):
         self.model, self.cache = model, cache
@@ -109,8 +82,7 @@ class StaticDecodeStep:
             t[:, :, :, cache.length:].zero_()  # weight 0 does not cancel (0 * NaN); stale ones are finite
         self.step = self.forward
         if is_captured:  # now, with the stack: the cache's next slot takes the warm-up's K/V (stale, never read)
-            self.step = CudaGraphStep(self.forward, cache.k.device)
-            self.step.capture(*self._inputs(0, cache.length))
+            self.step = CudaGraphStep(self.forward, cache.k.device, *self._inputs(0, cache.length))
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, slot_idx: torch.Tensor) -> torch.Tensor:
         """ids: [1, 1]; pos: [1] absolute (RoPE); slot_idx: [1], the cache's length."""

@@ -22,9 +22,6 @@ from engine.kv.retrieval import MEAN_SLICE_TOKENS
 GIB = 1 << 30
 RESERVE_FRACTION = 0.05  # of each device's free memory left unplanned: allocator fragmentation
 N_KV_BUFFERS = 2  # offloaded layers stream through a double buffer (layer i+1 copies while i runs)
-# The drafter's StreamingLLM cache holds sinks + window + the tokens of one answer.
-DRAFT_CACHE_TOKENS = (EngineConfig.streaming_sink_tokens + EngineConfig.streaming_window_tokens
-                      + SamplingConfig.max_new_tokens)
 
 
 @dataclass(frozen=True)
@@ -63,7 +60,6 @@ class DevicePlan:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    n_tokens: int
     n_layers: int
     n_resident_kv_layers: int  # layers whose full KV stays on the GPU (all of them when on chip)
     devices: tuple[DevicePlan, ...]  # the GPU ranks, then the host when it holds anything
@@ -83,7 +79,9 @@ class Workload:
     retrieval: RetrievalConfig = RetrievalConfig()  # its chunks and scoring queries size a rebuild
     prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens
     offload_allowed: bool = True
-    draft_cache_tokens: int = DRAFT_CACHE_TOKENS
+    # the drafter's StreamingLLM cache: sinks + window + the tokens of one answer
+    draft_cache_tokens: int = (EngineConfig.streaming_sink_tokens + EngineConfig.streaming_window_tokens
+                               + SamplingConfig.max_new_tokens)
     has_tail_masks: bool = True  # prefill builds [T, S] masks (SDPA); flash-attn's causal chains do not
     # logits rows a forward asks for: a prefill chunk one (its last token), a check its draft + 1
     n_logit_rows: int = EngineConfig.max_gamma + 1
@@ -103,9 +101,8 @@ def weight_bytes(cfg: ModelConfig, dtype_bytes: int, n_ranks: int = 1) -> int:
 
 def activation_bytes(cfg: ModelConfig, chunk_tokens: int, n_tokens: int, dtype_bytes: int,
                      n_ranks: int = 1, has_tail_masks: bool = True, n_logit_rows: int = 1) -> int:
-    """Upper bound of one prefill chunk's live tensors on one rank (their sum, not their peak).
-    Logits are made only for the `n_logit_rows` rows a forward asks for (model.Segment
-    `n_logits`: 1 in prefill, a draft's length + 1 in a check), never for the whole chunk."""
+    """Upper bound of one prefill chunk's live tensors on one rank (their sum, not their peak), with
+    logits only for the `n_logit_rows` a forward asks for (model.Segment `n_logits`)."""
     q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     hidden = 2 * cfg.dim + 2 * (q_dim + kv_dim) // n_ranks  # residual, normed, q, k, v, attn out
     mlp = 3 * cfg.intermediate // n_ranks  # gate, up, act(gate) * up
@@ -139,17 +136,16 @@ def _fixed_parts(target: ModelConfig, n_tokens: int, n_ranks: int, work: Workloa
     """Everything on one rank except the full cache."""
     dtype_bytes, draft = work.dtype_bytes, work.draft
     has_own_weights = draft not in (None, target)  # self-speculation shares the target's weights
+    prefill = activation_bytes(target, work.prefill_chunk_tokens, n_tokens, dtype_bytes, n_ranks,
+                               work.has_tail_masks, work.n_logit_rows)
+    rebuild = (rebuild_bytes(target, n_tokens, dtype_bytes, n_ranks, work.retrieval)
+               if work.retrieval_budget_tokens else 0)  # no middle level, no rebuilds
     return DevicePlan(
         "", 0, weights_bytes=weight_bytes(target, dtype_bytes, n_ranks),
         retrieval_kv_bytes=work.retrieval_budget_tokens * target.kv_bytes_per_token(dtype_bytes) // n_ranks,
         drafter_weights_bytes=weight_bytes(draft, dtype_bytes) if has_own_weights else 0,
         drafter_cache_bytes=work.draft_cache_tokens * draft.kv_bytes_per_token(dtype_bytes) if draft else 0,
-        # a prefill chunk's, or (while decoding, after prefill) a retrieval rebuild's
-        activation_bytes=max(activation_bytes(target, work.prefill_chunk_tokens, n_tokens, dtype_bytes,
-                                              n_ranks, work.has_tail_masks, work.n_logit_rows),
-                             rebuild_bytes(target, n_tokens, dtype_bytes, n_ranks, work.retrieval)
-                             if work.retrieval_budget_tokens
-                             else 0),
+        activation_bytes=max(prefill, rebuild),  # a prefill chunk's, or (while decoding) a retrieval rebuild's
         query_log_bytes=query_log_bytes(target, work.retrieval.n_score_queries, dtype_bytes, n_ranks))
 
 
@@ -167,7 +163,7 @@ def _plan(target: ModelConfig, n_tokens: int, devices: list[DeviceBudget],
                for d in gpus or hosts]  # CPU only: everything in host memory, nothing to offload
     why = [_fits(p) for p in on_chip if _fits(p)]
     if not why:
-        return MemoryPlan(n_tokens, n_layers, n_layers, tuple(on_chip))
+        return MemoryPlan(n_layers, n_layers, tuple(on_chip))
     if not gpus or not work.offload_allowed or not hosts:
         return why[0] + ("" if not gpus else " (offloading is off)" if not work.offload_allowed
                          else " (no host memory was given for offloading)")
@@ -180,7 +176,7 @@ def _plan(target: ModelConfig, n_tokens: int, devices: list[DeviceBudget],
     # the host holds every layer of every rank (engine/kv/offload.py): the resident layers too,
     # as the authoritative copy that snapshots and the retrieval cache read
     host = DevicePlan(hosts[0].name, hosts[0].free_bytes, full_kv_bytes=n_layers * layer_kv * n_ranks)
-    return _fits(host) or MemoryPlan(n_tokens, n_layers, n_resident, tuple(plans) + (host,))
+    return _fits(host) or MemoryPlan(n_layers, n_resident, tuple(plans) + (host,))
 
 
 def _fits(plan: DevicePlan) -> str:
@@ -226,10 +222,9 @@ def free_memory_bytes(device: str | torch.device) -> int:
 def resident_kv_layers(target: ModelConfig, n_tokens: int, gpu_free_bytes: list[int], host_free_bytes: int,
                        work: Workload) -> int:
     """Layers of an offloaded full cache that stay on each GPU for `n_tokens`. `target` whole (not
-    one rank's shard); `gpu_free_bytes`: each rank's free memory measured now plus the weights it
-    holds already (the plan counts them), `host_free_bytes` the host's, the same numbers on every
-    rank (session.py gathers them), so every rank reaches the same plan and the host is planned
-    for all ranks' KV together."""
+    one rank's shard); `gpu_free_bytes`: each rank's free memory plus the weights it holds already
+    (the plan counts them). Every rank passes the same numbers (session.py gathers them), so all
+    reach the same plan, and the host is planned for all ranks' KV together."""
     devices = [DeviceBudget(f"cuda:{i}", free, "cuda") for i, free in enumerate(gpu_free_bytes)]
     devices.append(DeviceBudget("cpu", host_free_bytes, "cpu"))
     return plan_memory(target, n_tokens, devices, work).n_resident_kv_layers

@@ -1,20 +1,18 @@
-"""Tensor parallelism over several GPUs (docs/ALGORITHM.md section 8, "Two GPUs"); gloo on CPU in tests.
+"""Tensor parallelism over several GPUs (docs/ALGORITHM.md section 8); gloo on CPU in tests.
 
 `shard` turns a loaded Transformer into one rank's part, as gpt-fast's tp.py does: query heads, KV
-heads (a KV head keeps its query heads) and MLP columns split evenly; the partial outputs of
-attention and the MLP summed by an all-reduce (forward hooks on the blocks); embeddings, norms and
-lm_head whole. Every rank runs the same session code on its shard, in step, and takes rank 0's
-decisions: its coins (`SharedCoins`), cancel flag (`SharedFlag`) and draft lengths (`shared`).
-Rank 0 drives (`Leader.call`): a session's changes (`everywhere`) and each batch round
-(engine/batch.py) are broadcast, then made on every rank (`follow`). `start` spawns ranks
-1..N-1 or joins torchrun.
+heads (a KV head keeps its query heads) and MLP columns split evenly, the partial outputs of
+attention and the MLP summed by an all-reduce; embeddings, norms and lm_head whole. Every rank
+runs the same session code on its shard, in step, and takes rank 0's decisions: its coins, cancel
+flag and draft lengths. Rank 0 drives (`Leader.call`): a session's changes (`everywhere`) and each
+batch round (engine/batch.py) are broadcast, then made on every rank (`follow`). `start` spawns
+ranks 1..N-1 or joins torchrun.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import itertools
 import logging
 import os
@@ -38,18 +36,15 @@ from engine.sampling import Coins
 log = logging.getLogger(__name__)
 
 # Every collective ends within this, or raises on every rank still in it (NCCL too: blocking
-# waits, `nccl_environment`), which rank 0 turns into `RankFailed`. Ranks > 0 wait inside one for
-# rank 0's next call, so rank 0 sends a no-op call when idle (every `HEARTBEAT_FRACTION` of it).
-# The ranks of one forward meet at every layer, so a rank that fails or hangs is noticed soon.
+# waits), which rank 0 turns into `RankFailed`. Ranks > 0 wait inside one for rank 0's next call,
+# so an idle rank 0 sends a no-op call every `HEARTBEAT_FRACTION` of it.
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 HEARTBEAT_FRACTION = 0.25
-HEARTBEAT_S = COLLECTIVE_TIMEOUT.total_seconds() * HEARTBEAT_FRACTION
 START_TIMEOUT = timedelta(minutes=5)  # the ranks meet this soon after spawning, or one failed
 LOAD_TIMEOUT = timedelta(hours=2)  # spawned ranks wait this long for rank 0's model (a GGUF converts once)
 READY_KEY = "bookchat/ready"
 FAILURE_KEY = "bookchat/failed"  # in the spawned ranks' store: why a rank left
-# How a call ended on a rank; after each call the ranks compare (`_agree`).
-COMPLETED, TYPED_ERROR = 0, 1  # a typed error (bad input) is raised alike on every rank
+COMPLETED, TYPED_ERROR = 0, 1  # how a call ended on a rank (`_agree`); bad input raises alike on every rank
 
 
 class RankFailed(EngineError):
@@ -71,28 +66,23 @@ def _all_reduce(module: nn.Module, inputs, output: torch.Tensor) -> torch.Tensor
     return output
 
 
-def dequantize(model: Transformer) -> Transformer:
-    """`model` with every GGUF block linear and embedding (engine/quant.py) replaced in place by a
-    plain one of the model's dtype, the file's values exactly (float32, then that dtype): a row of
-    blocks cannot be split by columns, and the blocks' kernel runs on a CPU only. Tied embeddings
-    stay tied."""
+def dequantize(model: Transformer) -> None:
+    """Replace every GGUF block linear and embedding (engine/quant.py) in place by a plain one of
+    the model's dtype (the file's values in float32, then cast): a row of blocks cannot be split
+    by columns, and the blocks' kernel runs on a CPU only. Tied embeddings stay tied."""
     dtype = model.model.norm.weight.dtype
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, QuantLinear):
-                dense = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
-                                  device="meta")
-                dense.weight = nn.Parameter(child.dequantized().to(dtype), requires_grad=False)
-                if child.bias is not None:
-                    dense.bias = nn.Parameter(child.bias.to(dtype), requires_grad=False)
-                setattr(module, name, dense)
-            elif isinstance(child, QuantEmbedding):
-                table = torch.empty(child.weight.shape[0], child.dim)  # [V, dim] float32
-                table = child.kernel.dequantize(child.weight, child.qtype, table)
-                setattr(module, name, nn.Embedding.from_pretrained(table.to(dtype), freeze=True))
+    for name, child in list(model.named_modules()):
+        if isinstance(child, QuantLinear):
+            dense = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+            dense.weight = nn.Parameter(child.dequantized().to(dtype), requires_grad=False)
+            if child.bias is not None:
+                dense.bias = nn.Parameter(child.bias.to(dtype), requires_grad=False)
+            model.set_submodule(name, dense)
+        elif isinstance(child, QuantEmbedding):
+            table = child(torch.arange(child.weight.shape[0]))  # [V, dim] float32: every id's row
+            model.set_submodule(name, nn.Embedding.from_pretrained(table.to(dtype), freeze=True))
     if model.config.has_tied_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model
 
 
 def shard(model: Transformer, rank: int, n_ranks: int) -> Transformer:
@@ -125,8 +115,7 @@ def _device() -> torch.device:
 
 
 def shared(value: int | float, dtype: torch.dtype = torch.float64) -> int | float:
-    """Rank 0's `value` on every rank, exactly (the others' `value` is ignored); float64 by default:
-    the tuners' `share` under tensor parallel."""
+    """Rank 0's `value` on every rank, exactly: the tuners' `share` under tensor parallel."""
     t = torch.tensor([value], dtype=dtype, device=_device())
     dist.broadcast(t, src=0)
     return t.item()
@@ -185,21 +174,18 @@ class Ranks:
 def everywhere(method: Callable) -> Callable:
     """For the `Session` methods that change a session: on rank 0 of a tensor-parallel engine (the
     session's `leader` set), the same call is made on every rank's copy of the session, in step."""
-    signature = inspect.signature(method)
-
     @functools.wraps(method)
     def call(session, *args, **kwargs):
         if session.leader is None:
             return method(session, *args, **kwargs)
-        args = signature.bind(session, *args, **kwargs).args[1:]  # broadcast by position
-        return session.leader.call(_method, session.sid, method.__name__, *args)
+        return session.leader.call(_method, session.sid, method.__name__, args, kwargs)
     return call
 
 
 # Calls made on every rank: fn(ranks, *broadcast args, **rank 0's local arguments)
-def _method(ranks: Ranks, sid: int, name: str, *args):
+def _method(ranks: Ranks, sid: int, name: str, args: tuple, kwargs: dict):
     session = ranks.sessions[sid]
-    return getattr(type(session), name).__wrapped__(session, *args)
+    return getattr(type(session), name).__wrapped__(session, *args, **kwargs)
 
 
 def _open(ranks: Ranks, sid: int, doc_ids: list[int], n_first=None, on_progress=None, cancel=None, leader=None):
@@ -243,12 +229,12 @@ def whole_state(state: dict) -> dict | None:
     elsewhere): the same format as one process's, so the library stores and verifies one file
     (and any number of ranks restores it, `_restore`)."""
     cache = {name: _gathered_heads(t) for name, t in state["cache"].items()}  # [L, B, Hkv, S, D]
-    has_queries = all(q is not None for q in state["queries"])
-    queries = _gathered_heads(torch.stack(state["queries"])) if has_queries else None  # [L, B, H, M, D]
+    queries = [None] * len(state["queries"])  # kept when every layer has them
+    if all(q is not None for q in state["queries"]):
+        queries = _gathered_heads(torch.stack(state["queries"]))  # [L, B, H, M, D]
     if dist.get_rank() > 0:
         return None
-    queries = list(queries.unbind(0)) if has_queries else [None] * len(state["queries"])
-    return state | {"cache": cache, "queries": queries}
+    return state | {"cache": cache, "queries": list(queries)}
 
 
 def _idle(ranks: Ranks):
@@ -256,10 +242,8 @@ def _idle(ranks: Ranks):
 
 
 class Leader:
-    """Rank 0's engine: calls that run the model are made on every rank (`call`); reads (tokenizer,
-    config, max_context ...) go to the local engine. One call at a time across all sessions. The
-    sessions it opens are rank 0's own, whose changes go to every rank (`everywhere`); their
-    answers run in batch rounds on every rank (engine/batch.py)."""
+    """Rank 0's engine: calls that run the model are made on every rank, one at a time (`call`);
+    reads (tokenizer, config, max_context ...) go to the local engine."""
 
     def __init__(self, engine, workers: list, store=None, timeout: timedelta = COLLECTIVE_TIMEOUT):
         self.engine, self.workers, self.store = engine, workers, store
@@ -343,10 +327,9 @@ class Leader:
 
 
 def follow(engine, store=None) -> None:
-    """Ranks > 0: make every call rank 0 broadcasts, until it closes, then leave the group. Any
-    other failure (out of memory, a bug, rank 0 gone) leaves this rank out of step for good: it
-    says why in `store` and exits, which ends rank 0's waiting collective (gloo at once, NCCL at
-    its timeout)."""
+    """Ranks > 0: make every call rank 0 broadcasts, until it closes. Any other failure (out of
+    memory, a bug, rank 0 gone) leaves this rank out of step for good: it says why in `store` and
+    exits, which ends rank 0's waiting collective (gloo at once, NCCL at its timeout)."""
     ranks = Ranks(engine)
     try:
         while True:
@@ -378,19 +361,15 @@ def _leave_group() -> None:
 
 
 def rank_device(device: torch.device) -> torch.device:
-    """This rank's device: its own GPU (LOCAL_RANK under torchrun), or the CPU for gloo."""
-    if device.type != "cuda":
-        return device
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    """This rank's device: the GPU `_join` made current, or the CPU for gloo."""
+    return _device() if device.type == "cuda" else device
 
 
 def nccl_environment(n_ranks: int) -> dict[str, str]:
-    """NCCL's settings for this machine's GPUs 0..n_ranks-1, set in os.environ before the group
-    is made (a user's own values win); returns them. GPUs without peer-to-peer access (RTX 4090s
-    and other consumer cards) hang in NCCL's P2P transport, a known NCCL issue: it goes through
-    host memory instead (`NCCL_P2P_DISABLE`). Blocking waits make a timed-out collective raise
-    in the thread that waits, so rank 0 says `RankFailed`; without them NCCL's watchdog ends the
-    process."""
+    """NCCL's settings for GPUs 0..n_ranks-1, set in os.environ before the group is made (a user's
+    own values win); returns them. Without peer-to-peer access (RTX 4090s) NCCL's P2P transport
+    hangs: go through host memory. Blocking waits make a timed-out collective raise (`RankFailed`)
+    instead of NCCL's watchdog ending the process."""
     settings = {"TORCH_NCCL_BLOCKING_WAIT": "1"}
     if any(not torch.cuda.can_device_access_peer(i, j) for i in range(n_ranks) for j in range(n_ranks) if i != j):
         settings["NCCL_P2P_DISABLE"] = "1"
@@ -411,8 +390,8 @@ def _join(rank: int, n_ranks: int, store, device: torch.device, timeout: timedel
     dist.distributed_c10d._set_pg_timeout(timeout)
 
 
-def _serve(make_engine: Callable, rank: int, n_ranks: int, port: int, device: torch.device, n_threads: int,
-           timeout: timedelta = COLLECTIVE_TIMEOUT):
+def _serve(rank: int, make_engine: Callable, n_ranks: int, port: int, device: torch.device, n_threads: int,
+           timeout: timedelta):
     torch.set_num_threads(n_threads)
     store = dist.TCPStore("127.0.0.1", port, n_ranks, False, timeout=START_TIMEOUT)
     _join(rank, n_ranks, store, device, timeout)
@@ -426,8 +405,7 @@ def start(make_engine: Callable[[], object], n_ranks: int, device: torch.device,
     """Rank 0's engine over `n_ranks` processes; `make_engine()` builds one rank's engine (its
     shard) once the process group is up, and must pickle. Under torchrun every process calls
     this: ranks > 0 serve until rank 0 closes, then exit. Otherwise this process is rank 0 and
-    spawns ranks 1..n-1 on this machine (NCCL on CUDA, gloo on CPU). `timeout`: of every
-    collective (tests shorten it)."""
+    spawns ranks 1..n-1 on this machine. `timeout`: of every collective (tests shorten it)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         assert int(os.environ["WORLD_SIZE"]) == n_ranks, f"torchrun started {os.environ['WORLD_SIZE']} ranks"
         _join(int(os.environ["RANK"]), n_ranks, None, device, timeout)
@@ -437,10 +415,8 @@ def start(make_engine: Callable[[], object], n_ranks: int, device: torch.device,
         return Leader(make_engine(), [], timeout=timeout)
     store = dist.TCPStore("127.0.0.1", 0, n_ranks, True, timeout=START_TIMEOUT,
                           wait_for_workers=False)  # port 0: the system picks a free one
-    context = mp.get_context("spawn")
-    workers = [context.Process(target=_serve, daemon=True,
-                               args=(make_engine, rank, n_ranks, store.port, device, torch.get_num_threads(),
-                                     timeout))
+    args = (make_engine, n_ranks, store.port, device, torch.get_num_threads(), timeout)
+    workers = [mp.get_context("spawn").Process(target=_serve, args=(rank, *args), daemon=True)
                for rank in range(1, n_ranks)]
     for worker in workers:
         worker.start()

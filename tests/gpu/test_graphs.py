@@ -209,12 +209,9 @@ class FakeCuda:
             def replay(self):
                 fake._note("replay")
                 self.out.copy_(self.step(*self.inputs))
-
-            def pool(self):
-                return None
         return Graph()
 
-    def graph(self, graph, pool=None, capture_error_mode=None):
+    def graph(self, graph, capture_error_mode=None):
         fake = self
 
         class Capture:
@@ -241,9 +238,9 @@ def test_cuda_graphs_capture_and_replay_on_their_own_device(monkeypatch):
     fake = FakeCuda()
     for name in ("device", "Stream", "current_stream", "stream", "CUDAGraph", "graph"):
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
-    graph_step = graphs.CudaGraphStep(fake.captured(lambda x: x * 2), torch.device("cuda", 1))
+    graph_step = graphs.CudaGraphStep(fake.captured(lambda x: x * 2), torch.device("cuda", 1), torch.zeros(2))
     first = graph_step(torch.tensor([1.0, 2.0]))
-    second = graph_step(torch.tensor([3.0, 4.0]))  # a replay
+    second = graph_step(torch.tensor([3.0, 4.0]))
     assert torch.equal(first, torch.tensor([2.0, 4.0])) and torch.equal(second, torch.tensor([6.0, 8.0]))
     assert ("replay", "cuda:1") in fake.calls and ("capture", "cuda:1") in fake.calls
     assert all(device == "cuda:1" for _, device in fake.calls), fake.calls
@@ -269,7 +266,7 @@ def test_steps_are_captured_when_the_stack_is_built_one_at_a_time(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", cuda_graph)
     init = graphs.CudaGraphStep.__init__
     monkeypatch.setattr(graphs.CudaGraphStep, "__init__",
-                        lambda self, step, device, **kw: init(self, fake.captured(step), device, **kw))
+                        lambda self, step, device, *inputs: init(self, fake.captured(step), device, *inputs))
     monkeypatch.setattr(graphs, "graphs_available", lambda device, use_cuda_graphs: use_cuda_graphs)
     sampling, doc, question = SamplingConfig(max_new_tokens=16), random_ids(60, 128, 3) * 2, random_ids(4, 128, 4)
     want = [t for e in tiny_engine("ngram>retrieval>full").open(doc).ask(question, sampling) for t in e.tokens]
