@@ -151,8 +151,7 @@ class Scorer:
 
         pending: the committed tokens this cache lacks (at least the last), the first at absolute
         position `start_pos` (a retrieval cache holds fewer slots); tokens: the level's sequence
-        before the draft, ending with `pending` (the penalties' history, sampling.draft_histories).
-        """
+        before the draft, ending with `pending` (the penalties' history)."""
         if len(pending) + len(draft) == 1 and self.decode_step and self.query_log is None:
             logits = self.decode_step(pending[0], start_pos)  # a one-token chain at a fixed shape
         else:
@@ -298,9 +297,6 @@ class LevelStack:
 
     The rule every method keeps: the top cache holds every committed token but the last (after a
     prefill or a rollback, all of them); the tokens it lacks are fed with the top's next forward.
-    With a middle level and a drafter below it, `direct_tuner` lets that drafter propose to the
-    top itself whenever the middle level is not expected to be faster. Which level proposes
-    depends only on past timings and acceptance, never on this check's coins.
     """
 
     def __init__(self, top: Scorer, drafter: Drafter | None, top_stats: LevelStats, tuner: GammaTuner,
@@ -343,8 +339,9 @@ class LevelStack:
             self.drafter.extend(prompt)
 
     def _goes_direct(self, gamma: int, direct_gamma: int) -> bool:
-        """Whether the bottom drafter proposes to the top this check: the top's tuner declined the
-        middle level (gamma 0), or, adaptive, expects more tokens per second from the direct path
+        """Whether the drafter below the middle level proposes to the top itself this check: the
+        top's tuner declined the middle level (gamma 0), or, adaptive, expects more tokens per second
+        from that (`direct_tuner`). Past timings and acceptance decide, never this check's coins
         (both tuners price the top's checks, so both rates are measured or neither)."""
         if gamma == 0:
             return True

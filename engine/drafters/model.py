@@ -2,10 +2,9 @@
 only a StreamingLLM cache (sinks + recent window, docs/ALGORITHM.md section 5).
 
 It feeds the committed tokens it has not seen, samples `gamma` tokens from its own `r` (the
-request's penalties and sampling transforms, over its own answer so far) and rolls its cache back
-to the committed tokens. Starting on a document it reads only the sinks and the last window, the
-tokens a StreamingLLM cache would hold (their KV differs a little from a full streaming pass,
-which changes drafts, never the output).
+request's penalties and sampling transforms, over its own draft too) and rolls its cache back to
+the committed tokens. On a document it reads only the sinks and the last window (a full
+streaming pass would give them slightly different KV: other drafts, never another output).
 """
 
 from __future__ import annotations
