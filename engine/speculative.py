@@ -1,16 +1,16 @@
 """The level stack and its decoding step (docs/ALGORITHM.md sections 2, 3, 6, 7).
 
-A `Scorer` is a checking level: weights + a cache; the top one holds the full cache. The middle
-level (`CheckingDrafter`) is a scorer plus the drafter below it and a drafter for the level above:
-it runs propose -> score -> verify until it has `gamma` tokens and passes them up with its q.
-`LevelStack` owns the committed tokens and runs the top level's rounds. Every level uses the one
-acceptance rule, `sampling.verify`; all randomness comes from one `Coins` per request, in call
-order. Every method that runs a model is a generator of `model.Forward` requests (`Steps`), served
-by `model.drive` or engine/batch.py. No concrete cache or drafter is named here (engine/session.py).
+A `Scorer` is a checking level: weights + a cache (the top one's is the full cache). The middle
+level, `CheckingDrafter`, checks the drafts of the drafter below it and passes `gamma` tokens up
+with its q. `LevelStack` owns the committed tokens and runs the top level's checks. Every level
+uses `sampling.verify`; all randomness comes from one `Coins` per request, in call order. Methods
+that run a model are generators of `model.Forward` requests (`Steps`), served by `model.drive` or
+engine/batch.py. No concrete cache or drafter is named here (engine/session.py builds them).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
@@ -66,25 +66,19 @@ class LevelStats:
 class GammaTuner:
     """Draft length that maximises expected tokens per second (docs/ALGORITHM.md section 6).
 
-    Expected tokens per check with per-token acceptance a and draft length g: (1 - a^(g+1)) / (1 - a);
-    cost: g * drafter seconds per token + check seconds, interpolated between the measured numbers
-    of tokens checked; beyond them, a line c0 + c1 * tokens fitted to the measurements.
-    g = 0 (no draft: plain decoding) when no g >= 1 is expected to beat it; then every
-    `retry_every`-th check drafts 1 token to keep measuring acceptance. Start: 4, then one
-    undrafted check (the cost of checking 1 token, below every count a draft checks).
+    Expected tokens per check with acceptance a and draft length g: (1 - a^(g+1)) / (1 - a); cost:
+    g * drafter seconds per token + the seconds to check g + 1 tokens. g = 0 (plain decoding) when
+    no g >= 1 is expected to beat it; then every `retry_every`-th check drafts 1 token, the
+    cheapest way to keep measuring acceptance as the text changes.
     """
 
     decay = 0.8  # of the moving averages: the weight of the past
-    # where no draft pays (a CPU whose multi-token forwards cost far more than one, low
-    # acceptance), checks run undrafted, i.e. plain decoding; every `retry_every`-th drafts
-    # one token, the cheapest way to keep measuring acceptance as the text changes
     retry_every = 16
 
     def __init__(self, fixed: int | None, max_gamma: int, check_s: dict[int, float] | None = None,
                  share: Callable[[float], float] | None = None):
         self.fixed, self.max_gamma = fixed, max_gamma
-        # tensor parallel: every rank takes rank 0's draft lengths and rates, which come from its
-        # timings (engine/parallel.py `shared`); one process: the value itself
+        # tensor parallel: every rank takes rank 0's lengths and rates (engine/parallel.py `shared`)
         self.share = share or (lambda value: value)
         self.acceptance = 0.7  # prior before the first check
         self.draft_s_per_token: float | None = None  # set by the first drafted check
@@ -96,11 +90,10 @@ class GammaTuner:
     def gamma(self) -> int:
         return int(self.share(self._gamma()))
 
-    def expected_rate(self, g: int) -> float | None:
-        """Expected tokens per second with draft length g (0: plain decoding); None until two
-        numbers of tokens checked are measured."""
-        rate = self.share(-1.0 if (r := self._rate(g)) is None else r)
-        return None if rate < 0 else rate
+    def expected_rate(self, g: int) -> float:
+        """Expected tokens per second with draft length g (0: plain decoding); 0 until two numbers
+        of tokens checked are measured."""
+        return self.share(self._rate(g) if len(self.check_s) >= 2 else 0.0)
 
     def _gamma(self) -> int:
         if self.fixed is not None:
@@ -109,42 +102,29 @@ class GammaTuner:
             return 0  # compared with; drafts of one length all accepted would never measure it
         if len(self.check_s) < 2:
             return min(4, self.max_gamma)
-        rate = self._rate
-        best = max(range(1, self.max_gamma + 1), key=rate)
-        if rate(best) >= rate(0):
+        best = max(range(1, self.max_gamma + 1), key=self._rate)
+        if self._rate(best) >= self._rate(0):
             self.n_undrafted = 0
             return best
-        self.n_undrafted += 1
-        if self.n_undrafted >= self.retry_every:
-            self.n_undrafted = 0
-            return 1
-        return 0  # checking the last token alone is expected to be faster
+        self.n_undrafted = (self.n_undrafted + 1) % self.retry_every
+        return 0 if self.n_undrafted else 1  # 0: checking the last token alone is expected to be faster
 
-    def _rate(self, g: int) -> float | None:
-        if len(self.check_s) < 2:
-            return None
+    def _rate(self, g: int) -> float:
         a = min(self.acceptance, 0.999)
         tokens = (1 - a ** (g + 1)) / (1 - a)
         return tokens / (g * (self.draft_s_per_token or 0.0) + self._check_seconds(g + 1))
 
     def _check_seconds(self, n: int) -> float:
-        """Seconds to check n tokens: costs are not linear in n on every CPU (on some, 2 tokens cost
-        about twice 1, on others about as much), so interpolated between measured counts; a fitted
-        line beyond them."""
+        """Seconds to check n tokens, interpolated between measured counts (not linear in n on every
+        CPU: 2 tokens cost about twice 1 on some, about as much on others); a fitted line beyond."""
         lower = [m for m in self.check_s if m <= n]
         upper = [m for m in self.check_s if m >= n]
-        if not (lower and upper):
-            c0, c1 = self._check_cost_line()
-            return c0 + c1 * n
-        lo, hi = max(lower), min(upper)
-        return self.check_s[lo] + (self.check_s[hi] - self.check_s[lo]) * (n - lo) / max(hi - lo, 1)
-
-    def _check_cost_line(self) -> tuple[float, float]:
+        if lower and upper:
+            lo, hi = max(lower), min(upper)
+            return self.check_s[lo] + (self.check_s[hi] - self.check_s[lo]) * (n - lo) / max(hi - lo, 1)
         xs, ys = zip(*self.check_s.items())
-        n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
-        var = sum((x - mx) ** 2 for x in xs) / n
-        c1 = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / n / var) if var else 0.0
-        return max(my - c1 * mx, 1e-6), c1
+        c1 = max(0.0, statistics.linear_regression(xs, ys).slope)
+        return max(statistics.fmean(ys) - c1 * statistics.fmean(xs), 1e-6) + c1 * n
 
     def observe(self, gamma: int, draft_s: float, verdict: Verdict, n_checked: int, check_s: float):
         d = self.decay
@@ -169,11 +149,9 @@ class Scorer:
               tokens: list[int]) -> Steps[torch.Tensor]:
         """q after the last pending token and after each draft node: [N+1, V] (float64).
 
-        pending: committed tokens this cache has not seen (at least the last committed token),
-        the first at absolute position `start_pos` (a retrieval cache holds fewer slots than that).
-        tokens: the level's whole sequence before the draft (ending with `pending`): the penalties'
-        history (sampling.draft_histories).
-        """
+        pending: the committed tokens this cache lacks (at least the last), the first at absolute
+        position `start_pos` (a retrieval cache holds fewer slots); tokens: the level's sequence
+        before the draft, ending with `pending` (the penalties' history)."""
         if len(pending) + len(draft) == 1 and self.decode_step and self.query_log is None:
             logits = self.decode_step(pending[0], start_pos)  # a one-token chain at a fixed shape
         else:
@@ -211,12 +189,10 @@ def on_host(q: torch.Tensor, draft: Draft) -> tuple[torch.Tensor, Draft]:
 def check(scorer: Scorer, drafter: Drafter | None, gamma: int, tuner: GammaTuner, stats: LevelStats,
           pending: list[int], tokens: list[int], sampling: SamplingConfig, coins: Coins
           ) -> Steps[tuple[Draft, Verdict, torch.Tensor, float]]:
-    """One round of a checking level: `drafter` proposes up to `gamma` tokens after `tokens`;
-    the scorer scores them after `pending` (the tokens of `tokens` its cache lacks), `verify`
-    accepts a prefix and the cache keeps its KV; the tuner and the counters take the timings.
-    Returns the draft, the verdict, q ([N+1, V], on the host) and the drafter's seconds.
-    One device sync: the copy of q to the host, which waits for the scorer's forward. The clock
-    needs none: a proposal ends in host values too (its tokens), and so did the last check."""
+    """One round of a checking level: `drafter` proposes up to `gamma` tokens after `tokens`, the
+    scorer scores them after `pending` (the tokens of `tokens` its cache lacks), `verify` accepts
+    a prefix. Returns the draft, the verdict, q ([N+1, V], on the host) and the drafter's seconds.
+    One device sync, the copy of q; the clock needs none: a proposal ends in host values (tokens)."""
     t0 = time.perf_counter()
     draft = (yield from drafter.propose(gamma, sampling, coins)) if drafter else EMPTY_DRAFT
     t1 = time.perf_counter()
@@ -241,12 +217,9 @@ def emitted(draft: Draft, verdict: Verdict) -> list[int]:
 
 
 class CheckingDrafter:
-    """The middle level: checks the drafts of the level below, drafts for the level above.
-
-    `synced_length()` is the full-cache length this level's cache reflects, `sync()` copies the KV
-    the top level accepted into it, and `rebuild()` re-selects it: callbacks, so this class names
-    no concrete cache.
-    """
+    """The middle level: checks the drafts of the level below, drafts for the level above. Its
+    cache is reached through callbacks: `synced_length()` (the full-cache length it reflects),
+    `sync()` (copy in the KV the top level accepted) and `rebuild()` (re-select it)."""
 
     def __init__(self, scorer: Scorer, below: Drafter | None, stats: LevelStats, tuner: GammaTuner,
                  synced_length: Callable[[], int], sync: Callable[[], None],
@@ -294,13 +267,10 @@ class CheckingDrafter:
         else:
             self._rebuild()
 
-    def _needs_rebuild(self) -> bool:
+    def propose(self, gamma: int, sampling: SamplingConfig, coins: Coins) -> Steps[Draft]:
         w = self.window
         is_poor = w.n_tested >= 32 and w.acceptance < self.rebuild_below
-        return self.n_since_rebuild >= self.rebuild_every_tokens or is_poor
-
-    def propose(self, gamma: int, sampling: SamplingConfig, coins: Coins) -> Steps[Draft]:
-        if self._needs_rebuild():
+        if self.n_since_rebuild >= self.rebuild_every_tokens or is_poor:
             self._rebuild()
         pending = self.tokens[self.synced_length():]
         drafted, qs = [], []
@@ -323,20 +293,10 @@ class CheckingDrafter:
 
 
 class LevelStack:
-    """The committed tokens of one conversation and the levels that extend them, top level last.
+    """The committed tokens of one conversation and the levels that extend them.
 
     The rule every method keeps: the top cache holds every committed token but the last (after a
-    prefill or a rollback, all of them); the tokens it lacks are fed with the next forward of the
-    top level.
-    `extend` commits a prompt (prefilled by the `prefill` callback), `step` one check's tokens,
-    cut at a stop token or the length limit before they are committed; `truncate` rolls back.
-
-    With a middle level and a drafter below it, `direct_tuner` lets that drafter propose to the
-    top itself, as `ngram>full` or `draft>full` would, whenever the middle level is not expected
-    to be faster: its forwards can cost about a top step (short contexts, CPUs), and copied text
-    is drafted best by the n-gram database alone. Each check is still an exact check of whichever
-    level proposed (docs/ALGORITHM.md section 3), and which one proposes depends only on past timings
-    and acceptance, never on this check's coins.
+    prefill or a rollback, all of them); the tokens it lacks are fed with the top's next forward.
     """
 
     def __init__(self, top: Scorer, drafter: Drafter | None, top_stats: LevelStats, tuner: GammaTuner,
@@ -352,10 +312,6 @@ class LevelStack:
         self.tokens = list(tokens)
         if self.drafter:
             self.drafter.reset(tokens)
-
-    def _unseen(self) -> list[int]:
-        """Committed tokens the top cache lacks (at least the last one before a check)."""
-        return self.tokens[self.top.cache.length:]
 
     def _hold_all_but_last(self) -> None:
         self.top.cache.truncate(min(self.top.cache.length, len(self.tokens) - 1))
@@ -374,7 +330,7 @@ class LevelStack:
         between which `cancel` is checked; `Cancelled` leaves the stack as it was."""
         n_kept = self.top.cache.length
         try:
-            yield from self.prefill(self._unseen() + prompt[:-1], cancel)
+            yield from self.prefill(self.tokens[n_kept:] + prompt[:-1], cancel)
         except Cancelled:
             self.top.cache.truncate(n_kept)
             raise
@@ -383,22 +339,22 @@ class LevelStack:
             self.drafter.extend(prompt)
 
     def _goes_direct(self, gamma: int, direct_gamma: int) -> bool:
-        """Whether the bottom drafter should propose to the top this check: the top's tuner
-        declined the middle level (gamma 0), or, when it is adaptive, the direct path is expected
-        to commit more tokens per second than the middle level at its best draft length."""
+        """Whether the drafter below the middle level proposes to the top itself this check: the
+        top's tuner declined the middle level (gamma 0), or, adaptive, expects more tokens per second
+        from that (`direct_tuner`). Past timings and acceptance decide, never this check's coins
+        (both tuners price the top's checks, so both rates are measured or neither)."""
         if gamma == 0:
             return True
         if self.tuner.fixed is not None:
             return False
-        middle, direct = self.tuner.expected_rate(gamma), self.direct_tuner.expected_rate(direct_gamma)
-        return middle is not None and direct is not None and direct > middle
+        return self.direct_tuner.expected_rate(direct_gamma) > self.tuner.expected_rate(gamma)
 
     def step(self, sampling: SamplingConfig, coins: Coins, limit: int, stop_ids: Collection[int] = ()
              ) -> Steps[tuple[list[int], str | None]]:
         """One check of the top level: the tokens it commits (1 to `limit`, cut after the first
         stop token) and why the answer ends ("stop", "length") or None."""
         self._hold_all_but_last()  # (after a rollback the cache may hold the last token too)
-        pending = self._unseen()
+        pending = self.tokens[self.top.cache.length:]
         drafter, tuner = self.drafter, self.tuner
         gamma = tuner.gamma() if drafter else 0
         direct_gamma = self.direct_tuner.gamma() if self.direct_tuner is not None else None

@@ -1,12 +1,10 @@
 """A model drafter: a small model (or the target itself: self-speculation, MagicDec) that reads
 only a StreamingLLM cache (sinks + recent window, docs/ALGORITHM.md section 5).
 
-It feeds the committed tokens it has not seen, then samples `gamma` tokens from its own
-sampling distribution `r` (same penalties and temperature / top-k / top-p / min-p as the request,
-over its own answer so far), and rolls its cache
-back to the committed tokens. When it starts on a document it reads only the sinks and the last
-window of it: a StreamingLLM cache would hold exactly those tokens (their KV differs a little
-from a full streaming pass, which changes drafts, never the output).
+It feeds the committed tokens it has not seen, samples `gamma` tokens from its own `r` (the
+request's penalties and sampling transforms, over its own draft too) and rolls its cache back to
+the committed tokens. On a document it reads only the sinks and the last window (a full
+streaming pass would give them slightly different KV: other drafts, never another output).
 """
 
 from __future__ import annotations
@@ -27,10 +25,6 @@ class ModelDrafter:
         self.tokens: list[int] = []
         self.n_fed = 0  # committed tokens whose KV is in the cache (the last ones, contiguously)
 
-    @property
-    def device(self) -> torch.device:
-        return self.model.lm_head.weight.device
-
     def reset(self, tokens: list[int]) -> None:
         """Start over; the sinks are fed at the next `propose` (the only method that runs the model)."""
         self.tokens, self.n_fed = list(tokens), 0
@@ -41,20 +35,21 @@ class ModelDrafter:
 
     def truncate(self, length: int) -> None:
         del self.tokens[length:]
-        if length < self.n_fed and not self._unfeed(self.n_fed - length):
-            self.reset(self.tokens)
+        if length < self.n_fed:
+            self._unfeed(self.n_fed - length)
 
-    def _unfeed(self, n_tokens: int) -> bool:
-        """Drop the last n fed tokens from the cache; False when they reach into the sinks."""
+    def _unfeed(self, n_tokens: int) -> None:
+        """Drop the last n fed tokens from the cache; start over when they reach into the sinks."""
         if self.cache.length - n_tokens < self.cache.sink_tokens:
-            return False
-        self.cache.truncate(self.cache.length - n_tokens)
-        self.n_fed -= n_tokens
-        return True
+            self.reset(self.tokens)
+        else:
+            self.cache.truncate(self.cache.length - n_tokens)
+            self.n_fed -= n_tokens
 
     def _feed(self, tokens: list[int]) -> Steps[torch.Tensor]:
         """Run `tokens` through the model in pieces that fit; return the last logits [V]."""
         step = self.cache.max_new_tokens
+        device = self.model.lm_head.weight.device
         for i in range(0, len(tokens), step):
             piece = tokens[i:i + step]
             self.cache.make_room(len(piece))
@@ -62,45 +57,39 @@ class ModelDrafter:
             if len(piece) == 1 and self.decode_step:
                 logits = self.decode_step(piece[0], start)[0, -1]
                 continue
-            ids = torch.tensor([piece], device=self.device)
-            pos = torch.arange(start, start + len(piece), device=self.device)
+            ids = torch.tensor([piece], device=device)
+            pos = torch.arange(start, start + len(piece), device=device)
             logits = (yield Forward(self.model, Segment(ids, pos, self.cache)))[0, -1]
         return logits
-
-    def _start(self) -> Steps[None]:
-        """After a reset: feed the sinks and skip to the last window, as a StreamingLLM cache
-        that had read the whole sequence would hold."""
-        c = self.cache
-        if self.n_fed == 0 and c.length == 0 and len(self.tokens) > c.sink_tokens + c.window_tokens + 1:
-            yield from self._feed(self.tokens[: c.sink_tokens])
-            self.n_fed = len(self.tokens) - c.window_tokens - 1
 
     def propose(self, gamma: int, sampling: SamplingConfig, coins: Coins) -> Steps[Draft]:
         if gamma == 0:  # no forward: the committed tokens are fed with the next real draft
             return Draft.chain([])
-        yield from self._start()
-        if self.n_fed == len(self.tokens) and not self._unfeed(1):
-            self.reset(self.tokens)  # the last token must be fed again to get its logits
-            yield from self._start()
+        c = self.cache
+        if self.n_fed == len(self.tokens):  # the last token must be fed again to get its logits
+            self._unfeed(1)
+        if self.n_fed == 0 and c.length == 0 and len(self.tokens) > c.sink_tokens + c.window_tokens + 1:
+            # after a reset: the sinks, then the last window, as a StreamingLLM cache holds them
+            yield from self._feed(self.tokens[:c.sink_tokens])
+            self.n_fed = len(self.tokens) - c.window_tokens - 1
         pending = self.tokens[self.n_fed:]
-        n_head = max(0, len(pending) - (self.cache.max_new_tokens - gamma))
+        n_head = max(0, len(pending) - (c.max_new_tokens - gamma))
         if n_head:
             yield from self._feed(pending[:n_head])
-        self.cache.make_room(len(pending) - n_head + gamma)  # no eviction while drafting
+        c.make_room(len(pending) - n_head + gamma)  # no eviction while drafting
         logits = yield from self._feed(pending[n_head:])
         self.n_fed = len(self.tokens)
-        committed_length = self.cache.length
+        committed_length = c.length
         drafted, probs = [], []
         for i in range(gamma):
             histories = draft_histories(self.tokens + drafted, Draft.chain([]), sampling)
             r = token_probs(logits.double()[None], histories, sampling)[0]
-            # greedy too through `coins` (r is one-hot: its draw is the argmax): under tensor parallel
-            # rank 0 draws for every rank (parallel.SharedCoins), whose logits, summed in another
-            # order, could put another token first
+            # greedy too through `coins` (r is one-hot): under tensor parallel rank 0 draws for every
+            # rank (parallel.SharedCoins), whose logits, summed in another order, could differ
             x = coins.sample(r)
             drafted.append(x)
             probs.append(r)
             if i + 1 < gamma:
                 logits = yield from self._feed([x])
-        self.cache.truncate(committed_length)
+        c.truncate(committed_length)
         return Draft.chain(drafted, None if sampling.is_greedy else torch.stack(probs))

@@ -1,12 +1,10 @@
 """Context n-gram database: a model-free drafter (docs/ALGORITHM.md section 5, after Hierarchy Drafting).
 
 One index over the committed sequence (document, chat, this answer): each n-gram (1..max_ngram
-tokens) maps to the positions that follow its occurrences, in increasing order. A lookup tries
-the longest suffix first and walks occurrences from the most recent back, so this answer's
-tokens come before the chat's and the chat's before the document's (temporal locality). It
-returns up to `n_candidates` distinct continuations as a token tree (a trie), checked with the
-multi-candidate rule. The document is indexed once; later tokens are added and removed
-incrementally. No static table of frequent model n-grams (yet).
+tokens) maps to the positions that follow its occurrences, in increasing order; the document is
+indexed once, later tokens added and removed incrementally. A lookup tries the longest suffix
+first and the most recent occurrences first (this answer's, then the chat's, then the
+document's), and returns up to `n_candidates` continuations as a token tree (a trie).
 """
 
 from __future__ import annotations
@@ -30,21 +28,22 @@ class NgramDrafter:
         self.tokens, self.index = [], {}
         self.extend(tokens)
 
+    def _last_ngrams(self) -> list[tuple[int, ...]]:
+        """The n-grams ending with the last token, shortest first: each is followed by `len(tokens)`."""
+        end = len(self.tokens)
+        return [tuple(self.tokens[end - n:end]) for n in range(1, min(self.max_ngram, end) + 1)]
+
     def extend(self, tokens: list[int]) -> None:
         for t in tokens:
             self.tokens.append(t)
-            end = len(self.tokens)  # the n-grams ending at `end - 1` are followed by position `end`
-            for n in range(1, min(self.max_ngram, end) + 1):
-                self.index.setdefault(tuple(self.tokens[end - n:end]), []).append(end)
+            for key in self._last_ngrams():
+                self.index.setdefault(key, []).append(len(self.tokens))
 
     def truncate(self, length: int) -> None:
         while len(self.tokens) > length:
-            end = len(self.tokens)
-            for n in range(1, min(self.max_ngram, end) + 1):
-                key = tuple(self.tokens[end - n:end])
-                positions = self.index[key]
-                positions.pop()
-                if not positions:
+            for key in self._last_ngrams():
+                self.index[key].pop()
+                if not self.index[key]:
                     del self.index[key]
             self.tokens.pop()
 
@@ -52,13 +51,12 @@ class NgramDrafter:
         """(length of the longest suffix that occurs earlier with a continuation, 0 if none;
         the distinct continuations of it and of shorter suffixes, most recent first)."""
         found: list[list[int]] = []
-        end, longest = len(self.tokens), 0
-        for n in range(min(self.max_ngram, end), 0, -1):
-            positions = self.index.get(tuple(self.tokens[end - n:end]), [])
-            for p in reversed(positions[-MAX_SCAN:]):
+        longest = 0
+        for key in reversed(self._last_ngrams()):
+            for p in reversed(self.index.get(key, [])[-MAX_SCAN:]):
                 cont = self.tokens[p:p + gamma]
                 if cont and cont not in found:
-                    longest = longest or n
+                    longest = longest or len(key)
                     found.append(cont)
                     if len(found) == self.n_candidates:
                         return longest, found
@@ -73,12 +71,12 @@ class NgramDrafter:
 def trie(candidates: list[list[int]]) -> Draft:
     """Merge candidate sequences into a token tree (shared prefixes become one path)."""
     tokens, parents = [], []
-    node_of: dict[tuple[int, ...], int] = {}
+    node_of: dict[tuple[int, ...], int] = {(): -1}  # a path from the root -> its node
     for cand in candidates:
         for depth in range(len(cand)):
             key = tuple(cand[: depth + 1])
             if key not in node_of:
                 node_of[key] = len(tokens)
                 tokens.append(cand[depth])
-                parents.append(node_of[key[:-1]] if depth else -1)
+                parents.append(node_of[key[:-1]])
     return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long), None)

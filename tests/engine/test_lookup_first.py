@@ -31,14 +31,14 @@ def test_a_long_match_drafts_from_the_database_without_a_forward():
     d, coins = drafter(), GeneratorCoins(torch.Generator().manual_seed(0))
     d.reset([5, 6, 7, 8, 9, 10, 11, 20, 21, 5, 6, 7])  # "5 6 7" occurred before, followed by "8 9 10"
     draft, n_forwards = drive(d.propose(3, SamplingConfig(), coins))
-    assert n_forwards == 0 and draft.tokens.tolist()[:3] == [8, 9, 10] and d.n_lookups == 1
+    assert n_forwards == 0 and draft.tokens.tolist()[:3] == [8, 9, 10]
 
 
 def test_a_short_match_asks_the_model_which_has_seen_every_committed_token():
     d, coins = drafter(), GeneratorCoins(torch.Generator().manual_seed(0))
     d.reset([5, 6, 7, 8, 9, 10, 11, 20, 21, 40, 6, 7])  # only "6 7" (2 tokens) occurred before
     draft, n_forwards = drive(d.propose(3, SamplingConfig(), coins))
-    assert n_forwards >= 3 and len(draft.tokens) == 3 and d.n_model_drafts == 1
+    assert n_forwards >= 3 and len(draft.tokens) == 3
     assert d.model.tokens == d.ngram.tokens == [5, 6, 7, 8, 9, 10, 11, 20, 21, 40, 6, 7]
     d.extend([8, 9])  # now "6 7 8 9": a 4-token match ("6 7 8" -> 9 10 11)
     draft, n_forwards = drive(d.propose(2, SamplingConfig(), coins))
