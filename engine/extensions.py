@@ -1,15 +1,11 @@
 """Compiling an engine/csrc kernel with torch's JIT extension builder, without hanging or rebuilding.
 
-torch builds in one folder per extension name, guarded by an empty `lock` file: a build killed
-midway leaves it and every later start waits forever; and a folder shared by checkouts whose build
-commands differ is rebuilt each time another one loads it. So `load_extension`:
-- builds in a folder named by a hash of its whole build command (source, flags, torch's include
-  paths and versions), the source copied in under a fixed name: one build per distinct command;
-- serialises builders with an flock (released by the kernel however its holder dies) that names
-  the holder's PID; its holder removes a dead build's `lock` file and builds again;
-- waits at most `wait_s` for a live builder, then raises `BuildBusy` so the caller runs its exact
-  fallback instead of hanging, and says in the log when it waits and when it builds.
-Every kernel loader goes through `engine.device.build_cpu_extension`, which calls this.
+torch builds in one folder per extension name, guarded by an empty `lock` file that a build killed
+midway leaves behind (every later start then waits forever), and rebuilds a folder shared by
+checkouts whose build commands differ. So `load_extension` builds in a folder named by a hash of the
+whole build command; serialises builders with an flock (released however its holder dies), whose
+holder removes a dead build's `lock`; and raises `BuildBusy` after `wait_s` so that the caller runs
+its exact fallback instead of hanging. `engine.device.build_cpu_extension` is its one caller.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Files the engine writes under its cache folder: converted models, a GGUF's header folder.
 
-A folder is written beside its place and moved there whole, marked complete last, so a stop
-halfway never leaves one that looks whole. Standard library only: engine/models.py, which finds
-and assembles models, and engine/loading.py, which reads them, both use it.
+A folder is written beside its place and moved there whole, marked complete last, so a stop halfway
+never leaves one that looks whole. Standard library only: engine/models.py and engine/loading.py use it.
 """
 
 from __future__ import annotations
@@ -35,8 +34,8 @@ def is_complete(model_dir: Path) -> bool:
 
 @contextlib.contextmanager
 def complete_folder(out_dir: Path, marker: dict) -> Iterator[Path]:
-    """Write into a scratch folder beside `out_dir`; on success it is marked complete (`marker`, which
-    the block may add to) and replaces `out_dir`: no half-written folder ever looks whole."""
+    """Write into a scratch folder beside `out_dir`; on success it is marked complete (`marker`) and
+    replaces `out_dir`."""
     tmp_dir = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     try:

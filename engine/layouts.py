@@ -1,9 +1,7 @@
 """CPU weight layouts: how a built model's linear weights are stored for this CPU, applied from
-outside the model as `parallel.shard` is (engine/device.py `linear_layout` picks one per model).
-
-- `packed`: `PackedLinear`, oneDNN's blocked layout, prepacked once;
-- `bf16-stored`: `Bf16Linear`, weights that are exact bf16 values stored as bf16 and multiplied
-  in float32 by engine/csrc/linear_cpu.cpp (half the bytes, the same products).
+outside the model as `parallel.shard` is (engine/device.py `linear_layout` picks one per model):
+`packed` (`PackedLinear`, oneDNN's blocked layout) or `bf16-stored` (`Bf16Linear`, weights that are
+exact bf16 values stored as bf16 and multiplied in float32: half the bytes, the same products).
 Every layout keeps the values and the `weight`/`bias` names; none changes a product's result
 beyond BLAS's own summation order (tests/engine/test_model.py).
 """
@@ -22,7 +20,7 @@ from engine.model import Transformer
 def lay_out_linears(model: Transformer, layout: str) -> None:
     """Store `model`'s linear weights as engine/device.py `linear_layout` chose for this device."""
     if layout == "packed":
-        pack_linear_weights(model)
+        _replace_linears(model, PackedLinear)
     elif layout == "bf16-stored":
         store_weights_bf16(model, cpu_linear_kernel())
     else:
@@ -34,12 +32,6 @@ def _replace_linears(model: Transformer, make) -> None:
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, make(child))
-
-
-def pack_linear_weights(model: Transformer) -> None:
-    """Replace every nn.Linear by a `PackedLinear` (CPU, engine/device.py says when). A tied
-    LM head gets its own packed copy: the embedding keeps the rows its lookups read."""
-    _replace_linears(model, PackedLinear)
 
 
 def linear_weights_fit_bf16(model: Transformer) -> bool:
@@ -62,9 +54,9 @@ def store_weights_bf16(model: Transformer, kernel) -> None:
 
 class PackedLinear(nn.Module):
     """A frozen nn.Linear with its weight prepacked once in oneDNN's blocked layout (CPU), as
-    Inductor's freezing does: few-row products run near the memory floor instead of MKL's
-    small-M kernels. Same names (`weight`, `bias`) and values; each output row depends only on
-    its input row, not on how many rows share the call (tests/engine/test_model.py)."""
+    Inductor's freezing does: few-row products run near the memory floor instead of MKL's small-M
+    kernels. Each output row depends only on its input row, not on how many rows share the call. A
+    tied LM head gets its own packed copy: the embedding keeps the rows its lookups read."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -74,8 +66,7 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        # the bias added apart: the same sum, and with grad mode on (torch 2.13) the fused bias
-        # makes a one-row call many times slower; inference mode does not
+        # the bias added apart: the same sum, and a fused bias makes one-row calls slow outside inference mode
         out = torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
         return out if self.bias is None else out.add_(self.bias)
 
@@ -100,16 +91,14 @@ def _fits_bf16(t: torch.Tensor) -> bool:
 
 
 class Bf16Linear(nn.Module):
-    """A frozen nn.Linear whose weight holds only bf16 values, stored as bf16 and multiplied in
-    float32 (CPU): `kernel` (engine/csrc/linear_cpu.cpp) widens each weight as it reads it, so
-    a decoding step reads half the bytes of float32 for the same products. The weight is kept
-    in the kernel's blocked layout ([out/8, in/2, 8, 2]). In the kernel a row's output does not
-    depend on the rows beside it; calls of more rows than `KERNEL_MAX_ROWS` (prefill chunks, a
-    large packed batch) widen blocks of weights to float32 (input-major) for BLAS, whose sums
-    round differently in the last bits."""
+    """A frozen nn.Linear whose weight holds only bf16 values, stored as bf16 in the blocked layout
+    of `kernel` (engine/csrc/linear_cpu.cpp), which widens each weight as it reads it and sums in
+    float32, a row's output independent of the rows beside it. Calls of more rows than
+    `KERNEL_MAX_ROWS` (prefill chunks, a large packed batch) widen blocks of weights to float32 for
+    BLAS, whose sums round differently in the last bits."""
 
-    KERNEL_MAX_ROWS = 128  # the kernel beats BLAS up to about here (every linear of the 0.5B, measured at 64 and 128)
-    BLOCK_GROUPS = 1024  # groups of 8 weight rows widened at a time for BLAS (an LM head whole: 0.5 GB)
+    KERNEL_MAX_ROWS = 128  # the kernel beats BLAS up to about here
+    BLOCK_GROUPS = 1024  # groups of 8 weight rows widened at a time for BLAS: a bounded scratch
 
     def __init__(self, linear: nn.Linear, kernel):
         super().__init__()
@@ -130,7 +119,6 @@ class Bf16Linear(nn.Module):
         return out if self.bias is None else out.add_(self.bias)
 
     def _widened(self, block: torch.Tensor) -> torch.Tensor:  # [in, 8 * groups] float32
-        """`block`'s weights as float32, input-major, in this thread's `scratch`. Widening is a small
-        part of a prefill-sized product."""
+        """`block`'s weights as float32, input-major, in this thread's `scratch` (cheap beside the product)."""
         n = block.shape[0] * 8 * self.in_features
         return self.kernel.widen_weight(block, scratch("widened", n).view(self.in_features, -1))

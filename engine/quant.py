@@ -1,12 +1,9 @@
 """GGUF quantized weights kept as they are in the file (CPU): `QuantLinear` multiplies activations
-with the file's blocks in engine/csrc/quant_cpu.cpp, each weight unpacked in registers to exactly
-the float32 value gguf's dequantize gives: the model in the file, with no dequantized copy, read
-at about a quarter of bf16's bytes per token. The kernel's paths per CPU (AVX2, AVX-512, BF16 dot
-products over 16 interleaved rows) are described in its opening comment.
-
-engine/loading.py `load_quantized_model` reads a .gguf into these modules; `load_model` chooses
-when. `quick_view(model)` is the one lossy path, for a middle level: the same blocks with int8
-activations (`quick_linear`); the model itself stays exact. Nothing here quantizes anything.
+with the file's blocks in engine/csrc/quant_cpu.cpp (its opening comment describes its paths per
+CPU), each weight unpacked in registers to exactly the float32 value gguf's dequantize gives: the
+model in the file, with no dequantized copy. engine/loading.py reads a .gguf into these modules.
+`quick_view(model)` is the one lossy path, for a middle level: the same blocks with int8
+activations; the model itself stays exact. Nothing here quantizes anything.
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ from engine.layouts import scratch
 # ggml type ids the kernel reads; others (and F16 / BF16) are dequantized to float32 at load
 KERNEL_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 INTERLEAVED_TYPES = (6, 12, 14)  # Q5_0, Q4_K, Q6_K: a bf16 model decodes them from 16 interleaved rows
-_SOURCE = Path(__file__).parent / "csrc" / "quant_cpu.cpp"
 # F16C for the block scales; no contraction, so d * q - m rounds as numpy's two operations do
 CFLAGS = ("-mf16c", "-ffp-contract=off")
 
@@ -32,18 +28,16 @@ CFLAGS = ("-mf16c", "-ffp-contract=off")
 @functools.cache
 def cpu_quant_kernel():
     """engine/csrc/quant_cpu.cpp, or None (no AVX2 / compiler): GGUFs then load dequantized."""
-    return build_cpu_extension("bookchat_quant_cpu", _SOURCE, "GGUF weights are dequantized at load",
-                               extra_cflags=CFLAGS)
+    return build_cpu_extension("bookchat_quant_cpu", Path(__file__).parent / "csrc" / "quant_cpu.cpp",
+                               "GGUF weights are dequantized at load", extra_cflags=CFLAGS)
 
 
 class QuantLinear(nn.Module):
-    """A frozen linear whose weight is the file's blocks, `weight` [out, row bytes] uint8 of ggml
-    type `qtype`. Calls of at most `KERNEL_MAX_ROWS` rows run the kernel in float32 (bf16
-    activations widened or multiplied in exact bf16 products), a row's output independent of the
-    rows beside it, the bias added in float32, returned in `out_dtype` or the activations' dtype.
-    Larger calls (prefill chunks) dequantize `BLOCK_ROWS` weight rows at a time to the activations'
-    dtype for a GEMM: another precision than decoding, but the same prefill for plain and
-    speculative decoding, so every stack still gives plain decoding's tokens."""
+    """A frozen linear whose weight is the file's blocks, `weight` [out, row bytes] uint8 of ggml type
+    `qtype`. Calls of at most `KERNEL_MAX_ROWS` rows run the kernel in float32, a row's output
+    independent of the rows beside it. Larger calls (prefill chunks) dequantize `BLOCK_ROWS` weight
+    rows at a time to the activations' dtype for a GEMM: another precision than decoding, but the same
+    prefill for plain and speculative decoding, so every stack still gives plain decoding's tokens."""
 
     KERNEL_MAX_ROWS = 128
     BLOCK_ROWS = 4096  # weight rows dequantized at a time for the GEMM (16 MB float32 at in = 896)
@@ -64,10 +58,9 @@ class QuantLinear(nn.Module):
         return self.kernel.quick_supports(self.qtype, self.in_features)
 
     def quick(self) -> QuantLinear:
-        """A twin over the same blocks and bias (no copy) whose calls of at most KERNEL_MAX_ROWS
-        rows run quant_cpu.cpp `quick_linear` (activations rounded to int8 per 32 values, integer
-        dot products): lossy, for a middle level only. Exact where the kernel has no quick path
-        for this type (Q4_1); prefill-size calls keep the dequantizing GEMM either way."""
+        """A twin over the same blocks and bias (no copy) whose few-row calls run quant_cpu.cpp
+        `quick_linear` (activations rounded to int8 per 32 values): lossy, for a middle level only.
+        Exact where the kernel has no quick path (Q4_1); prefill-size calls keep the GEMM either way."""
         twin = QuantLinear(self.weight, self.qtype, self.in_features, self.bias, self.kernel, self.out_dtype)
         twin.lossy = self.has_quick_path()
         twin._interleaved = self._interleaved  # an exact twin decodes from the same copy, not its own
@@ -96,9 +89,8 @@ class QuantLinear(nn.Module):
         return out.to(out_dtype).view(*x.shape[:-1], self.out_features)
 
     def interleaved(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """Q5_0's, Q4_K's or Q6_K's blocks with 16 weight rows interleaved (quant_cpu.cpp `interleave`)
-        for bf16 activations where the kernel has BF16 dot products, made at the first such call (a
-        bf16 model from a .gguf: at load): a copy beside the file's blocks, which the other paths read."""
+        """For bf16 activations where the kernel has BF16 dot products, Q5_0's, Q4_K's or Q6_K's blocks
+        with 16 weight rows interleaved (quant_cpu.cpp `interleave`): a copy made at the first call."""
         if dtype != torch.bfloat16 or self.qtype not in INTERLEAVED_TYPES or not self.kernel.uses_bf16_dots():
             return None
         made_from = (self.weight.data_ptr(), self.weight.shape)  # a twin's weight is another Parameter
@@ -110,8 +102,7 @@ class QuantLinear(nn.Module):
         return self.kernel.dequantize(self.weight, self.qtype, torch.empty(self.out_features, self.in_features))
 
     def _dequantized(self, block: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [rows, in], in scratch
-        """float32, or bf16 as `.to(torch.bfloat16)` rounds them, written straight by the kernel (no
-        float32 tile and copy: history, "A bf16 prefill's weight tiles")."""
+        """float32, or bf16 as `.to(torch.bfloat16)` rounds them, written straight by the kernel."""
         shape = (block.shape[0], self.in_features)
         tile = scratch(f"dequantized {dtype}", shape[0] * shape[1], dtype).view(shape)
         return self.kernel.dequantize(block, self.qtype, tile)
@@ -141,11 +132,10 @@ def is_quantized(model: nn.Module) -> bool:
 
 
 def quick_view(model: nn.Module) -> nn.Module:
-    """A second model object over the same tensors in which every `QuantLinear` with a quick path
-    is its lossy twin (`QuantLinear.quick`), for a middle level whose drafts the exact model
-    verifies. Every module is a shallow copy (its own child, parameter and buffer dicts), so the
-    view can take its own attention and `model` stays exact. `model` itself when no linear has a
-    quick path: there is no cheaper arithmetic to gain."""
+    """A second model object over the same tensors whose `QuantLinear`s are their lossy twins
+    (`QuantLinear.quick`), for a middle level; `model` itself when no linear has a quick path. Every
+    module is a shallow copy (its own child, parameter and buffer dicts), so the view can take its
+    own attention and `model` stays exact."""
     if not any(isinstance(m, QuantLinear) and m.has_quick_path() for m in model.modules()):
         return model
 

@@ -82,7 +82,7 @@ def test_packed_linears_keep_logits_names_and_the_embedding(family, tie, dtype):
 
     want = logits()
     embedding = model.model.embed_tokens.weight
-    layouts.pack_linear_weights(model)
+    layouts.lay_out_linears(model, "packed")
     assert {k: v.shape for k, v in model.state_dict().items()} == names
     assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 7 * c.n_layers + 1
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
