@@ -76,8 +76,7 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top
         return hot.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits.double() / temperature
     if 0 < top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        return top_k_probs(logits, top_k, top_p, min_p)
     probs = logits.softmax(-1)
     if top_p < 1.0:
         probs = probs.masked_fill(probs < nucleus_threshold(probs, top_p), 0.0)
@@ -86,6 +85,28 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top
         probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def top_k_probs(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """`sampling_probs` after the temperature, top-k on: the same transforms on the k largest only.
+    The tokens tied with the k-th beyond them are kept as well; each is as likely as the k-th, so
+    they are counted rather than sorted: they weigh in every sum, cannot move top-p's threshold (a
+    sort puts them after the k) and get the k-th's probability back in the output. Fixed shapes and
+    no host read, so on a GPU a check still syncs only to copy q."""
+    top, top_idx = logits.topk(top_k, dim=-1)  # [..., k] descending
+    is_tied = logits == top[..., -1:]  # [..., V]
+    n_beyond = is_tied.sum(-1, keepdim=True) - (top == top[..., -1:]).sum(-1, keepdim=True)  # [..., 1]
+
+    def normalised(p: torch.Tensor) -> torch.Tensor:  # over the k and the ties beyond them
+        return p / (p.sum(-1, keepdim=True) + n_beyond * p[..., -1:])
+
+    probs = normalised((top - top[..., :1]).exp())
+    if top_p < 1.0:  # nucleus_threshold's rule on values already sorted
+        n_keep = ((probs.cumsum(-1) - probs) < top_p).sum(-1, keepdim=True)
+        probs = normalised(probs.masked_fill(probs < probs.gather(-1, n_keep - 1), 0.0))
+    if min_p > 0:
+        probs = normalised(probs.masked_fill(probs < min_p * probs[..., :1], 0.0))
+    return torch.where(is_tied, probs[..., -1:], 0.0).scatter_(-1, top_idx, probs)
 
 
 TOP_P_CANDIDATES = 256  # first guess at the nucleus size; grown 8x until it holds top_p mass

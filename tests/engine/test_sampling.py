@@ -10,7 +10,16 @@ import pytest
 import torch
 
 from engine.config import SamplingConfig
-from engine.sampling import Draft, GeneratorCoins, acceptance, draft_histories, penalize, sampling_probs, verify
+from engine.sampling import (
+    Draft,
+    GeneratorCoins,
+    acceptance,
+    draft_histories,
+    penalize,
+    sampling_probs,
+    token_probs,
+    verify,
+)
 from tests.engine.enumerate import ScriptedCoins, exact_distribution
 
 V = 3  # small enough to enumerate every outcome of three sampled levels
@@ -230,8 +239,9 @@ def test_each_check_row_counts_the_answer_so_far_and_its_draft_path():
 def dense_sampling_probs(logits, temperature, top_k, top_p, min_p):
     """The transforms with a full sort for top-p (sampling_probs sorts only the top tokens)."""
     logits = logits.double() / temperature
-    kth = logits.topk(top_k, dim=-1).values[..., -1:]
-    probs = logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
+    if top_k > 0:
+        logits = logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[..., -1:], float("-inf"))
+    probs = logits.softmax(-1)
     if top_p < 1.0:
         kept = probs.sort(-1, descending=True).values
         before = kept.cumsum(-1) - kept  # mass of the tokens more probable than each
@@ -244,10 +254,11 @@ def dense_sampling_probs(logits, temperature, top_k, top_p, min_p):
     return probs
 
 
-@pytest.mark.parametrize("top_k,top_p,min_p", [(20, 1.0, 0.0), (20, 0.8, 0.0), (5, 0.95, 0.1), (50, 0.5, 0.05)])
+@pytest.mark.parametrize("top_k,top_p,min_p", [(20, 1.0, 0.0), (20, 0.8, 0.0), (5, 0.95, 0.1), (50, 0.5, 0.05),
+                                            (0, 0.8, 0.0), (0, 0.5, 0.05)])
 def test_the_partial_sort_of_top_p_gives_the_full_sort_s_distribution(top_k, top_p, min_p):
     g = torch.Generator().manual_seed(top_k)
-    logits = torch.randn(3, 5000, generator=g) * 3
+    logits = torch.randn(3, 5000, generator=g) * (3 if top_k else 0.5)  # top-k off: a nucleus past 256
     got = sampling_probs(logits, 0.7, top_k=top_k, top_p=top_p, min_p=min_p)
     want = dense_sampling_probs(logits, 0.7, top_k, top_p, min_p)
     assert got.dtype == torch.float64 and torch.equal(got > 0, want > 0)
@@ -259,3 +270,103 @@ def test_a_tie_at_the_top_k_cut_keeps_every_tied_token():
     probs = sampling_probs(logits, 1.0, top_k=3)
     assert (probs > 0).tolist() == [[True, True, True, True, False, True]]
     assert torch.allclose(probs, dense_sampling_probs(logits, 1.0, 3, 1.0, 0.0), rtol=1e-12, atol=0)
+
+
+# ---- top-k on the k largest only --------------------------------------------------------------
+
+def full_top_k_probs(logits, temperature, top_k, top_p=1.0, min_p=0.0):
+    """What sampling_probs computed before its top-k path: the cut as a mask over the whole
+    vocabulary, then softmax, top-p and min-p over all of it (sampling_probs with top-k off)."""
+    logits = logits.double() / temperature
+    kth = logits.topk(top_k, dim=-1).values[..., -1:]
+    return sampling_probs(logits.masked_fill(logits < kth, float("-inf")), 1.0, 0, top_p, min_p)
+
+
+def assert_same_probs(got, want):
+    assert got.dtype == torch.float64 and got.shape == want.shape
+    assert torch.equal(got > 0, want > 0), "another set of tokens kept"
+    assert torch.allclose(got, want, rtol=1e-12, atol=0)
+
+
+SETTINGS = [(0.7, 20, 0.8, 0.0), (0.7, 20, 1.0, 0.0), (1.0, 5, 0.95, 0.1), (1.3, 50, 0.5, 0.05), (0.7, 1, 0.8, 0.0)]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", SETTINGS)
+def test_top_k_on_its_k_largest_gives_the_full_vocabulary_s_distribution(temperature, top_k, top_p, min_p):
+    g = torch.Generator().manual_seed(top_k)
+    for logits in (torch.randn(5, 151936, generator=g) * 3, torch.randn(7, 300, generator=g, dtype=torch.float64)):
+        got = sampling_probs(logits, temperature, top_k, top_p, min_p)
+        assert_same_probs(got, full_top_k_probs(logits, temperature, top_k, top_p, min_p))
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", SETTINGS + [(0.7, 20, 0.99, 0.0), (0.7, 20, 1.0, 0.3)])
+def test_ties_at_the_k_th_value_are_kept_or_cut_together(temperature, top_k, top_p, min_p):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 400, generator=g)
+    kth = logits.topk(top_k, dim=-1).values[:, -1:]
+    logits[0, :30] = kth[0]  # 30 tokens tied with the k-th, most of them beyond the k
+    logits[1, -3:] = kth[1]  # two more beyond
+    logits[2, :] = logits[2, 0]  # every token tied: all kept
+    logits[3, :top_k + 5], logits[3, top_k + 5:] = logits[3, 0], float("-inf")  # k + 5 tied, the rest -inf
+    logits[4, 10:] = float("-inf")  # top_k > 10: the k-th is -inf, and every -inf token is tied (at 0)
+    # row 5: no tie
+    got = sampling_probs(logits, temperature, top_k, top_p, min_p)
+    assert_same_probs(got, full_top_k_probs(logits, temperature, top_k, top_p, min_p))
+    if (top_p, min_p) == (1.0, 0.0):
+        assert (got[0] > 0).sum() >= 30 and bool((got[2] > 0).all())
+
+
+def test_a_tie_group_at_the_top_p_boundary_is_kept_whole():
+    logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 2.0, 1.0, 1.0, 0.0, 0.0, 0.0]]).log1p()
+    probs = full_top_k_probs(logits, 1.0, 5)
+    for top_p in (float(probs[0, :2].sum()) - 1e-9, float(probs[0, :2].sum()) + 1e-9, 0.5, 0.9):
+        got = sampling_probs(logits, 1.0, 5, top_p)  # the 2.0s: four in the k, and one beyond
+        assert_same_probs(got, full_top_k_probs(logits, 1.0, 5, top_p))
+        assert (got[0, 1:5] > 0).all() and got[0, 5] == 0  # the 1.0s: not tied with the k-th
+
+
+def test_top_p_just_below_and_above_each_cumulative_mass():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 2000, generator=g) * 2
+    want = full_top_k_probs(logits, 0.7, 20)
+    mass = want.sort(-1, descending=True).values.cumsum(-1)[:, :19]  # [4, 19]
+    for top_p in {float(x) + d for x in mass.flatten() for d in (-1e-9, 1e-9) if float(x) + d < 1}:
+        assert_same_probs(sampling_probs(logits, 0.7, 20, top_p), full_top_k_probs(logits, 0.7, 20, top_p))
+
+
+def test_with_the_penalties_on_each_row_s_history():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(5, 151936, generator=g) * 3
+    sampling = SamplingConfig(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
+    histories = [[], [int(i) for i in logits[1].topk(30).indices], [7, 7, 8], [0] * 3, list(range(100))]
+    got = token_probs(logits, histories, sampling)
+    want = full_top_k_probs(penalize(logits, histories, 1.05), 0.7, 20, 0.8)
+    assert_same_probs(got, want)
+    strong = SamplingConfig(temperature=1.0, top_k=10, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.3)
+    assert_same_probs(token_probs(logits, histories, strong),
+                      full_top_k_probs(penalize(logits, histories, 1.0, 0.5, 0.3), 1.0, 10, 1.0, 0.05))
+
+
+def test_the_check_fails_on_a_wrong_kept_set():
+    """A top-k that keeps exactly k tokens (drops the ties beyond the k-th, renormalised) differs
+    from the full distribution only in its kept set: assert_same_probs must catch it."""
+    logits = torch.tensor([[4.0, 3.0, 2.0, 2.0, 1.0, 2.0]])
+    top, idx = logits.topk(3, dim=-1)
+    wrong = torch.zeros(1, 6, dtype=torch.float64).scatter_(-1, idx, top.double().softmax(-1))
+    want = sampling_probs(logits, 1.0, top_k=3)
+    with pytest.raises(AssertionError, match="another set of tokens kept"):
+        assert_same_probs(wrong, want)
+    assert_same_probs(want, full_top_k_probs(logits, 1.0, 3))
+
+
+def test_top_k_reads_nothing_back_from_the_device():
+    """On a GPU each host read is a sync (docs/STYLE.md section 3): the top-k path has none, with
+    or without ties at its cut, top-p or min-p. Counted on CPU tensors marked as on a device."""
+    from tests.engine.test_speculative import OnDevice
+
+    logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(5)) * 3
+    logits[0, :40] = logits[0].max()  # 40 tied at the top: the 20th's ties beyond it
+    OnDevice.reads = []
+    for top_p, min_p in ((0.8, 0.0), (1.0, 0.05), (0.5, 0.1)):
+        assert type(sampling_probs(logits.as_subclass(OnDevice), 0.7, 20, top_p, min_p)) is OnDevice
+    assert OnDevice.reads == []

@@ -425,8 +425,10 @@ class OnDevice(torch.Tensor):
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(max_new_tokens=24),
-                                      SamplingConfig(temperature=0.8, top_k=50, max_new_tokens=24, seed=2)],
-                         ids=["greedy", "sampled"])
+                                      SamplingConfig(temperature=0.8, top_k=50, max_new_tokens=24, seed=2),
+                                      SamplingConfig(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05,
+                                                     max_new_tokens=24, seed=2)],
+                         ids=["greedy", "sampled", "qwen-defaults"])
 def test_a_check_syncs_the_device_once(monkeypatch, sampling):
     """Issue 54 row 9: a check synchronised the device three times for its clock and read q from
     it once per draft node (and once more for the residual's draw); now its one sync is the copy
