@@ -126,7 +126,7 @@ class Batcher:
     def _admit(self) -> list[Job]:
         with self.cond:
             admitted = []
-            while self.waiting and len(self.active) < self.max_active:
+            while self.waiting and len(self.active) + len(admitted) < self.max_active:
                 job = self.waiting.popleft()
                 if job.abandoned:  # stopped before it started
                     job.end()

@@ -136,6 +136,23 @@ def test_background_thread_serves_concurrent_consumers_and_errors_stay_local():
     assert len(list(batcher.ask(sessions[1], [3], SamplingConfig(max_new_tokens=2)))) >= 1
 
 
+def test_answers_beyond_max_active_wait_their_turn():
+    engine = tiny_engine("plain")
+    want = alone(engine, SamplingConfig())
+    sessions = [engine.open(doc) for doc in DOCS]
+    batcher = Batcher(max_active=2, background=False)
+    jobs = [batcher.submit(sessions[i].answer_steps(QUESTIONS[i], SamplingConfig(max_new_tokens=MAX_NEW[i])))
+            for i in range(3)]
+    batcher.round()
+    assert (len(batcher.active), len(batcher.waiting)) == (2, 1)  # the third waits for a free place
+    most_active = 0
+    while batcher.active or batcher.waiting:
+        batcher.round()
+        most_active = max(most_active, len(batcher.active))
+    assert most_active == 2
+    assert [answer(job) for job in jobs] == want
+
+
 def test_one_answer_at_a_time_per_session():
     engine = tiny_engine("plain")
     session = engine.open(DOCS[0])
