@@ -31,10 +31,8 @@ class StreamingCache(SlotCache):
 
     def make_room(self, n_tokens: int) -> None:
         """Make `n_tokens` fit; when full, evict the oldest window entries down to sink + window.
-
         Evicting in bulk keeps re-rotation rare, and never happens between `make_room` and the
-        `truncate` that rolls back a draft, so the drafter's lengths stay valid.
-        """
+        `truncate` that rolls back a draft, so the drafter's lengths stay valid."""
         assert n_tokens <= self.max_new_tokens, f"{n_tokens} new tokens > {self.max_new_tokens}"
         if self.length + n_tokens <= self.k.shape[3]:
             return
