@@ -96,15 +96,12 @@ class SlotCache:
     def state(self) -> dict[str, torch.Tensor]:
         """{"k", "v"} of [L, B, Hkv, S, D] in host memory, copied a layer at a time: the device
         never holds a second copy of the cache (a snapshot of a long book would not fit)."""
-        return {"k": _host_copy(self.k, self.length), "v": _host_copy(self.v, self.length)}
-
-
-def _host_copy(t: torch.Tensor, length: int) -> torch.Tensor:
-    """t[:, :, :, :length] ([L, B, Hkv, S_max, D]) in host memory, one layer at a time."""
-    out = torch.empty(t.shape[:3] + (length, t.shape[4]), dtype=t.dtype)
-    for layer_idx in range(t.shape[0]):
-        out[layer_idx] = t[layer_idx, :, :, :length]
-    return out
+        state = {}
+        for name, t in (("k", self.k), ("v", self.v)):  # [L, B, Hkv, S_max, D]
+            state[name] = torch.empty(t.shape[:3] + (self.length, t.shape[4]), dtype=t.dtype)
+            for layer_idx in range(t.shape[0]):
+                state[name][layer_idx] = t[layer_idx, :, :, :self.length]
+        return state
 
 
 class StaticSlots:
