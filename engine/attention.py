@@ -5,9 +5,8 @@ model's prefill chunks where the CPU has AVX512-BF16.
 A view's last `T` keys are this call's tokens and every earlier key is visible to all of them
 (docs/ALGORITHM.md section 7), so the only mask is over that tail: causal for a chain, an ancestor
 matrix for a token tree. GQA folds each KV head's query heads into the query length, one SDPA call
-on [B, Hkv, G*T, D], so each KV head is read once (benchmarks/history/2026-11-results.md, issue 7).
-On CPU a call with a tail is split in two (keys before the tail unmasked, the tail masked) and
-merged by log-sum-exp, so no [T, S] mask is ever built (`_split_attention`).
+on [B, Hkv, G*T, D], so each KV head is read once. On CPU a call with a tail is split in two (keys
+before the tail unmasked, the tail masked) merged by log-sum-exp: no [T, S] mask is built.
 """
 
 from __future__ import annotations
@@ -26,9 +25,7 @@ log = logging.getLogger(__name__)
 
 def tail_mask(n_keys: int, tail: torch.Tensor) -> torch.Tensor:
     """[T, S] boolean mask: all keys before the tail visible, `tail` ([T, T]) over the last T."""
-    T = tail.shape[0]
-    head = torch.ones(T, n_keys - T, dtype=torch.bool, device=tail.device)
-    return torch.cat([head, tail], dim=1)
+    return F.pad(tail, (n_keys - tail.shape[0], 0), value=True)
 
 
 def sdpa_attention(
@@ -51,10 +48,9 @@ def masked_attention(
     v: torch.Tensor,  # [B, Hkv, S, D]
     key_mask: torch.Tensor | None,  # [T, S] bool: the keys each query sees; None: all
 ) -> torch.Tensor:  # [B, H, T, D]
-    """One SDPA call with each KV head's query heads folded into the query length. The
-    static-shape steps (engine/graphs.py) call it with a mask built from positions over a whole
-    fixed-capacity cache ([B, Hkv, S_max, D]): the mask, not a slice, hides the slots past the
-    cache's length, so the shapes do not change between calls."""
+    """One SDPA call with each KV head's query heads folded into the query length. Static-shape
+    steps (engine/graphs.py) pass the whole fixed-capacity cache: their mask, not a slice, hides
+    the slots past its length, so the shapes do not change between calls."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     q = q.reshape(B, Hkv, (H // Hkv) * T, D)  # query heads of one KV head are adjacent (HF layout)
@@ -62,9 +58,7 @@ def masked_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, H, T, D)
 
 
-# CPU: torch's own flash kernel (the one SDPA calls) returns its log-sum-exp, so the keys before
-# the tail (no mask) and the tail (causal or tree) are two calls merged exactly, and no [G*T, S]
-# mask is built per layer (building it cost more than the attention: the history, issue 7).
+# torch's CPU flash kernel (the one SDPA calls), which also returns its log-sum-exp
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -87,12 +81,8 @@ def _split_attention(q, k, v, tail, attend_head=None, is_tree=None):
     return torch.lerp(o_tail.to(share.dtype), o_head.to(share.dtype), share).to(q.dtype)
 
 
-# The compiled CPU kernel: for R = G*T query rows up to this many it beats torch's flash kernel
-# (measured up to R = 63: benchmarks/history/2026-11-results.md, "The compiled CPU attention
-# kernel"); larger float32 calls (prefill chunks) are GEMM-shaped and stay on flash. A bf16
-# model's prefill chunks, where the kernel takes BF16 dot products, go through its packed path
-# (attention_cpu.cpp `attend_many`), faster than flash there (the history, "Prefill attention in
-# BF16 dot products").
+# Up to this many folded query rows (G*T) the compiled kernel beats torch's flash kernel; larger float32
+# calls (prefill chunks) are GEMM-shaped and stay on flash (benchmarks/history/2026-11-results.md).
 FEW_ROWS = 64
 HEAD_DIMS = (16, 32, 64, 128)  # the kernel's instantiations
 _CPU_SOURCE = Path(__file__).parent / "csrc" / "attention_cpu.cpp"
@@ -109,12 +99,10 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # of the cache; the kernel sums
 
 
 def cpu_attention(q, k, v, tail, is_tree=None):
-    """`sdpa_attention` with the compiled kernel for the unmasked keys of calls of few rows
-    (decoding, drafts, checks), and for a bf16 model's causal chains of any length (prefill): its
-    answer is SDPA's up to float32 rounding (bf16 caches are read as bf16 and summed in float32,
-    as torch's flash kernel does; a bf16 model's scores and P.V in exact bf16 products where the
-    CPU has AVX512-BF16). Shapes as SDPA's."""
-    _, H, T, D = q.shape
+    """`sdpa_attention` with the compiled kernel for calls of few rows (decoding, drafts, checks)
+    and a bf16 model's causal chains of any length (prefill, in BF16 dot products where the CPU has
+    them): SDPA's answer up to float32 rounding, summed in float32 as torch's flash kernel does."""
+    B, H, T, D = q.shape
     G, kernel = H // k.shape[1], cpu_kernel()
     if (kernel is None or q.dtype not in KERNEL_DTYPES or k.dtype != q.dtype or D not in HEAD_DIMS
             or k.stride(3) != 1 or v.stride(3) != 1):
@@ -127,34 +115,25 @@ def cpu_attention(q, k, v, tail, is_tree=None):
             _kernel_rows(q_folded), k_head, v_head), True)
     if G * T > FEW_ROWS and not (has_tail and q.dtype == torch.bfloat16 and kernel.uses_bf16_dots()):
         return sdpa_attention(q, k, v, tail, is_tree)  # a float32 prefill chunk: GEMM-shaped, flash
-    return _chain_attention(kernel, q, k, v, k.shape[2] - T if has_tail else None)
+    # A chain in one kernel call: token t sees the keys before the tail and the tail up to itself. In at most
+    # FEW_ROWS rows each row is what decoding its token alone computes, bit for bit (a check commits decoding's
+    # tokens); more rows (a bf16 prefill chunk) take the kernel's packed path.
+    row_keys = (k.shape[2] - T + 1 + torch.arange(T)).repeat(G) if has_tail else None  # folded row g * T + t
+    out, _ = kernel.few_row_attention(_kernel_rows(q.reshape(B, k.shape[1], G * T, D)), k, v, row_keys)
+    return out.reshape(B, H, T, D).to(q.dtype)
 
 
 def _kernel_rows(q_folded):  # bf16 queries stay bf16: the kernel's BF16 dots where it has them
     return (q_folded if q_folded.dtype == torch.bfloat16 else q_folded.float()).contiguous()
 
 
-def _chain_attention(kernel, q, k, v, before: int | None):
-    """q's tokens over the keys in one kernel call: token t sees the first `before` + t + 1 keys
-    (a chain after `before` keys), every key when `before` is None. In a call of at most FEW_ROWS
-    rows each row is what decoding that token alone computes, bit for bit (a check commits
-    decoding's tokens); more rows (a bf16 prefill chunk) take the kernel's packed path."""
-    B, H, T, D = q.shape
-    G = H // k.shape[1]
-    row_keys = None if before is None else (before + 1 + torch.arange(T)).repeat(G)  # folded row g * T + t
-    out, _ = kernel.few_row_attention(_kernel_rows(q.reshape(B, k.shape[1], G * T, D)), k, v, row_keys)
-    return out.reshape(B, H, T, D).to(q.dtype)
-
-
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def flash_attention(q, k, v, tail, is_tree=None):
-    """flash-attn's `flash_attn_with_kvcache` over the cache view for causal chains in fp16/bf16
-    (bottom-right causal alignment = our tail mask); token trees, float32/64 and head dims over
-    256 go through SDPA, which is exact for all of them. Shapes as `sdpa_attention`. `is_tree`
-    comes with the call (model.Segment classifies its tail once, on the host, where it is
-    built): no state shared between threads, no device sync per layer."""
+    """flash-attn's `flash_attn_with_kvcache` for causal chains in fp16/bf16 (its bottom-right
+    causal alignment is our tail mask); token trees, float32/64 and head dims over 256 go through
+    SDPA. `is_tree` comes with the call (model.Segment), so no device sync per layer."""
     if is_tree is None:
         is_tree = tail is not None and is_tree_mask(tail)
     if is_tree or q.dtype not in FLASH_DTYPES or q.shape[-1] > 256:
@@ -186,18 +165,6 @@ def has_flash_attn() -> bool:
 FLASH_MIN_CAPABILITY = (8, 0)  # flash-attn 2 runs on Ampere and later (its README); T4 / V100 cannot
 
 
-def flash_attn_runs_on(device: torch.device) -> bool:
-    """Whether flash-attn is importable and `device` is a GPU its kernels run on; says once why not."""
-    if not has_flash_attn():
-        return False
-    capability = torch.cuda.get_device_capability(device)
-    if tuple(capability) < FLASH_MIN_CAPABILITY:
-        _say_no_flash(f"{torch.cuda.get_device_name(device)} is sm{capability[0]}{capability[1]}, flash-attn 2 "
-                      f"needs sm{FLASH_MIN_CAPABILITY[0]}{FLASH_MIN_CAPABILITY[1]} or later")
-        return False
-    return True
-
-
 @functools.cache
 def _say_no_flash(reason: str) -> None:
     log.warning("%s: attention runs on torch SDPA, the exact fallback", reason)
@@ -205,9 +172,13 @@ def _say_no_flash(reason: str) -> None:
 
 def pick_attention(device: torch.device, use_flash_attn: bool = True, use_cpu_kernel: bool = False):
     """Choose the kernel once, at construction: flash-attn on a CUDA GPU it runs on (sm80+) when
-    wanted and importable; on CPU the compiled kernel when wanted and it builds."""
-    if use_flash_attn and device.type == "cuda" and flash_attn_runs_on(device):
-        return flash_attention
+    wanted and importable (says once why not); on CPU the compiled kernel when wanted and it builds."""
+    if use_flash_attn and device.type == "cuda" and has_flash_attn():
+        capability = torch.cuda.get_device_capability(device)
+        if tuple(capability) >= FLASH_MIN_CAPABILITY:
+            return flash_attention
+        _say_no_flash(f"{torch.cuda.get_device_name(device)} is sm{capability[0]}{capability[1]}, flash-attn 2 "
+                      f"needs sm{FLASH_MIN_CAPABILITY[0]}{FLASH_MIN_CAPABILITY[1]} or later")
     if use_cpu_kernel and device.type == "cpu" and cpu_kernel() is not None:
         return cpu_attention
     return sdpa_attention

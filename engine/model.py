@@ -1,17 +1,16 @@
-"""One lean decoder forward for the Llama, Mistral, Qwen2/3, Gemma 2/3 and Phi-3 families, over a
-pluggable KV cache; a few switches of `ModelConfig` say what a family adds (q/k norms, Gemma's
-norms and scales, soft-capping, sliding-window layers), engine/families.py refuses the rest.
+"""One lean decoder forward for the Llama, Mistral, Qwen2/3, Gemma 2/3 and Phi-3 families over a
+pluggable KV cache; a few `ModelConfig` switches say what a family adds (q/k norms, Gemma's norms
+and scales, soft-capping, sliding-window layers); engine/families.py refuses the rest.
 
-Submodules keep Hugging Face's names, so weights load 1:1 with `load_state_dict`; RoPE is
-transformers' own rotary module (applied by our CPU kernel there, bit for bit the same). The
-forward knows nothing of speculation, offloading or tensor parallelism: token ids, their absolute
-positions and a cache (engine/kv) in, logits out; token trees pass a tail mask
-(engine/attention.py). `QueryLog` records recent queries for retrieval scoring.
+Submodules keep Hugging Face's names, so weights load 1:1; RoPE is transformers' own rotary module.
+The forward knows nothing of speculation, offloading or tensor parallelism: token ids, absolute
+positions and a cache (engine/kv) in, logits out. Decoding code asks for forwards as generators of
+`Forward` requests (`Steps`), served by `drive` or engine/batch.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -20,11 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
-from transformers.models.llama.modeling_llama import (
-    LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
-    rotate_half,
-)
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb, rotate_half
 
 from engine.attention import (
     KERNEL_DTYPES,
@@ -66,12 +61,10 @@ class Segment:
     query_log: QueryLog | None = None
     n_logits: int = 1  # logits of the last n tokens
     key_mask: torch.Tensor | None = None  # [T, S_max] bool: a static-shape step (engine/graphs.py)
-    # whether `tail` is a token tree (not causal): pass it where the tail is built on the host, so
-    # the kernels never look at the mask (flash-attn takes chains only)
+    # `tail` is a token tree, not a chain; None: look. Said where the tail is built, on the host, so
+    # the kernels never read the mask (flash-attn takes chains only)
     is_tree: bool | None = None
-    # sliding layers' view: (first key read, [T, S'] mask over the keys from there, or None when
-    # none is hidden); set by the forward (`sliding_window_keys`), None: the whole view
-    window: tuple[int, torch.Tensor | None] | None = None
+    window: tuple[int, torch.Tensor | None] | None = None  # a sliding layer's view: `sliding_window_keys`
 
     def __post_init__(self):
         if self.is_tree is None:
@@ -80,9 +73,8 @@ class Segment:
 
 @dataclass
 class Forward:
-    """A request for one segment of a forward. Decoding code is written as generators that
-    yield these and receive the segment's logits ([B, n_logits, V]); `drive` serves them one at
-    a time, engine/batch.py packs the requests of many sessions into one forward per model."""
+    """A request for one segment of a forward; the generator that yields it receives the
+    segment's logits [B, n_logits, V]. engine/batch.py packs many sessions' requests in one forward."""
 
     model: Transformer
     segment: Segment
@@ -91,16 +83,9 @@ class Forward:
 Steps = Generator[Forward, torch.Tensor, R]  # a computation that asks for forwards and returns R
 
 
-def forward_alone(request: Forward) -> torch.Tensor:
-    """Serve one request by itself: its segment's logits [B, n_logits, V]."""
-    return request.model.forward_packed([request.segment])[0]
-
-
-def drive(steps: Generator, serve: Callable[[Forward], torch.Tensor] = forward_alone) -> Generator:
-    """The one loop over a generator of forward requests (`Steps`, or an answer's steps, which
-    yield events too): each `Forward` is answered with `serve(request)`, every other item is
-    passed on; returns the steps' value. `serve` is a local forward (`forward_alone`); a batch
-    round packs the forwards of many answers itself (engine/batch.py)."""
+def drive(steps: Generator) -> Generator:
+    """Serve a generator of forward requests (`Steps`, or an answer's steps, which yield events
+    too) one forward at a time, passing every other item on; returns the steps' value."""
     result = None
     while True:
         try:
@@ -108,18 +93,17 @@ def drive(steps: Generator, serve: Callable[[Forward], torch.Tensor] = forward_a
         except StopIteration as stop:
             return stop.value
         if isinstance(item, Forward):
-            result = serve(item)
+            result = item.model.forward_packed([item.segment])[0]
         else:
             result = None
             yield item
 
 
 def sliding_window_keys(seg: Segment, window: int) -> tuple[int, torch.Tensor | None] | None:
-    """What a sliding layer's queries see of `seg`'s view: a key at position j is visible from
-    position p when p - window < j <= p (transformers' rule), so keys before the earliest query's
-    window are sliced off and the rest masked. Only for a cache whose key i is the token at
-    position i (the full and StreamingLLM caches: `keys_at_positions`); the retrieval cache's
-    selection is a draft's view and is read whole. One host read of the positions per forward."""
+    """What a sliding layer's queries see of `seg`'s view, where key i is the token at position i
+    (`keys_at_positions`; others are read whole): (first key read, [T, S'] mask over the keys from
+    there, or None when none is hidden), or None for the whole view. A key at position j is visible
+    from position p when p - window < j <= p (transformers' rule). One host read per forward."""
     if not getattr(seg.cache, "keys_at_positions", False):
         return None
     pos = seg.pos  # [T]
@@ -127,14 +111,13 @@ def sliding_window_keys(seg: Segment, window: int) -> tuple[int, torch.Tensor | 
         slots = torch.arange(seg.key_mask.shape[1], device=pos.device)
         return 0, seg.key_mask & (slots[None, :] > pos[:, None] - window)
     T = pos.shape[0]
-    first, last = pos.aminmax()
-    first, last = int(first), int(last)
+    first, last = map(int, pos.aminmax())
     if last < window:
         return None
-    start, n_keys = max(0, first - window + 1), seg.cache.length + T
+    start = max(0, first - window + 1)
     if T == 1:
         return start, None
-    key_pos = torch.cat([torch.arange(start, n_keys - T, device=pos.device), pos])  # [S']
+    key_pos = torch.cat([torch.arange(start, seg.cache.length, device=pos.device), pos])  # [S']
     visible = key_pos[None, :] > pos[:, None] - window  # [T, S']
     visible[:, -T:] &= seg.tail
     return start, visible
@@ -182,8 +165,7 @@ class RMSNorm(nn.Module):
             return self.kernel.rms_norm(x.contiguous(), self.weight, self.eps)
         if self.is_offset:
             return (F.rms_norm(x.float(), self.weight.shape, eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
-        # in float32 whatever x is (as HF: float64 models too), cast back, then the weight; torch's
-        # rms_norm is bitwise equal to the pow/mean/rsqrt chain on torch 2.13, in fewer passes
+        # in float32 whatever x is (as HF: float64 too), cast back, then the weight; F.rms_norm is HF's chain bitwise
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
@@ -199,8 +181,8 @@ class Attention(nn.Module):
         if cfg.has_qk_norm:  # over each head's D values, before RoPE
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, cfg.is_gemma)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, cfg.is_gemma)
-        self.is_sliding, self.softcap = is_sliding, cfg.attn_softcap
-        self.window = cfg.sliding_window
+        self.window = cfg.sliding_window if is_sliding else None
+        self.softcap = cfg.attn_softcap
         self.scale = cfg.query_scale or cfg.head_dim ** -0.5
         # SDPA and the kernels scale by head_dim ** -0.5: a Gemma query is pre-scaled to its own scale
         # (exactly 1 otherwise: head_dim ** -0.5 * head_dim ** 0.5 is 1 + 2e-16 for 128, one more op a layer)
@@ -236,16 +218,17 @@ class Attention(nn.Module):
         A chain check on those paths runs row by row over each row's own keys: every row is then
         what decoding its token alone computes, bit for bit (as the kernel's rows are)."""
         mask, T = seg.key_mask, q.shape[2]
-        windowed = self.is_sliding and seg.window is not None
-        if windowed:
+        is_windowed = self.window is not None and seg.window is not None
+        if is_windowed:
             start, mask = seg.window
             k, v = k[:, :, start:], v[:, :, start:]
         if (self.softcap or mask is not None) and 1 < T <= ROW_BY_ROW and not seg.is_tree and seg.key_mask is None:
-            S, window = k.shape[2], self.window if windowed else None
-            bounds = [(0 if window is None else max(0, start + S - T + t - window + 1) - start, S - T + t + 1)
-                      for t in range(T)]
-            return torch.cat([self._attend_keys(q[:, :, t:t + 1], k[:, :, a:b], v[:, :, a:b], None, None)
-                              for t, (a, b) in enumerate(bounds)], dim=2)
+            rows = []
+            for t in range(T):
+                end = k.shape[2] - T + t + 1  # this row's own key is the last it sees
+                first = max(0, end - self.window) if is_windowed else 0  # keys before `start` are in no row's window
+                rows.append(self._attend_keys(q[:, :, t:t + 1], k[:, :, first:end], v[:, :, first:end], None, None))
+            return torch.cat(rows, dim=2)
         return self._attend_keys(q, k, v, mask, seg.tail if T > 1 else None, seg.is_tree)
 
     def _attend_keys(self, q, k, v, mask, tail, is_tree=False):
@@ -333,13 +316,12 @@ class Transformer(nn.Module):
     def set_attention(self, attend) -> None:
         """`attend` in every layer; with our CPU kernel, a float32 or bf16 model's norms and RoPE
         take its kernels too, on every path alike (a row's output is the same in any call)."""
-        for layer in self.model.layers:
-            layer.self_attn.attend = attend
         kernel = cpu_kernel() if attend is cpu_attention and self.dtype in KERNEL_DTYPES else None
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernel = kernel if module.weight.shape[0] % 32 == 0 and not module.is_offset else None
             elif isinstance(module, Attention):
+                module.attend = attend
                 module.kernel = kernel if module.head_dim % 16 == 0 else None
 
     @torch.inference_mode()
@@ -401,11 +383,13 @@ class Transformer(nn.Module):
         rotation, no scaling); a model with one RoPE table takes any leading shape."""
         rotary = self.model.rotary_emb
         tables = self.rope_tables(k, torch.full((1, 1), delta, device=k.device))  # each [1, 1, D]
-        kinds = ["sliding_attention" if s else "full_attention" for s in self.config.sliding_layers]
-        scales = [getattr(rotary, f"{kind}_attention_scaling") for kind in kinds] if self.config.has_local_rope \
-            else [rotary.attention_scaling] * len(tables)
         if not self.config.has_local_rope:
-            (cos, sin), scale = tables[0], scales[0]
-            return k * (cos[0] / scale) + rotate_half(k) * (sin[0] / scale)
-        return torch.stack([k[i] * (cos[0] / s) + rotate_half(k[i]) * (sin[0] / s)
-                            for i, ((cos, sin), s) in enumerate(zip(tables, scales))])
+            return _rotated(k, *tables[0], rotary.attention_scaling)
+        kinds = ["sliding_attention" if s else "full_attention" for s in self.config.sliding_layers]
+        return torch.stack([_rotated(k[i], cos, sin, getattr(rotary, f"{kind}_attention_scaling"))
+                            for i, ((cos, sin), kind) in enumerate(zip(tables, kinds))])
+
+
+def _rotated(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float) -> torch.Tensor:
+    """k rotated by the RoPE table (cos, sin) ([1, 1, D]) that `scale` multiplied."""
+    return k * (cos[0] / scale) + rotate_half(k) * (sin[0] / scale)

@@ -34,10 +34,7 @@ class KVCache(Protocol):
 
 class SlotCache:
     """K and V slots [L, B, Hkv, S_max, D] filled up to `length`: the shared mechanics of every cache.
-
-    Growth: `reserve` (before a prefill, and in each call's first `update`) past the capacity asks
-    `_grow` for `GROW_TOKENS` more slots at a time; only the full caches grow (the others have a
-    fixed capacity, and `_grow` refuses)."""
+    Only the full caches grow (`_grow`, by at least `GROW_TOKENS` slots); the others refuse."""
 
     grow_hint = "open the book with --offload"  # what to do when growing runs out of memory
     keys_at_positions = True  # key i of a view is the token at position i (a sliding layer's window reads it)
@@ -99,23 +96,18 @@ class SlotCache:
     def state(self) -> dict[str, torch.Tensor]:
         """{"k", "v"} of [L, B, Hkv, S, D] in host memory, copied a layer at a time: the device
         never holds a second copy of the cache (a snapshot of a long book would not fit)."""
-        return {"k": _host_copy(self.k, self.length), "v": _host_copy(self.v, self.length)}
-
-
-def _host_copy(t: torch.Tensor, length: int) -> torch.Tensor:
-    """t[:, :, :, :length] ([L, B, Hkv, S_max, D]) in host memory, one layer at a time."""
-    out = torch.empty(t.shape[:3] + (length, t.shape[4]), dtype=t.dtype)
-    for layer_idx in range(t.shape[0]):
-        out[layer_idx] = t[layer_idx, :, :, :length]
-    return out
+        state = {}
+        for name, t in (("k", self.k), ("v", self.v)):  # [L, B, Hkv, S_max, D]
+            state[name] = torch.empty(t.shape[:3] + (self.length, t.shape[4]), dtype=t.dtype)
+            for layer_idx in range(t.shape[0]):
+                state[name][layer_idx] = t[layer_idx, :, :, :self.length]
+        return state
 
 
 class StaticSlots:
-    """A SlotCache seen by a static-shape step (engine/graphs.py): this call's entries are written
-    at the slots in `slot_idx` (a device tensor, so a captured graph reads it at replay) and the
-    view is the whole capacity; the step's key mask hides the slots past them. `advance` is a
-    no-op: the caller advances the cache's Python length outside the step (a graph replays no Python).
-    """
+    """A SlotCache seen by a static-shape step (engine/graphs.py): this call's entries go to the
+    slots in `slot_idx` (a device tensor, read by a captured graph at replay), the view is the whole
+    capacity (the step's key mask hides the rest), and the caller advances the length (outside a graph)."""
 
     def __init__(self, cache: SlotCache, slot_idx: torch.Tensor):  # slot_idx: [T] long
         self.cache, self.slot_idx = cache, slot_idx

@@ -1,9 +1,7 @@
 """The full KV cache: every token of the document and the chat, at its absolute position.
 
-Appending writes after `length`; rejection is `truncate` (O(1)); a verified token-tree keeps its
-accepted path with `keep_tail` (engine/kv/__init__.py `SlotCache`, shared with the other caches).
-Capacity grows by reallocation, so one cache serves a whole chat. It does not know about
-retrieval or offloading (engine/kv/retrieval.py, engine/kv/offload.py).
+SlotCache's appending, O(1) `truncate` and `keep_tail`, plus growth by reallocation, so one cache
+serves a whole chat. Retrieval and offloading are engine/kv/retrieval.py's and engine/kv/offload.py's.
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ from engine.kv import SlotCache
 
 
 class FullCache(SlotCache):
-
     def _grow(self, capacity: int) -> None:
         """K then V, so the peak is the cache plus one new K (or V)."""
         for name in ("k", "v"):
@@ -25,12 +22,11 @@ class FullCache(SlotCache):
             del old, new
 
     @classmethod
-    def from_state(cls, state: dict[str, torch.Tensor], capacity: int,
-                   device: torch.device | None = None) -> FullCache:
-        """The cache on `device` (default: the state's) from a `state` that may be in host memory
-        (memory-mapped from a snapshot file): copied a layer at a time."""
+    def from_state(cls, state: dict[str, torch.Tensor], capacity: int, device: torch.device) -> FullCache:
+        """The cache on `device` from a `state` that may be in host memory (memory-mapped from a
+        snapshot file): copied a layer at a time, so the device never holds a second copy."""
         L, B, Hkv, S, D = state["k"].shape
-        cache = cls(L, B, Hkv, D, max(capacity, S), state["k"].dtype, device or state["k"].device)
+        cache = cls(L, B, Hkv, D, max(capacity, S), state["k"].dtype, device)
         for layer_idx in range(L):
             cache.k[layer_idx, :, :, :S] = state["k"][layer_idx]
             cache.v[layer_idx, :, :, :S] = state["v"][layer_idx]

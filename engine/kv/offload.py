@@ -1,15 +1,12 @@
 """The full KV cache offloaded to host memory (docs/ALGORITHM.md section 8, "Offloaded").
 
-Every layer's K and V live in host memory (pinned on CUDA so copies run asynchronously; pageable
-where the system refuses that much pinned memory, as WSL2 does: `host_memory` says which); the
-first `n_resident_layers` layers also stay on the device. During a forward the filled entries of
-the next offloaded layer are copied host->device into one half of a double buffer on a side
-stream while the current layer computes on the other half; new entries are written to the device
-copy and back to the host. On CPU the same code runs with separate host and device tensors and a
-side stream that copies inline, so the tests exercise every copy. Storage is token-major,
-[L, S_max, B, Hkv, D], so a layer's filled prefix is one contiguous block (one memcpy); views are
-permuted to [B, Hkv, S, D]. The host copy is authoritative, so the retrieval cache and snapshots
-use this cache as they use FullCache. Nothing else is offloaded.
+Every layer's K and V live in host memory (pinned on CUDA, so copies are asynchronous; pageable
+where the system refuses that much pinned memory, as WSL2 does); the first `n_resident_layers`
+also stay on the device. While a layer computes, the next offloaded layer's filled entries are
+copied into the other half of a device double buffer on a side stream; new entries go to the
+device copy and back to the host copy, which the retrieval cache and snapshots read. On CPU a side
+stream that copies inline runs the same code, so the tests exercise every copy. Storage is
+token-major, [L, S_max, B, Hkv, D]: a layer's filled prefix is one contiguous block.
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ import os
 
 import torch
 
-from engine.kv import GROW_TOKENS, SlotCache  # noqa: F401 (GROW_TOKENS: the growth step, as FullCache's)
+from engine.kv import SlotCache
 
 log = logging.getLogger(__name__)
 PINNED_CACHE_MB = 64  # pinned blocks above this are allocated exactly and freed at once (below)
@@ -29,10 +26,9 @@ PINNED_CACHE_MB = 64  # pinned blocks above this are allocated exactly and freed
 @functools.cache
 def limit_pinned_caching() -> str:
     """torch's pinned-memory allocator rounds every block up to a power of two and keeps freed
-    blocks for reuse (ATen/core/CachingHostAllocator.h, torch 2.13): a 17 GiB host cache would
-    take 32 GiB, and a grown one would keep its old copy. Blocks above `PINNED_CACHE_MB` are
-    made exact and uncached (small staging blocks are cached as before); a user's own
-    `pinned_max_*` settings in PYTORCH_ALLOC_CONF win. Returns the allocator settings now."""
+    blocks for reuse: a 17 GiB host cache would take 32 GiB, and a grown one would keep its old
+    copy. Blocks above `PINNED_CACHE_MB` are made exact and uncached, unless the user set
+    `pinned_max_*` in PYTORCH_ALLOC_CONF. Returns the allocator settings now."""
     if not hasattr(torch._C, "_accelerator_getAllocatorSettings"):  # torch before 2.13: env only
         log.warning("this torch cannot limit pinned-memory rounding at run time: a host cache may take up "
                     "to twice its size unless PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:%d is set "
@@ -90,9 +86,8 @@ def to_heads(t: torch.Tensor) -> torch.Tensor:
 
 
 class OffloadCache(SlotCache):
-    """Full cache in host memory, streamed to the device a layer at a time (see the module doc).
-    Length, truncate, keep_tail, growth policy, entries and state are SlotCache's, over the host
-    copy (`k`, `v`); this class adds the device copies and the streaming."""
+    """SlotCache's length, truncate, keep_tail, growth, entries and state over the host copy
+    (`k`, `v`), plus the device copies and the streaming (see the module doc)."""
 
     grow_hint = "open the book with fewer resident layers"
 
@@ -119,16 +114,14 @@ class OffloadCache(SlotCache):
 
     def _new(self, n_layers: int, capacity: int, on_host: bool) -> torch.Tensor:
         shape = (n_layers, capacity, *self.entry_shape)  # [L, S_max, B, Hkv, D]
-        if not on_host:
-            return torch.empty(shape, dtype=self.dtype, device=self.device)
-        if self.is_pinned:
+        if on_host and self.is_pinned:
             try:
                 return torch.empty(shape, dtype=self.dtype, pin_memory=True)
             except RuntimeError as error:  # cudaHostAlloc refused (WSL2 caps pinned memory)
                 log.warning("pinned host memory for the offloaded KV cache was refused (%s): using pageable "
                             "memory, whose copies wait for the host", error)
                 self.is_pinned = False  # every later block too: write-backs then copy synchronously
-        return torch.empty(shape, dtype=self.dtype)
+        return torch.empty(shape, dtype=self.dtype, device="cpu" if on_host else self.device)
 
     def _allocate_device(self, capacity: int) -> None:
         """Device K/V of the resident layers and the two-layer buffer."""
@@ -136,7 +129,7 @@ class OffloadCache(SlotCache):
         self.resident_v = self._new(self.n_resident_layers, capacity, False)
         n_buffers = min(2, self.n_layers - self.n_resident_layers)
         self.buffer_k, self.buffer_v = self._new(n_buffers, capacity, False), self._new(n_buffers, capacity, False)
-        self.pending: dict[int, tuple] = {}  # layer -> its in-flight copies into its buffer slot
+        self.pending: dict[int, object] = {}  # layer -> the end of its in-flight copies into its buffer slot
 
     @property
     def capacity(self) -> int:
@@ -176,16 +169,14 @@ class OffloadCache(SlotCache):
         if layer_idx >= self.n_layers or layer_idx in self.pending:
             return
         n, slot = self.length, self._slot(layer_idx)
-        k_done = self.side.copy(self.buffer_k[slot, :n], self.host_k[layer_idx, :n])
-        v_done = self.side.copy(self.buffer_v[slot, :n], self.host_v[layer_idx, :n])
-        self.pending[layer_idx] = (k_done, v_done)
+        self.side.copy(self.buffer_k[slot, :n], self.host_k[layer_idx, :n])  # done before V's: one stream
+        self.pending[layer_idx] = self.side.copy(self.buffer_v[slot, :n], self.host_v[layer_idx, :n])
         self.n_copied_bytes += 2 * self.host_k[layer_idx, :n].nbytes
 
     def _forget_prefetches(self) -> None:
         """Copies left over by a forward that stopped early are waited for and not trusted."""
-        for copies in self.pending.values():
-            for done in copies:
-                self.side.wait(done)
+        for done in self.pending.values():
+            self.side.wait(done)
         self.pending.clear()
 
     def _device_layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,8 +184,7 @@ class OffloadCache(SlotCache):
         if layer_idx < self.n_resident_layers:
             return self.resident_k[layer_idx], self.resident_v[layer_idx]
         self._prefetch(layer_idx)  # only the first offloaded layer of a call starts here
-        for done in self.pending.pop(layer_idx):
-            self.side.wait(done)
+        self.side.wait(self.pending.pop(layer_idx))
         self._prefetch(layer_idx + 1)  # overlaps with this layer's attention and MLP
         slot = self._slot(layer_idx)
         return self.buffer_k[slot], self.buffer_v[slot]

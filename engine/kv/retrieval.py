@@ -2,11 +2,8 @@
 
 Per layer and KV head, `budget` entries copied from the full cache, laid out as
 [sinks | retrieved chunks, best score first | recent window + accepted tokens | scratch].
-Chunks are scored by the attention of the last `M` queries (all query heads that share the KV
-head) to each chunk's mean key (`score_chunks`, a pure function). Accepted tokens are appended
-from the full cache (their exact KV); when the budget is full the lowest-scoring chunk makes
-room. Scratch holds the middle level's own unverified tokens; `truncate` drops it.
-Attention ignores key order, so a layout that differs from the full cache is harmless.
+Scratch holds the middle level's own unverified tokens; `truncate` drops it. Attention ignores
+key order, so a layout that differs from the full cache is harmless.
 """
 
 from __future__ import annotations
@@ -37,12 +34,9 @@ def chunk_means(keys: torch.Tensor, chunk_tokens: int, device: torch.device, dty
 
 
 def score_chunks(queries: torch.Tensor, keys: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
-    """Score of each whole chunk of `keys` for each KV head.
-
-    queries: [B, H, M, D] recent post-RoPE queries; keys: [B, Hkv, n*C, D] (any device: read
-    in slices onto the queries' device). Returns [B, Hkv, n]: softmax over chunks of
-    q . mean_key / sqrt(D), summed over the G*M queries of the KV head's group.
-    """
+    """Score of each whole chunk of `keys` ([B, Hkv, n*C, D], any device) for each KV head: the
+    softmax over chunks of q . mean_key / sqrt(D), summed over the G*M recent post-RoPE queries
+    ([B, H, M, D]) of the KV head's group. Returns [B, Hkv, n] on the queries' device."""
     B, H, M, D = queries.shape
     Hkv = keys.shape[1]
     dtype = torch.promote_types(keys.dtype, torch.float32)

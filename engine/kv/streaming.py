@@ -15,26 +15,21 @@ import torch
 
 from engine.kv import SlotCache
 
-# rotate(k [L, B, Hkv, n, D], delta) -> k rotated by `delta` positions
-Rotate = Callable[[torch.Tensor, int], torch.Tensor]
-
 
 class StreamingCache(SlotCache):
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int,
                  sink_tokens: int, window_tokens: int, max_new_tokens: int,
-                 rotate: Rotate, dtype: torch.dtype, device: torch.device):
+                 rotate: Callable[[torch.Tensor, int], torch.Tensor], dtype: torch.dtype, device: torch.device):
         capacity = sink_tokens + window_tokens + max_new_tokens
         super().__init__(n_layers, batch, n_kv_heads, head_dim, capacity, dtype, device)
         self.sink_tokens, self.window_tokens = sink_tokens, window_tokens
         self.max_new_tokens = max_new_tokens
-        self.rotate = rotate
+        self.rotate = rotate  # rotate(k [L, B, Hkv, n, D], delta) -> k rotated by `delta` positions
 
     def make_room(self, n_tokens: int) -> None:
         """Make `n_tokens` fit; when full, evict the oldest window entries down to sink + window.
-
         Evicting in bulk keeps re-rotation rare, and never happens between `make_room` and the
-        `truncate` that rolls back a draft, so the drafter's lengths stay valid.
-        """
+        `truncate` that rolls back a draft, so the drafter's lengths stay valid."""
         assert n_tokens <= self.max_new_tokens, f"{n_tokens} new tokens > {self.max_new_tokens}"
         if self.length + n_tokens <= self.k.shape[3]:
             return

@@ -114,7 +114,7 @@ def test_offloaded_engine_gives_the_on_chip_tokens(levels, n_resident):
 
 def test_the_engine_allocates_the_planned_capacity_once(monkeypatch):
     from engine import session as engine_module
-    from engine.kv import offload
+    from engine.kv import GROW_TOKENS
 
     n_host = []
     new = OffloadCache._new
@@ -128,7 +128,7 @@ def test_the_engine_allocates_the_planned_capacity_once(monkeypatch):
             pass
     assert session.full.capacity == len(doc) + engine_module.CHAT_CAPACITY_TOKENS
     assert n_host == [session.full.capacity] * 2  # host K and V, once
-    assert offload.GROW_TOKENS < engine_module.CHAT_CAPACITY_TOKENS
+    assert GROW_TOKENS < engine_module.CHAT_CAPACITY_TOKENS
 
 
 def test_growth_never_holds_an_old_and_a_new_device_copy(monkeypatch):
