@@ -1,12 +1,8 @@
 """Tensor parallelism over several GPUs (docs/ALGORITHM.md section 8); gloo on CPU in tests.
 
-`shard` turns a loaded Transformer into one rank's part, as gpt-fast's tp.py does: query heads, KV
-heads (a KV head keeps its query heads) and MLP columns split evenly, the partial outputs of
-attention and the MLP summed by an all-reduce; embeddings, norms and lm_head whole. Every rank
-runs the same session code on its shard, in step, and takes rank 0's decisions: its coins, cancel
-flag and draft lengths. Rank 0 drives (`Leader.call`): a session's changes (`everywhere`) and each
-batch round (engine/batch.py) are broadcast, then made on every rank (`follow`). `start` spawns
-ranks 1..N-1 or joins torchrun.
+`shard` turns a loaded Transformer into one rank's part, as gpt-fast's tp.py does. How the ranks
+stay in step (rank 0's `Leader.call`, `everywhere`, `follow`): engine/README.md "The request
+protocol". `start` spawns ranks 1..N-1 or joins torchrun.
 """
 
 from __future__ import annotations
@@ -188,25 +184,25 @@ def _method(ranks: Ranks, sid: int, name: str, args: tuple, kwargs: dict):
     return getattr(type(session), name).__wrapped__(session, *args, **kwargs)
 
 
-def _open(ranks: Ranks, sid: int, doc_ids: list[int], n_first=None, on_progress=None, cancel=None, leader=None):
-    _register(ranks, sid, ranks.engine.open(doc_ids, on_progress, SharedFlag(cancel), n_first), leader)
+def _open(ranks: Ranks, sid: int, doc_ids: list[int], n_first=None, on_progress=None, cancel=None):
+    _register(ranks, sid, ranks.engine.open(doc_ids, on_progress, SharedFlag(cancel), n_first))
 
 
 def read(ranks: Ranks, sid: int, ids: list[int], on_progress=None, cancel=None):
     ranks.sessions[sid].read_here(ids, on_progress, SharedFlag(cancel))
 
 
-def _restore(ranks: Ranks, sid: int, path: str, n_total: int | None = None, doc_ids=None, leader=None):
+def _restore(ranks: Ranks, sid: int, path: str, n_total: int | None = None, doc_ids=None):
     """Each rank memory-maps the snapshot and takes its own KV and query heads."""
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     c, r = ranks.engine.target.config, dist.get_rank()
     state["cache"] = {name: t.narrow(2, r * c.n_kv_heads, c.n_kv_heads) for name, t in state["cache"].items()}
     state["queries"] = [q if q is None else q.narrow(1, r * c.n_heads, c.n_heads) for q in state["queries"]]
-    _register(ranks, sid, ranks.engine.restore_state(state, n_total, doc_ids), leader)
+    _register(ranks, sid, ranks.engine.restore_state(state, n_total, doc_ids))
 
 
-def _register(ranks: Ranks, sid: int, session, leader) -> None:
-    session.sid, session.leader = sid, leader  # rank 0's leader; None elsewhere: the calls are made here
+def _register(ranks: Ranks, sid: int, session) -> None:
+    session.sid = sid
     ranks.sessions[sid] = session
 
 
@@ -303,13 +299,15 @@ class Leader:
                     self.lock.release()
 
     def open(self, doc_ids: list[int], on_progress=None, cancel=None, n_first: int | None = None):
-        sid = next(self.next_sids)
-        self.call(_open, sid, list(doc_ids), n_first, on_progress=on_progress, cancel=cancel, leader=self)
-        return self.ranks.sessions[sid]
+        return self._new_session(_open, list(doc_ids), n_first, on_progress=on_progress, cancel=cancel)
 
     def restore(self, path, n_total: int | None = None, doc_ids: list[int] | None = None):
+        return self._new_session(_restore, str(path), n_total, doc_ids)
+
+    def _new_session(self, fn: Callable, *args, **local):
         sid = next(self.next_sids)
-        self.call(_restore, sid, str(path), n_total, doc_ids, leader=self)
+        self.call(fn, sid, *args, **local)  # fn(ranks, sid, *args) makes the session on every rank
+        self.ranks.sessions[sid].leader = self  # rank 0's: its changes are made on every rank
         return self.ranks.sessions[sid]
 
     def close(self) -> None:

@@ -1,9 +1,6 @@
-"""Engine and Session: the face of the engine (docs/DESIGN.md "The engine's face").
-
-`Engine` holds the loaded target (and draft) model; `Engine.open(doc_ids)` prefills a document
-once into a full cache and returns a `Session`; `Session.ask(question_ids, sampling)` appends
-the question and yields `Event`s as the level stack commits tokens. Multi-turn reuses the
-cache; `truncate` rolls it back (regenerate, edit). Errors are typed (engine/config.py).
+"""Engine and Session: the face of the engine (its use: docs/DESIGN.md "The engine's face"; a
+request through the modules: engine/README.md). `Engine` holds the loaded models and prefills a
+document once into a `Session`, which answers questions as a stream of `Event`s.
 """
 
 from __future__ import annotations
@@ -451,32 +448,30 @@ class Session:
             s.reset()
         stack.drafter_s = 0.0
         t_start, stats = now(engine.device), Stats(self.level_stats)
-        try:
-            yield from stack.extend(question_ids, cancel)
-        except Cancelled:  # stopped while reading the question: the chat stays as it was
-            yield Event([], stats, None, "cancelled")
-            return
-        if sampling.penalty_start is None:  # the penalties count this answer's tokens
-            sampling = replace(sampling, penalty_start=self.length)
         n_new, n_first, t_first, steps_s = 0, 0, 0.0, 0.0
         reason, reading_version = None, None
-        while reason is None:
-            if is_set(cancel):
-                yield Event([], stats, None, "cancelled")
-                return
-            t0 = now(engine.device)
-            new, reason = yield from stack.step(sampling, coins, max_new - n_new, stop_ids or set())
-            t1 = now(engine.device)
-            n_new += len(new)
-            if t_first:
-                steps_s += t1 - t0
-            else:
-                t_first, n_first = t1, n_new
-                top = self.level_stats[-1]
-                top.n_alone, top.alone_s = 0, 0.0  # the first check also read the question's last token
-            stats = self._stats(n_new, n_first, t_start, t_first, t1, (t1 - t0) / max(len(new), 1), steps_s)
-            reading, reading_version = self._reading(reading_version)
-            yield Event(new, stats, reading, reason)
+        try:
+            yield from stack.extend(question_ids, cancel)  # stopped here: the chat stays as it was
+            if sampling.penalty_start is None:  # the penalties count this answer's tokens
+                sampling = replace(sampling, penalty_start=self.length)
+            while reason is None:
+                if is_set(cancel):
+                    raise Cancelled("answer")
+                t0 = now(engine.device)
+                new, reason = yield from stack.step(sampling, coins, max_new - n_new, stop_ids or set())
+                t1 = now(engine.device)
+                n_new += len(new)
+                if t_first:
+                    steps_s += t1 - t0
+                else:
+                    t_first, n_first = t1, n_new
+                    top = self.level_stats[-1]
+                    top.n_alone, top.alone_s = 0, 0.0  # the first check also read the question's last token
+                stats = self._stats(n_new, n_first, t_start, t_first, t1, (t1 - t0) / max(len(new), 1), steps_s)
+                reading, reading_version = self._reading(reading_version)
+                yield Event(new, stats, reading, reason)
+        except Cancelled:
+            yield Event([], stats, None, "cancelled")
 
     def _stats(self, n_new, n_first, t_start, t_first, t_now, tbt_last_s, steps_s) -> Stats:
         n_after_first, top = n_new - n_first, self.level_stats[-1]
