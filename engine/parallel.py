@@ -185,7 +185,7 @@ def _method(ranks: Ranks, sid: int, name: str, args: tuple, kwargs: dict):
 
 
 def _open(ranks: Ranks, sid: int, doc_ids: list[int], n_first=None, on_progress=None, cancel=None):
-    _register(ranks, sid, ranks.engine.open(doc_ids, on_progress, SharedFlag(cancel), n_first))
+    ranks.sessions[sid] = ranks.engine.open(doc_ids, on_progress, SharedFlag(cancel), n_first)
 
 
 def read(ranks: Ranks, sid: int, ids: list[int], on_progress=None, cancel=None):
@@ -198,12 +198,7 @@ def _restore(ranks: Ranks, sid: int, path: str, n_total: int | None = None, doc_
     c, r = ranks.engine.target.config, dist.get_rank()
     state["cache"] = {name: t.narrow(2, r * c.n_kv_heads, c.n_kv_heads) for name, t in state["cache"].items()}
     state["queries"] = [q if q is None else q.narrow(1, r * c.n_heads, c.n_heads) for q in state["queries"]]
-    _register(ranks, sid, ranks.engine.restore_state(state, n_total, doc_ids))
-
-
-def _register(ranks: Ranks, sid: int, session) -> None:
-    session.sid = sid
-    ranks.sessions[sid] = session
+    ranks.sessions[sid] = ranks.engine.restore_state(state, n_total, doc_ids)
 
 
 def _gathered_heads(t: torch.Tensor) -> torch.Tensor | None:
@@ -307,8 +302,9 @@ class Leader:
     def _new_session(self, fn: Callable, *args, **local):
         sid = next(self.next_sids)
         self.call(fn, sid, *args, **local)  # fn(ranks, sid, *args) makes the session on every rank
-        self.ranks.sessions[sid].leader = self  # rank 0's: its changes are made on every rank
-        return self.ranks.sessions[sid]
+        session = self.ranks.sessions[sid]
+        session.sid, session.leader = sid, self  # rank 0's copy: it makes the changes on every rank
+        return session
 
     def close(self) -> None:
         """Stop the other ranks and leave the process group."""

@@ -310,7 +310,7 @@ class Engine:
 class Session:
     """One open document: its full cache, its committed tokens and its level stack."""
 
-    # tensor parallel (engine/parallel.py): the session's id on every rank, and on rank 0 the
+    # on rank 0 of tensor parallel (engine/parallel.py): the session's id on every rank, and the
     # `parallel.Leader` that makes its changes (`parallel.everywhere`) and answers on every rank
     sid: int | None = None
     leader: parallel.Leader | None = None
@@ -436,13 +436,13 @@ class Session:
             self.lock.release()
 
     def _answer(self, question_ids, sampling, cancel, stop_ids, coins):
+        engine, stack = self.engine, self.stack
         if not question_ids:
             raise EmptyPrompt("question")
-        self.engine.check_ids(question_ids, "question", self.length)
+        engine.check_ids(question_ids, "question", self.length)
         coins = coins or GeneratorCoins(torch.Generator().manual_seed(sampling.seed))
-        if self.sid is not None:  # tensor parallel: every rank takes rank 0's draws and cancel flag
+        if engine.config.n_gpus > 1:  # tensor parallel: every rank takes rank 0's draws and cancel flag
             coins, cancel = parallel.SharedCoins(coins), parallel.SharedFlag(cancel)
-        engine, stack = self.engine, self.stack
         max_new = min(sampling.max_new_tokens, engine.max_context - self.length - len(question_ids))
         for s in self.level_stats:
             s.reset()
@@ -494,7 +494,7 @@ class Session:
     def save(self, path: str | Path, meta: dict | None = None) -> None:
         """A prefill snapshot: tokens and full cache (the app adds model and document hashes);
         under tensor parallel one file with every rank's heads, written by rank 0."""
-        state = self.state(meta) if self.sid is None else parallel.whole_state(self.state(meta))
+        state = self.state(meta) if self.engine.config.n_gpus == 1 else parallel.whole_state(self.state(meta))
         if state is not None:
             torch.save(state, path)
 
