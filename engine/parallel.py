@@ -82,9 +82,11 @@ def dequantize(model: Transformer) -> None:
 
 
 def shard(model: Transformer, rank: int, n_ranks: int) -> Transformer:
-    """Make `model` rank `rank`'s shard of `n_ranks` in place (see the module doc); its config
-    then holds this rank's head counts and MLP width, so caches built from it are per rank. GGUF
-    blocks are dequantized first (`dequantize`): sliced as bytes, they would be garbage."""
+    """Make `model` rank `rank`'s shard of `n_ranks` in place: query heads, KV heads (a KV head keeps
+    its query heads) and MLP columns split evenly, the partial outputs of attention and the MLP summed
+    by an all-reduce; embeddings, norms and lm_head whole. Its config then holds this rank's head counts
+    and MLP width, so caches built from it are per rank. GGUF blocks are dequantized first
+    (`dequantize`): sliced as bytes, they would be garbage."""
     c = model.config
     c.check_shardable(n_ranks)
     if is_quantized(model):

@@ -123,9 +123,8 @@ class Engine:
 
     @classmethod
     def load(cls, config: EngineConfig) -> Engine:
-        """The engine of `config`. With n_gpus > 1, called outside a process group: starts the
-        other ranks and returns rank 0's `parallel.Leader`, which serves as an Engine; called
-        in a rank's process (by `parallel.start`): loads that rank's shard."""
+        """The engine of `config`; with n_gpus > 1, rank 0's `parallel.Leader` (it serves as an Engine)
+        over the ranks it starts, or, in a rank's process (`parallel.start`), that rank's shard."""
         from engine.loading import check_same_tokenizer, generation_defaults, load_model, load_tokenizer_of
 
         device = pick_device(config.device)
@@ -381,10 +380,9 @@ class Session:
     @parallel.everywhere
     def score_document(self, question_ids: list[int], start: int, end: int,
                        neutral_ids: list[int]) -> list[tuple[int, int, float]]:
-        """(start, end, share) of every retrieval chunk of document positions [start, end): how much
-        more the question's attention reads it than the neutral question's (engine/sources.py). Both
-        run through the target and their KV is dropped: the session is as without this call. Under
-        tensor parallel: rank 0's heads."""
+        """(start, end, share) of every retrieval chunk of document positions [start, end): how much more
+        the question's attention reads it than the neutral question's (engine/sources.py; under tensor
+        parallel, rank 0's heads). Both run through the target; the session is left as it was."""
         if not question_ids or not neutral_ids:
             raise EmptyPrompt("question")
         key = (tuple(neutral_ids), start, end)
