@@ -68,10 +68,6 @@ class Event:
     finish_reason: str | None = None  # "stop", "length", "cancelled" on the last event
 
 
-def is_set(cancel) -> bool:
-    return cancel is not None and cancel.is_set()
-
-
 class Engine:
     def __init__(self, config: EngineConfig, target: Transformer, tokenizer=None,
                  draft: Transformer | None = None, generation: tuple[dict, set[int]] = ({}, set()),
@@ -206,7 +202,7 @@ class Engine:
         chunk = self.prefill_chunk_tokens
         cache.reserve(len(ids))
         for i in range(0, len(ids), chunk):
-            if is_set(cancel):
+            if cancel is not None and cancel.is_set():
                 raise Cancelled("prefill")
             piece = ids[i:i + chunk]
             tokens = torch.tensor([piece], device=self.device)  # [1, T]
@@ -453,7 +449,7 @@ class Session:
             if sampling.penalty_start is None:  # the penalties count this answer's tokens
                 sampling = replace(sampling, penalty_start=self.length)
             while reason is None:
-                if is_set(cancel):
+                if cancel is not None and cancel.is_set():
                     raise Cancelled("answer")
                 t0 = now(engine.device)
                 new, reason = yield from stack.step(sampling, coins, max_new - n_new, stop_ids or set())
