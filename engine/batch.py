@@ -1,11 +1,8 @@
 """Several readers at once: the answers of many sessions share one forward per model (MagicDec).
 
-Every answer is a generator of forward requests and events (`Session.answer_steps`). A round
-advances each active answer to its next request and packs the requests for the same model into one
-`Transformer.forward_packed`: the weights are read once, each segment attends over its own cache.
-Each answer keeps its own caches, drafter state, sampling, coins and counters, so it commits the
-tokens it would commit alone; answers beyond `max_active` wait in order. Under tensor parallel
-rank 0 decides each round's joins and stops and every rank runs the round (`round_on_every_rank`).
+A round packs the answers' forward requests (`Session.answer_steps`) by model: engine/README.md
+"The request protocol". Each answer keeps its own caches, drafter state, sampling, coins and
+counters, so it commits the tokens it would commit alone; answers beyond `max_active` wait in order.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Tensor parallelism over several GPUs (docs/ALGORITHM.md section 8); gloo on CPU in tests.
 
-`shard` turns a loaded Transformer into one rank's part, as gpt-fast's tp.py does: query heads, KV
-heads (a KV head keeps its query heads) and MLP columns split evenly, the partial outputs of
-attention and the MLP summed by an all-reduce; embeddings, norms and lm_head whole. Every rank
-runs the same session code on its shard, in step, and takes rank 0's decisions: its coins, cancel
-flag and draft lengths. Rank 0 drives (`Leader.call`): a session's changes (`everywhere`) and each
-batch round (engine/batch.py) are broadcast, then made on every rank (`follow`). `start` spawns
-ranks 1..N-1 or joins torchrun.
+`shard` turns a loaded Transformer into one rank's part, as gpt-fast's tp.py does. How the ranks
+stay in step (rank 0's `Leader.call`, `everywhere`, `follow`): engine/README.md "The request
+protocol". `start` spawns ranks 1..N-1 or joins torchrun.
 """
 
 from __future__ import annotations
@@ -86,9 +82,11 @@ def dequantize(model: Transformer) -> None:
 
 
 def shard(model: Transformer, rank: int, n_ranks: int) -> Transformer:
-    """Make `model` rank `rank`'s shard of `n_ranks` in place (see the module doc); its config
-    then holds this rank's head counts and MLP width, so caches built from it are per rank. GGUF
-    blocks are dequantized first (`dequantize`): sliced as bytes, they would be garbage."""
+    """Make `model` rank `rank`'s shard of `n_ranks` in place: query heads, KV heads (a KV head keeps
+    its query heads) and MLP columns split evenly, the partial outputs of attention and the MLP summed
+    by an all-reduce; embeddings, norms and lm_head whole. Its config then holds this rank's head counts
+    and MLP width, so caches built from it are per rank. GGUF blocks are dequantized first
+    (`dequantize`): sliced as bytes, they would be garbage."""
     c = model.config
     c.check_shardable(n_ranks)
     if is_quantized(model):
@@ -188,26 +186,21 @@ def _method(ranks: Ranks, sid: int, name: str, args: tuple, kwargs: dict):
     return getattr(type(session), name).__wrapped__(session, *args, **kwargs)
 
 
-def _open(ranks: Ranks, sid: int, doc_ids: list[int], n_first=None, on_progress=None, cancel=None, leader=None):
-    _register(ranks, sid, ranks.engine.open(doc_ids, on_progress, SharedFlag(cancel), n_first), leader)
+def _open(ranks: Ranks, sid: int, doc_ids: list[int], n_first=None, on_progress=None, cancel=None):
+    ranks.sessions[sid] = ranks.engine.open(doc_ids, on_progress, SharedFlag(cancel), n_first)
 
 
 def read(ranks: Ranks, sid: int, ids: list[int], on_progress=None, cancel=None):
     ranks.sessions[sid].read_here(ids, on_progress, SharedFlag(cancel))
 
 
-def _restore(ranks: Ranks, sid: int, path: str, n_total: int | None = None, doc_ids=None, leader=None):
+def _restore(ranks: Ranks, sid: int, path: str, n_total: int | None = None, doc_ids=None):
     """Each rank memory-maps the snapshot and takes its own KV and query heads."""
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     c, r = ranks.engine.target.config, dist.get_rank()
     state["cache"] = {name: t.narrow(2, r * c.n_kv_heads, c.n_kv_heads) for name, t in state["cache"].items()}
     state["queries"] = [q if q is None else q.narrow(1, r * c.n_heads, c.n_heads) for q in state["queries"]]
-    _register(ranks, sid, ranks.engine.restore_state(state, n_total, doc_ids), leader)
-
-
-def _register(ranks: Ranks, sid: int, session, leader) -> None:
-    session.sid, session.leader = sid, leader  # rank 0's leader; None elsewhere: the calls are made here
-    ranks.sessions[sid] = session
+    ranks.sessions[sid] = ranks.engine.restore_state(state, n_total, doc_ids)
 
 
 def _gathered_heads(t: torch.Tensor) -> torch.Tensor | None:
@@ -303,14 +296,17 @@ class Leader:
                     self.lock.release()
 
     def open(self, doc_ids: list[int], on_progress=None, cancel=None, n_first: int | None = None):
-        sid = next(self.next_sids)
-        self.call(_open, sid, list(doc_ids), n_first, on_progress=on_progress, cancel=cancel, leader=self)
-        return self.ranks.sessions[sid]
+        return self._new_session(_open, list(doc_ids), n_first, on_progress=on_progress, cancel=cancel)
 
     def restore(self, path, n_total: int | None = None, doc_ids: list[int] | None = None):
+        return self._new_session(_restore, str(path), n_total, doc_ids)
+
+    def _new_session(self, fn: Callable, *args, **local):
         sid = next(self.next_sids)
-        self.call(_restore, sid, str(path), n_total, doc_ids, leader=self)
-        return self.ranks.sessions[sid]
+        self.call(fn, sid, *args, **local)  # fn(ranks, sid, *args) makes the session on every rank
+        session = self.ranks.sessions[sid]
+        session.sid, session.leader = sid, self  # rank 0's copy: it makes the changes on every rank
+        return session
 
     def close(self) -> None:
         """Stop the other ranks and leave the process group."""

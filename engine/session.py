@@ -1,9 +1,6 @@
-"""Engine and Session: the face of the engine (docs/DESIGN.md "The engine's face").
-
-`Engine` holds the loaded target (and draft) model; `Engine.open(doc_ids)` prefills a document
-once into a full cache and returns a `Session`; `Session.ask(question_ids, sampling)` appends
-the question and yields `Event`s as the level stack commits tokens. Multi-turn reuses the
-cache; `truncate` rolls it back (regenerate, edit). Errors are typed (engine/config.py).
+"""Engine and Session: the face of the engine (its use: docs/DESIGN.md "The engine's face"; a
+request through the modules: engine/README.md). `Engine` holds the loaded models and prefills a
+document once into a `Session`, which answers questions as a stream of `Event`s.
 """
 
 from __future__ import annotations
@@ -71,10 +68,6 @@ class Event:
     finish_reason: str | None = None  # "stop", "length", "cancelled" on the last event
 
 
-def is_set(cancel) -> bool:
-    return cancel is not None and cancel.is_set()
-
-
 class Engine:
     def __init__(self, config: EngineConfig, target: Transformer, tokenizer=None,
                  draft: Transformer | None = None, generation: tuple[dict, set[int]] = ({}, set()),
@@ -126,9 +119,8 @@ class Engine:
 
     @classmethod
     def load(cls, config: EngineConfig) -> Engine:
-        """The engine of `config`. With n_gpus > 1, called outside a process group: starts the
-        other ranks and returns rank 0's `parallel.Leader`, which serves as an Engine; called
-        in a rank's process (by `parallel.start`): loads that rank's shard."""
+        """The engine of `config`; with n_gpus > 1, rank 0's `parallel.Leader` (it serves as an Engine)
+        over the ranks it starts, or, in a rank's process (`parallel.start`), that rank's shard."""
         from engine.loading import check_same_tokenizer, generation_defaults, load_model, load_tokenizer_of
 
         device = pick_device(config.device)
@@ -210,7 +202,7 @@ class Engine:
         chunk = self.prefill_chunk_tokens
         cache.reserve(len(ids))
         for i in range(0, len(ids), chunk):
-            if is_set(cancel):
+            if cancel is not None and cancel.is_set():
                 raise Cancelled("prefill")
             piece = ids[i:i + chunk]
             tokens = torch.tensor([piece], device=self.device)  # [1, T]
@@ -313,7 +305,7 @@ class Engine:
 class Session:
     """One open document: its full cache, its committed tokens and its level stack."""
 
-    # tensor parallel (engine/parallel.py): the session's id on every rank, and on rank 0 the
+    # on rank 0 of tensor parallel (engine/parallel.py): the session's id on every rank, and the
     # `parallel.Leader` that makes its changes (`parallel.everywhere`) and answers on every rank
     sid: int | None = None
     leader: parallel.Leader | None = None
@@ -384,10 +376,9 @@ class Session:
     @parallel.everywhere
     def score_document(self, question_ids: list[int], start: int, end: int,
                        neutral_ids: list[int]) -> list[tuple[int, int, float]]:
-        """(start, end, share) of every retrieval chunk of document positions [start, end): how much
-        more the question's attention reads it than the neutral question's (engine/sources.py). Both
-        run through the target and their KV is dropped: the session is as without this call. Under
-        tensor parallel: rank 0's heads."""
+        """(start, end, share) of every retrieval chunk of document positions [start, end): how much more
+        the question's attention reads it than the neutral question's (engine/sources.py; under tensor
+        parallel, rank 0's heads). Both run through the target; the session is left as it was."""
         if not question_ids or not neutral_ids:
             raise EmptyPrompt("question")
         key = (tuple(neutral_ids), start, end)
@@ -439,44 +430,42 @@ class Session:
             self.lock.release()
 
     def _answer(self, question_ids, sampling, cancel, stop_ids, coins):
+        engine, stack = self.engine, self.stack
         if not question_ids:
             raise EmptyPrompt("question")
-        self.engine.check_ids(question_ids, "question", self.length)
+        engine.check_ids(question_ids, "question", self.length)
         coins = coins or GeneratorCoins(torch.Generator().manual_seed(sampling.seed))
-        if self.sid is not None:  # tensor parallel: every rank takes rank 0's draws and cancel flag
+        if engine.config.n_gpus > 1:  # tensor parallel: every rank takes rank 0's draws and cancel flag
             coins, cancel = parallel.SharedCoins(coins), parallel.SharedFlag(cancel)
-        engine, stack = self.engine, self.stack
         max_new = min(sampling.max_new_tokens, engine.max_context - self.length - len(question_ids))
         for s in self.level_stats:
             s.reset()
         stack.drafter_s = 0.0
         t_start, stats = now(engine.device), Stats(self.level_stats)
-        try:
-            yield from stack.extend(question_ids, cancel)
-        except Cancelled:  # stopped while reading the question: the chat stays as it was
-            yield Event([], stats, None, "cancelled")
-            return
-        if sampling.penalty_start is None:  # the penalties count this answer's tokens
-            sampling = replace(sampling, penalty_start=self.length)
         n_new, n_first, t_first, steps_s = 0, 0, 0.0, 0.0
         reason, reading_version = None, None
-        while reason is None:
-            if is_set(cancel):
-                yield Event([], stats, None, "cancelled")
-                return
-            t0 = now(engine.device)
-            new, reason = yield from stack.step(sampling, coins, max_new - n_new, stop_ids or set())
-            t1 = now(engine.device)
-            n_new += len(new)
-            if t_first:
-                steps_s += t1 - t0
-            else:
-                t_first, n_first = t1, n_new
-                top = self.level_stats[-1]
-                top.n_alone, top.alone_s = 0, 0.0  # the first check also read the question's last token
-            stats = self._stats(n_new, n_first, t_start, t_first, t1, (t1 - t0) / max(len(new), 1), steps_s)
-            reading, reading_version = self._reading(reading_version)
-            yield Event(new, stats, reading, reason)
+        try:
+            yield from stack.extend(question_ids, cancel)  # stopped here: the chat stays as it was
+            if sampling.penalty_start is None:  # the penalties count this answer's tokens
+                sampling = replace(sampling, penalty_start=self.length)
+            while reason is None:
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled("answer")
+                t0 = now(engine.device)
+                new, reason = yield from stack.step(sampling, coins, max_new - n_new, stop_ids or set())
+                t1 = now(engine.device)
+                n_new += len(new)
+                if t_first:
+                    steps_s += t1 - t0
+                else:
+                    t_first, n_first = t1, n_new
+                    top = self.level_stats[-1]
+                    top.n_alone, top.alone_s = 0, 0.0  # the first check also read the question's last token
+                stats = self._stats(n_new, n_first, t_start, t_first, t1, (t1 - t0) / max(len(new), 1), steps_s)
+                reading, reading_version = self._reading(reading_version)
+                yield Event(new, stats, reading, reason)
+        except Cancelled:
+            yield Event([], stats, None, "cancelled")
 
     def _stats(self, n_new, n_first, t_start, t_first, t_now, tbt_last_s, steps_s) -> Stats:
         n_after_first, top = n_new - n_first, self.level_stats[-1]
@@ -499,7 +488,7 @@ class Session:
     def save(self, path: str | Path, meta: dict | None = None) -> None:
         """A prefill snapshot: tokens and full cache (the app adds model and document hashes);
         under tensor parallel one file with every rank's heads, written by rank 0."""
-        state = self.state(meta) if self.sid is None else parallel.whole_state(self.state(meta))
+        state = self.state(meta) if self.engine.config.n_gpus == 1 else parallel.whole_state(self.state(meta))
         if state is not None:
             torch.save(state, path)
 
