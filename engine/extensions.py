@@ -87,11 +87,7 @@ def _builder_lock(path: Path, name: str, wait_s: float) -> Iterator[None]:
                     log.warning("waiting up to %.0f s for process %s, which is building %s", wait_s, holder, name)
                     has_said = True
                 time.sleep(_POLL_S)
-        file.seek(0)
-        file.truncate()
+        file.truncate(0)  # "a+": the write below goes to the end, now 0
         file.write(str(os.getpid()))
         file.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(file, fcntl.LOCK_UN)
+        yield  # closing the file releases the lock, however the block ends

@@ -92,9 +92,8 @@ def check_tensor_names(what: str, file_names: set[str], model_names: set[str]) -
 
 
 def check_model(path: str | Path) -> str:
-    """The family (model_type) of a Hugging Face folder or a .gguf, from its headers alone (no
-    weight is read). Raises the UnsupportedModel loading would raise; ModelNotFound for a path that
-    is no model at all, EngineError for a GGUF that cannot be parsed (truncated)."""
+    """The family (model_type) of a Hugging Face folder or a .gguf, or the module's UnsupportedModel;
+    ModelNotFound for a path that is no model at all, EngineError for a GGUF that cannot be parsed."""
     path = Path(path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         from gguf import GGUFReader

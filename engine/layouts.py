@@ -1,9 +1,7 @@
 """CPU weight layouts: how a built model's linear weights are stored for this CPU, applied from
 outside the model as `parallel.shard` is (engine/device.py `linear_layout` picks one per model):
-`packed` (`PackedLinear`, oneDNN's blocked layout) or `bf16-stored` (`Bf16Linear`, weights that are
-exact bf16 values stored as bf16 and multiplied in float32: half the bytes, the same products).
-Every layout keeps the values and the `weight`/`bias` names; none changes a product's result
-beyond BLAS's own summation order (tests/engine/test_model.py).
+`packed` (`PackedLinear`) or `bf16-stored` (`Bf16Linear`). Every layout keeps the values and the
+`weight`/`bias` names; none changes a product's result beyond BLAS's own summation order.
 """
 
 from __future__ import annotations
@@ -18,11 +16,18 @@ from engine.model import Transformer
 
 
 def lay_out_linears(model: Transformer, layout: str) -> None:
-    """Store `model`'s linear weights as engine/device.py `linear_layout` chose for this device."""
+    """Store `model`'s linear weights as engine/device.py `linear_layout` chose for this device. With
+    "bf16-stored" (a float32 model whose weights fit bf16), the embedding table too keeps its rows in
+    bf16 when its values fit (always when tied to the LM head), widened to float32 on lookup."""
     if layout == "packed":
         _replace_linears(model, PackedLinear)
     elif layout == "bf16-stored":
-        store_weights_bf16(model, cpu_linear_kernel())
+        assert model.dtype == torch.float32 and linear_weights_fit_bf16(model), "weights that bf16 would round"
+        kernel = cpu_linear_kernel()
+        _replace_linears(model, lambda linear: Bf16Linear(linear, kernel))
+        table = model.model.embed_tokens.weight
+        if _fits_bf16(table):
+            model.model.embed_tokens.weight = nn.Parameter(table.detach().bfloat16(), requires_grad=False)
     else:
         assert layout == "as loaded", f"unknown linear layout {layout!r}"
 
@@ -39,17 +44,6 @@ def linear_weights_fit_bf16(model: Transformer) -> bool:
     nothing (and its shape is one engine/csrc/linear_cpu.cpp takes: out % 8, in % 2)."""
     return all(m.out_features % 8 == 0 and m.in_features % 2 == 0 and _fits_bf16(m.weight)
                for m in model.modules() if isinstance(m, nn.Linear))
-
-
-def store_weights_bf16(model: Transformer, kernel) -> None:
-    """Replace every nn.Linear by a `Bf16Linear` (float32 models whose weights fit bf16,
-    engine/device.py says when). The embedding table, when its values fit bf16 too (always
-    when tied to the LM head), keeps its rows in bf16, widened to float32 on lookup."""
-    assert model.dtype == torch.float32 and linear_weights_fit_bf16(model), "weights that bf16 would round"
-    _replace_linears(model, lambda linear: Bf16Linear(linear, kernel))
-    table = model.model.embed_tokens.weight
-    if _fits_bf16(table):
-        model.model.embed_tokens.weight = nn.Parameter(table.detach().bfloat16(), requires_grad=False)
 
 
 class PackedLinear(nn.Module):

@@ -30,9 +30,8 @@ log = logging.getLogger(__name__)
 
 def load_model(source: str, dtype: torch.dtype, device: torch.device, yarn_factor: float = 1.0,
                keep_gguf_blocks: bool = True):
-    """(our Transformer with the weights of `source` on `device`, its tokenizer). A GGUF on a CPU in
-    float32 or bfloat16 keeps its blocks unless `keep_gguf_blocks` is False; otherwise the model is
-    built on the meta device and takes the loaded tensors as they are (no second copy)."""
+    """(our Transformer with the weights of `source` on `device`, its tokenizer), as the module
+    docstring says; `keep_gguf_blocks=False` loads a GGUF dequantized instead."""
     gguf = _gguf_to_keep_quantized(source, dtype, device) if keep_gguf_blocks else None
     if gguf is not None:
         return load_quantized_model(*gguf, dtype=dtype, yarn_factor=yarn_factor)
@@ -43,8 +42,6 @@ def load_model(source: str, dtype: torch.dtype, device: torch.device, yarn_facto
     check_tensor_names(f"The model in {model_dir}", set(file_names), parameter_names(model))
     state = split_fused(load_state_dict(model_dir, dtype), model.config)
     model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=False, assign=True)
-    if model.config.has_tied_embeddings:  # `assign` untied them; a file's own lm_head copy is dropped here
-        model.lm_head.weight = model.model.embed_tokens.weight
     return finish_model(model, hf_config, device), load_tokenizer(model_dir)
 
 
@@ -53,8 +50,7 @@ def load_tokenizer_of(source: str, dtype: torch.dtype, device: torch.device):
     gguf = _gguf_to_keep_quantized(source, dtype, device)
     if gguf is None:
         return load_tokenizer(models.resolve_model(source))
-    path, sha256 = gguf
-    return load_tokenizer(gguf_header_dir(path, sha256 or file_sha256(path)))
+    return load_tokenizer(gguf_header_dir(*gguf))
 
 
 def _gguf_to_keep_quantized(source: str, dtype: torch.dtype, device: torch.device) -> tuple[Path, str | None] | None:
@@ -84,8 +80,7 @@ def load_state_dict(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tens
     state: dict[str, torch.Tensor] = {}
     for shard in _safetensors_files(Path(model_dir)):
         with safe_open(shard, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                state[name] = f.get_tensor(name).to(dtype)
+            state |= {name: f.get_tensor(name).to(dtype) for name in f.keys()}  # noqa: SIM118 (not iterable)
     return state
 
 
@@ -120,21 +115,20 @@ def split_fused(state: dict, cfg: ModelConfig) -> dict:
     """Phi-3's fused qkv_proj and gate_up_proj as our q/k/v and gate/up linears, split by rows (so a
     GGUF's blocks split whole); a value is a tensor, a (tensor, ggml type) pair or None."""
     q_rows, kv_rows = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    parts = {"self_attn.qkv_proj": (("q_proj", "k_proj", "v_proj"), [q_rows, kv_rows, kv_rows]),
-             "mlp.gate_up_proj": (("gate_proj", "up_proj"), [cfg.intermediate] * 2)}
+    parts = {"qkv_proj": {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows},
+             "gate_up_proj": {"gate_proj": cfg.intermediate, "up_proj": cfg.intermediate}}
     out = {}
     for name, value in state.items():
         module, _, what = name.rpartition(".")
-        fused = next((f for f in parts if module.endswith(f)), None)
-        if fused is None:
+        parent, _, leaf = module.rpartition(".")
+        if leaf not in parts:
             out[name] = value
             continue
-        names, rows = parts[fused]
+        rows = parts[leaf]  # {our linear: its rows}
         tensor, qtype = value if isinstance(value, tuple) else (value, None)
-        pieces = tensor.split(rows) if tensor is not None else [None] * len(rows)
-        for sub, piece in zip(names, pieces):
-            key = f"{module.removesuffix(fused.split('.')[1])}{sub}.{what}"
-            out[key] = piece if not isinstance(value, tuple) else (piece, qtype)
+        pieces = tensor.split(list(rows.values())) if tensor is not None else [None] * len(rows)
+        for sub, piece in zip(rows, pieces):
+            out[f"{parent}.{sub}.{what}"] = (piece, qtype) if isinstance(value, tuple) else piece
     return out
 
 
@@ -160,16 +154,23 @@ def meta_model(folder: Path, yarn_factor: float = 1.0):
 
 
 def finish_model(model, hf_config, device: torch.device):
-    """The RoPE buffers made for real on `device`, once every weight is assigned."""
+    """The RoPE buffers made for real on `device`, once every weight is assigned; a tied LM head
+    shares the embedding's table again (`assign` untied them; a file's own lm_head copy is dropped),
+    unless either keeps GGUF blocks."""
+    is_plain = not isinstance(model.lm_head, QuantLinear) and not isinstance(model.model.embed_tokens, QuantEmbedding)
+    if model.config.has_tied_embeddings and is_plain:
+        model.lm_head.weight = model.model.embed_tokens.weight
     with torch.device(device):
         model.model.rotary_emb = rotary_embedding(hf_config)
     assert not any(p.is_meta for p in model.parameters()), "a weight check_tensor_names expects is unassigned"
     return model.eval()
 
 
-def gguf_header_dir(gguf_path: Path, sha256: str) -> Path:
-    """A small folder read once from the GGUF, cached under its sha256: the HF config and tokenizer
-    (by transformers) and `tensors.json`, where each tensor's bytes lie, so later loads only map the file."""
+def gguf_header_dir(gguf_path: Path, sha256: str | None = None) -> Path:
+    """A small folder read once from the GGUF, cached under its sha256 (hashed here unless given):
+    the HF config and tokenizer (by transformers) and `tensors.json`, where each tensor's bytes lie,
+    so later loads only map the file."""
+    sha256 = sha256 or file_sha256(gguf_path)
     out_dir = cache_root() / "models" / f"{gguf_path.stem}-{sha256[:16]}-header"
     if is_complete(out_dir) and (out_dir / "tensors.json").is_file():
         return out_dir
@@ -179,8 +180,6 @@ def gguf_header_dir(gguf_path: Path, sha256: str) -> Path:
     tensors = [{"name": t.name, "type": int(t.tensor_type), "offset": int(t.data_offset),
                 "n_bytes": int(t.n_bytes), "shape": list(t.data.shape), "dtype": t.data.dtype.str}
                for t in reader.tensors]
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
     with complete_folder(out_dir, {"gguf": str(gguf_path), "sha256": sha256}) as tmp_dir:
         config.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
@@ -233,7 +232,7 @@ def load_quantized_model(gguf_path: Path, sha256: str | None = None, dtype: torc
     or bfloat16) is that of activations, norms and KV cache; the linears multiply in float32. The LM
     head returns float32 logits, as its kernel computes them (bf16 logits would make ties)."""
     kernel = cpu_quant_kernel()
-    header = gguf_header_dir(gguf_path, sha256 or file_sha256(gguf_path))
+    header = gguf_header_dir(gguf_path, sha256)
     model, hf_config = meta_model(header, yarn_factor)
     cfg = model.config
     # a bf16 model on a CPU with BF16 dot products decodes Q5_0, Q4_K and Q6_K from interleaved copies
@@ -247,8 +246,6 @@ def load_quantized_model(gguf_path: Path, sha256: str | None = None, dtype: torc
     for module in model.modules():
         if isinstance(module, QuantLinear):
             module.interleaved(dtype)  # now, not at the first call (a no-op unless `interleaves`)
-    if "model.embed_tokens.weight" in plain and not isinstance(model.lm_head, QuantLinear) and cfg.has_tied_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
     return finish_model(model, hf_config, torch.device("cpu")), load_tokenizer(header)
 
 

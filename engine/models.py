@@ -84,8 +84,16 @@ def resolve_model(source: str) -> Path:
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return convert_gguf(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
     if path.is_dir():
-        return _local_folder(path)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise ModelNotFound(
+                f"{path} is not a Hugging Face model folder (no config.json) and does not hold exactly "
+                f"one .gguf file (found {len(ggufs)}); point at the folder or at the .gguf itself."
+            )
+        return convert_gguf(ggufs[0])
     if source in PACKAGED_MODELS:
         return packaged_model_dir(source)
     if source.endswith(".gguf") or source.startswith(("/", ".", "~")):
@@ -95,18 +103,6 @@ def resolve_model(source: str) -> Path:
     raise ModelNotFound(
         f"No model {source!r}: give a local Hugging Face folder, a .gguf file, a hub id "
         f"(org/name) or one of the packaged models: {', '.join(PACKAGED_MODELS)}."
-    )
-
-
-def _local_folder(path: Path) -> Path:
-    if (path / "config.json").is_file():
-        return path
-    ggufs = sorted(path.glob("*.gguf"))
-    if len(ggufs) == 1:
-        return convert_gguf(ggufs[0])
-    raise ModelNotFound(
-        f"{path} is not a Hugging Face model folder (no config.json) and does not hold exactly "
-        f"one .gguf file (found {len(ggufs)}); point at the folder or at the .gguf itself."
     )
 
 
@@ -163,12 +159,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path | None = None, sha256: str | Non
     file converts again."""
     gguf_path = Path(gguf_path).resolve()
     sha256 = sha256 or file_sha256(gguf_path)
-    if out_dir is None:
-        out_dir = cache_root() / "models" / f"{gguf_path.stem}-{sha256[:16]}"
-    if is_complete(out_dir):
-        return out_dir
-    with complete_folder(out_dir, {"gguf": str(gguf_path), "sha256": sha256}) as tmp_dir:
-        _save_hf_folder(gguf_path, tmp_dir)
+    out_dir = out_dir or cache_root() / "models" / f"{gguf_path.stem}-{sha256[:16]}"
+    if not is_complete(out_dir):
+        with complete_folder(out_dir, {"gguf": str(gguf_path), "sha256": sha256}) as tmp_dir:
+            _save_hf_folder(gguf_path, tmp_dir)
     return out_dir
 
 

@@ -52,7 +52,7 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.kernel, self.out_dtype = kernel, out_dtype
         self.lossy = False  # calls of at most KERNEL_MAX_ROWS rows run `quick_linear` (see `quick`)
-        self._interleaved: tuple[tuple, torch.Tensor] | None = None  # (the weight it was made from, it)
+        self._interleaved: torch.Tensor | None = None  # made at the first call that reads it
 
     def has_quick_path(self) -> bool:
         return self.kernel.quick_supports(self.qtype, self.in_features)
@@ -68,20 +68,18 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] float32 / bf16 -> [..., out]
         rows = x.reshape(-1, self.in_features)  # [M, in]
+        rows = rows if rows.dtype == torch.bfloat16 else rows.float()  # bf16 rows stay bf16 on every path
         out_dtype = self.out_dtype or x.dtype
         is_few_rows = rows.shape[0] <= self.KERNEL_MAX_ROWS
-        if is_few_rows and not self.lossy:  # bf16 rows as they are: the kernel's BF16 dot products, or
-            # widened in it; its epilogue adds the bias and rounds to bf16 as add_ and .to would
-            rows = rows if rows.dtype == torch.bfloat16 else rows.float()
+        if is_few_rows and not self.lossy:  # the kernel's BF16 dot products, or widened in it; its
+            # epilogue adds the bias and rounds to bf16 as add_ and .to would
             out = self.kernel.quant_linear(rows.contiguous(), self.weight, self.qtype, self.bias,
                                            out_dtype == torch.bfloat16, self.interleaved(rows.dtype))
         else:
             if is_few_rows:
                 out = self.kernel.quick_linear(rows.float().contiguous(), self.weight, self.qtype)
             else:
-                tile_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-                rows = rows.to(tile_dtype)
-                blocks = [rows @ self._dequantized(block, tile_dtype).t()
+                blocks = [rows @ self._dequantized(block, rows.dtype).t()
                           for block in self.weight.split(self.BLOCK_ROWS)]
                 out = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
             if self.bias is not None:
@@ -93,18 +91,16 @@ class QuantLinear(nn.Module):
         with 16 weight rows interleaved (quant_cpu.cpp `interleave`): a copy made at the first call."""
         if dtype != torch.bfloat16 or self.qtype not in INTERLEAVED_TYPES or not self.kernel.uses_bf16_dots():
             return None
-        made_from = (self.weight.data_ptr(), self.weight.shape)  # a twin's weight is another Parameter
-        if self._interleaved is None or self._interleaved[0] != made_from:
-            self._interleaved = (made_from, self.kernel.interleave(self.weight, self.qtype, self.in_features))
-        return self._interleaved[1]
+        if self._interleaved is None:  # the blocks are frozen: one copy serves every call
+            self._interleaved = self.kernel.interleave(self.weight, self.qtype, self.in_features)
+        return self._interleaved
 
     def dequantized(self) -> torch.Tensor:  # [out, in] float32, a fresh tensor
         return self.kernel.dequantize(self.weight, self.qtype, torch.empty(self.out_features, self.in_features))
 
     def _dequantized(self, block: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [rows, in], in scratch
         """float32, or bf16 as `.to(torch.bfloat16)` rounds them, written straight by the kernel."""
-        shape = (block.shape[0], self.in_features)
-        tile = scratch(f"dequantized {dtype}", shape[0] * shape[1], dtype).view(shape)
+        tile = scratch(f"dequantized {dtype}", block.shape[0] * self.in_features, dtype).view(-1, self.in_features)
         return self.kernel.dequantize(block, self.qtype, tile)
 
     def extra_repr(self) -> str:

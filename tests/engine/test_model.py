@@ -133,7 +133,7 @@ def test_bf16_stored_linears_keep_logits_and_names(family, tie):
     model = ours(tiny_hf(family, seed=5, tie=tie)).float()
     assert not layouts.linear_weights_fit_bf16(model)  # random float32 weights: bf16 would round them
     with pytest.raises(AssertionError, match="bf16 would round"):
-        layouts.store_weights_bf16(model, cpu_linear_kernel())
+        layouts.lay_out_linears(model, "bf16-stored")
     model = model.bfloat16().float()  # a bf16 checkpoint loaded as float32
     assert layouts.linear_weights_fit_bf16(model)
     names = set(model.state_dict())
