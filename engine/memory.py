@@ -1,11 +1,9 @@
 """Memory planner: the bytes each part of the engine needs on each device, before prefill.
 
-Pure arithmetic over `ModelConfig` shapes (docs/ALGORITHM.md section 8): weights, full KV cache,
-retrieval cache, drafter and prefill activations, per GPU rank (tensor parallel: layer weights and
-KV heads split; embeddings, drafter and logits replicated) and on the host. When the full cache
-does not fit on the GPUs it lives in host memory with its first `n_resident_kv_layers` layers on
-the GPU (`resident_kv_layers`). Nothing is allocated here; only `free_memory_bytes` asks a device.
-Assumes fused attention (no [T, S] scores materialised) and a full cache allocated once.
+Pure arithmetic over `ModelConfig` shapes (docs/ALGORITHM.md section 8), per GPU rank (tensor
+parallel: layer weights and KV heads split; embeddings, drafter and logits replicated) and on the
+host. Nothing is allocated here; only `free_memory_bytes` asks a device. Assumes fused attention
+(no [T, S] scores materialised) and a full cache allocated once.
 """
 
 from __future__ import annotations

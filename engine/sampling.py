@@ -1,15 +1,9 @@
 """Sampling transforms and the acceptance rule of speculative decoding (docs/ALGORITHM.md section 3).
 
-`q` is the distribution of the level that checks, `r` that of the level that proposed. A proposal
-is a token tree; a stochastic node (`r` given) is accepted with min(1, q/r), else the residual
-norm(max(q - r, 0)) continues; a deterministic one (`r` one-hot) with q(x), else q without x,
-renormalised. No child accepted: one token from what is left of q; a leaf reached: a bonus token
-from q. Greedy is not a second path: `sampling_probs` makes T = 0 a one-hot argmax. `verify` takes
-its randomness as an input (`Coins`), so tests enumerate every coin outcome. Penalties use each
-row's own history (`draft_histories`: the answer plus the draft path up to the row), so a level's
-q is exactly plain decoding's distribution after those tokens. Imports only torch.
+`q` is the distribution of the level that checks, `r` that of the level that proposed (one-hot for a
+deterministic proposal). `token_probs` is the one distribution every level uses; `verify` takes its
+randomness as an input (`Coins`), so tests enumerate every coin outcome. Imports only torch.
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -71,9 +65,7 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top
     together, so the result does not depend on how a sort orders them.
     """
     if temperature == 0:
-        hot = torch.zeros(logits.shape, dtype=torch.promote_types(logits.dtype, torch.float64),
-                          device=logits.device)
-        return hot.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).double()
     logits = logits.double() / temperature
     if 0 < top_k < logits.shape[-1]:
         return top_k_probs(logits, top_k, top_p, min_p)
@@ -128,13 +120,6 @@ def nucleus_threshold(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return top.gather(-1, n_keep - 1)
 
 
-def sample_from(probs: torch.Tensor, u: float) -> int:
-    """Inverse-CDF draw from [V] probabilities (need not be normalised) with a uniform u in [0, 1)."""
-    cdf = probs.cumsum(0)
-    idx = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
-    return min(idx, probs.shape[0] - 1)
-
-
 @dataclass
 class Draft:
     """A proposal: a token tree, parents before children, siblings in the order to try them."""
@@ -186,16 +171,15 @@ class GeneratorCoins:
     def accept(self, p: float) -> bool:
         return self._uniform() < p
 
-    def sample(self, probs: torch.Tensor) -> int:
-        return sample_from(probs, self._uniform())
+    def sample(self, probs: torch.Tensor) -> int:  # inverse CDF
+        cdf = probs.cumsum(0)
+        idx = int(torch.searchsorted(cdf, self._uniform() * cdf[-1], right=True))
+        return min(idx, probs.shape[0] - 1)
 
 
 def acceptance(q: torch.Tensor, x: int, r: torch.Tensor | None) -> tuple[float, torch.Tensor]:
     """The rule for one proposal x against q ([V]): (probability to accept, q after a rejection).
-
-    r ([V]) for a stochastic proposal x ~ r: min(1, q/r) and the residual norm(max(q - r, 0));
-    r None for a deterministic one (r one-hot): q(x) and q without x, renormalised.
-    """
+    r ([V]) for a stochastic proposal x ~ r, None for a deterministic one (docs/ALGORITHM.md section 3)."""
     if r is None:
         accept_prob, residual = float(q[x]), q.clone()
         residual[x] = 0
