@@ -4,6 +4,7 @@
 deterministic proposal). `token_probs` is the one distribution every level uses; `verify` takes its
 randomness as an input (`Coins`), so tests enumerate every coin outcome. Imports only torch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,12 +38,8 @@ def draft_histories(tokens: list[int], draft: Draft, sampling: SamplingConfig) -
 
 def penalize(logits: torch.Tensor, histories: list[list[int]], repetition: float = 1.0, presence: float = 0.0,
              frequency: float = 0.0) -> torch.Tensor:
-    """[R, V] logits with the penalties for the tokens in each row's history ([R] lists).
-
-    Repetition as Hugging Face's `RepetitionPenaltyLogitsProcessor` (a seen token's logit divided by
-    `repetition` when positive, multiplied when negative); then presence and frequency as OpenAI's
-    (minus `presence` for a seen token, minus `frequency` times its count). Unchanged when all are off.
-    """
+    """[R, V] logits with the penalties for the tokens in each row's history ([R] lists): repetition
+    as Hugging Face's `RepetitionPenaltyLogitsProcessor`, then presence and frequency as OpenAI's."""
     if (repetition, presence, frequency) == (1.0, 0.0, 0.0) or not any(histories):
         return logits
     assert len(histories) == logits.shape[0], f"{len(histories)} histories for {logits.shape[0]} rows"
@@ -59,11 +56,8 @@ def penalize(logits: torch.Tensor, histories: list[list[int]], repetition: float
 def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
                    min_p: float = 0.0) -> torch.Tensor:
     """The distribution plain decoding samples from: [..., V] logits -> [..., V] probabilities.
-
-    Order as in Hugging Face: temperature, then top-k, then top-p (nucleus, keeping at least one),
-    then min-p (tokens at least min_p x the most likely one's probability). Ties at a cut are kept
-    together, so the result does not depend on how a sort orders them.
-    """
+    Hugging Face's order: temperature, top-k, top-p (keeping at least one), min-p. Ties at a cut are
+    kept together, so the result does not depend on how a sort orders them."""
     if temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).double()
     logits = logits.double() / temperature
@@ -81,10 +75,8 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top
 
 def top_k_probs(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """`sampling_probs` after the temperature, top-k on: the same transforms on the k largest only.
-    The tokens tied with the k-th beyond them are kept as well; each is as likely as the k-th, so
-    they are counted rather than sorted: they weigh in every sum, cannot move top-p's threshold (a
-    sort puts them after the k) and get the k-th's probability back in the output. Fixed shapes and
-    no host read, so on a GPU a check still syncs only to copy q."""
+    Tokens tied with the k-th beyond them are counted, not sorted: they weigh in every sum, cannot move
+    top-p's threshold and get the k-th's probability back. No host read: a check syncs only to copy q."""
     top, top_idx = logits.topk(top_k, dim=-1)  # [..., k] descending
     is_tied = logits == top[..., -1:]  # [..., V]
     n_beyond = is_tied.sum(-1, keepdim=True) - (top == top[..., -1:]).sum(-1, keepdim=True)  # [..., 1]
@@ -198,11 +190,8 @@ class Verdict:
 
 
 def verify(q: torch.Tensor, draft: Draft, coins: Coins) -> Verdict:
-    """Accept a prefix of `draft` so that every emitted token is distributed as `q`.
-
-    q: [N+1, V]; q[0] is the checking level's distribution after the root, q[i+1] after node i.
-    Stochastic drafts must be chains; deterministic ones may branch (multi-candidate rule).
-    """
+    """Accept a prefix of `draft` so that every emitted token is distributed as q ([N+1, V]: q[0]
+    after the root, q[i+1] after node i). Stochastic drafts must be chains; deterministic ones may branch."""
     children: dict[int, list[int]] = {}
     for i, p in enumerate(draft.parents.tolist()):
         children.setdefault(p, []).append(i)

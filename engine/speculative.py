@@ -169,15 +169,6 @@ class Scorer:
             self.cache.keep_tail(start, torch.tensor(path))
 
 
-def on_host(q: torch.Tensor, draft: Draft) -> tuple[torch.Tensor, Draft]:
-    """q ([N+1, V]) and the draft's r ([N, V], if any) in host memory, in one copy: `verify` reads
-    a number of them per draft node, each a device sync if they stayed on a GPU."""
-    if draft.probs is None or (q.device.type == "cpu" and draft.probs.device.type == "cpu"):
-        return q.cpu(), draft  # (on a CPU: no copy at all)
-    both = torch.cat([q, draft.probs.to(q.device, q.dtype)]).cpu()  # [N+1 + N, V]
-    return both[:q.shape[0]], replace(draft, probs=both[q.shape[0]:])
-
-
 def check(scorer: Scorer, drafter: Drafter | None, gamma: int, tuner: GammaTuner, stats: LevelStats,
           pending: list[int], tokens: list[int], sampling: SamplingConfig, coins: Coins
           ) -> Steps[tuple[Draft, Verdict, torch.Tensor, float]]:
@@ -189,7 +180,11 @@ def check(scorer: Scorer, drafter: Drafter | None, gamma: int, tuner: GammaTuner
     draft = (yield from drafter.propose(gamma, sampling, coins)) if drafter else EMPTY_DRAFT
     t1 = time.perf_counter()
     q = yield from scorer.score(pending, len(tokens) - len(pending), draft, sampling, tokens)
-    q, draft = on_host(q, draft)
+    if draft.probs is None or (q.device.type == "cpu" and draft.probs.device.type == "cpu"):
+        q = q.cpu()  # (on a CPU: no copy at all)
+    else:  # q and r in host memory in one copy: `verify` reads them per node, each a sync on a GPU
+        both = torch.cat([q, draft.probs.to(q.device, q.dtype)]).cpu()  # [N+1 + N, V]
+        q, draft = both[:q.shape[0]], replace(draft, probs=both[q.shape[0]:])
     verdict = verify(q, draft, coins)
     scorer.keep(len(draft), verdict.path)
     t2 = time.perf_counter()
