@@ -1,12 +1,9 @@
 """CUDA graphs for the one-token steps over fixed-capacity caches, off by default (docs/STYLE.md 5).
 
-`StaticDecodeStep` is a one-token forward over a StreamingLLM cache (the model drafter's steps) or
-the retrieval cache (the middle level's single-token chains) whose shapes never change: token,
-position and slot arrive as device tensors, the new K/V are written at the slot (`kv.StaticSlots`)
-and attention runs over the whole capacity with a [1, S_max] key mask. On CUDA with
-`use_cuda_graphs`, `CudaGraphStep` captures it once, when the level stack is built, and replays
-it; elsewhere the eager `Forward` path runs, the reference the tests compare the uncaptured static
-step with (`force_static_steps`).
+`StaticDecodeStep` is a one-token forward whose shapes never change (the model drafter's steps, the
+middle level's single-token chains): token, position and slot arrive as device tensors and attention
+runs over the whole capacity with a [1, S_max] key mask. `CudaGraphStep` captures it once and replays
+it; elsewhere the eager `Forward` path runs, the reference for the uncaptured static step.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Memory planner: the bytes each part of the engine needs on each device, before prefill.
 
-Pure arithmetic over `ModelConfig` shapes (docs/ALGORITHM.md section 8): weights, full KV cache,
-retrieval cache, drafter and prefill activations, per GPU rank (tensor parallel: layer weights and
-KV heads split; embeddings, drafter and logits replicated) and on the host. When the full cache
-does not fit on the GPUs it lives in host memory with its first `n_resident_kv_layers` layers on
-the GPU (`resident_kv_layers`). Nothing is allocated here; only `free_memory_bytes` asks a device.
-Assumes fused attention (no [T, S] scores materialised) and a full cache allocated once.
+Pure arithmetic over `ModelConfig` shapes (docs/ALGORITHM.md section 8), per GPU rank (tensor
+parallel: layer weights and KV heads split; embeddings, drafter and logits replicated) and on the
+host. Nothing is allocated here; only `free_memory_bytes` asks a device. Assumes fused attention
+(no [T, S] scores materialised) and a full cache allocated once.
 """
 
 from __future__ import annotations
@@ -221,10 +219,8 @@ def free_memory_bytes(device: str | torch.device) -> int:
 
 def resident_kv_layers(target: ModelConfig, n_tokens: int, gpu_free_bytes: list[int], host_free_bytes: int,
                        work: Workload) -> int:
-    """Layers of an offloaded full cache that stay on each GPU for `n_tokens`. `target` whole (not
-    one rank's shard); `gpu_free_bytes`: each rank's free memory plus the weights it holds already
-    (the plan counts them). Every rank passes the same numbers (session.py gathers them), so all
-    reach the same plan, and the host is planned for all ranks' KV together."""
+    """Layers of an offloaded full cache that stay on each GPU for `n_tokens`: `target` whole (not one
+    rank's shard), `gpu_free_bytes` each rank's free memory plus the weights it holds already."""
     devices = [DeviceBudget(f"cuda:{i}", free, "cuda") for i, free in enumerate(gpu_free_bytes)]
     devices.append(DeviceBudget("cpu", host_free_bytes, "cpu"))
     return plan_memory(target, n_tokens, devices, work).n_resident_kv_layers

@@ -1,13 +1,8 @@
 """Sampling transforms and the acceptance rule of speculative decoding (docs/ALGORITHM.md section 3).
 
-`q` is the distribution of the level that checks, `r` that of the level that proposed. A proposal
-is a token tree; a stochastic node (`r` given) is accepted with min(1, q/r), else the residual
-norm(max(q - r, 0)) continues; a deterministic one (`r` one-hot) with q(x), else q without x,
-renormalised. No child accepted: one token from what is left of q; a leaf reached: a bonus token
-from q. Greedy is not a second path: `sampling_probs` makes T = 0 a one-hot argmax. `verify` takes
-its randomness as an input (`Coins`), so tests enumerate every coin outcome. Penalties use each
-row's own history (`draft_histories`: the answer plus the draft path up to the row), so a level's
-q is exactly plain decoding's distribution after those tokens. Imports only torch.
+`q` is the distribution of the level that checks, `r` that of the level that proposed (one-hot for a
+deterministic proposal). `token_probs` is the one distribution every level uses; `verify` takes its
+randomness as an input (`Coins`), so tests enumerate every coin outcome. Imports only torch.
 """
 
 from __future__ import annotations
@@ -43,12 +38,8 @@ def draft_histories(tokens: list[int], draft: Draft, sampling: SamplingConfig) -
 
 def penalize(logits: torch.Tensor, histories: list[list[int]], repetition: float = 1.0, presence: float = 0.0,
              frequency: float = 0.0) -> torch.Tensor:
-    """[R, V] logits with the penalties for the tokens in each row's history ([R] lists).
-
-    Repetition as Hugging Face's `RepetitionPenaltyLogitsProcessor` (a seen token's logit divided by
-    `repetition` when positive, multiplied when negative); then presence and frequency as OpenAI's
-    (minus `presence` for a seen token, minus `frequency` times its count). Unchanged when all are off.
-    """
+    """[R, V] logits with the penalties for the tokens in each row's history ([R] lists): repetition
+    as Hugging Face's `RepetitionPenaltyLogitsProcessor`, then presence and frequency as OpenAI's."""
     if (repetition, presence, frequency) == (1.0, 0.0, 0.0) or not any(histories):
         return logits
     assert len(histories) == logits.shape[0], f"{len(histories)} histories for {logits.shape[0]} rows"
@@ -65,15 +56,10 @@ def penalize(logits: torch.Tensor, histories: list[list[int]], repetition: float
 def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
                    min_p: float = 0.0) -> torch.Tensor:
     """The distribution plain decoding samples from: [..., V] logits -> [..., V] probabilities.
-
-    Order as in Hugging Face: temperature, then top-k, then top-p (nucleus, keeping at least one),
-    then min-p (tokens at least min_p x the most likely one's probability). Ties at a cut are kept
-    together, so the result does not depend on how a sort orders them.
-    """
+    Hugging Face's order: temperature, top-k, top-p (keeping at least one), min-p. Ties at a cut are
+    kept together, so the result does not depend on how a sort orders them."""
     if temperature == 0:
-        hot = torch.zeros(logits.shape, dtype=torch.promote_types(logits.dtype, torch.float64),
-                          device=logits.device)
-        return hot.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).double()
     logits = logits.double() / temperature
     if 0 < top_k < logits.shape[-1]:
         return top_k_probs(logits, top_k, top_p, min_p)
@@ -89,10 +75,8 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top
 
 def top_k_probs(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """`sampling_probs` after the temperature, top-k on: the same transforms on the k largest only.
-    The tokens tied with the k-th beyond them are kept as well; each is as likely as the k-th, so
-    they are counted rather than sorted: they weigh in every sum, cannot move top-p's threshold (a
-    sort puts them after the k) and get the k-th's probability back in the output. Fixed shapes and
-    no host read, so on a GPU a check still syncs only to copy q."""
+    Tokens tied with the k-th beyond them are counted, not sorted: they weigh in every sum, cannot move
+    top-p's threshold and get the k-th's probability back. No host read: a check syncs only to copy q."""
     top, top_idx = logits.topk(top_k, dim=-1)  # [..., k] descending
     is_tied = logits == top[..., -1:]  # [..., V]
     n_beyond = is_tied.sum(-1, keepdim=True) - (top == top[..., -1:]).sum(-1, keepdim=True)  # [..., 1]
@@ -126,13 +110,6 @@ def nucleus_threshold(probs: torch.Tensor, top_p: float) -> torch.Tensor:
         k = min(8 * k, V)
     n_keep = ((mass - top) < top_p).sum(-1, keepdim=True)  # >= 1: nothing comes before the first
     return top.gather(-1, n_keep - 1)
-
-
-def sample_from(probs: torch.Tensor, u: float) -> int:
-    """Inverse-CDF draw from [V] probabilities (need not be normalised) with a uniform u in [0, 1)."""
-    cdf = probs.cumsum(0)
-    idx = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
-    return min(idx, probs.shape[0] - 1)
 
 
 @dataclass
@@ -186,16 +163,15 @@ class GeneratorCoins:
     def accept(self, p: float) -> bool:
         return self._uniform() < p
 
-    def sample(self, probs: torch.Tensor) -> int:
-        return sample_from(probs, self._uniform())
+    def sample(self, probs: torch.Tensor) -> int:  # inverse CDF
+        cdf = probs.cumsum(0)
+        idx = int(torch.searchsorted(cdf, self._uniform() * cdf[-1], right=True))
+        return min(idx, probs.shape[0] - 1)
 
 
 def acceptance(q: torch.Tensor, x: int, r: torch.Tensor | None) -> tuple[float, torch.Tensor]:
     """The rule for one proposal x against q ([V]): (probability to accept, q after a rejection).
-
-    r ([V]) for a stochastic proposal x ~ r: min(1, q/r) and the residual norm(max(q - r, 0));
-    r None for a deterministic one (r one-hot): q(x) and q without x, renormalised.
-    """
+    r ([V]) for a stochastic proposal x ~ r, None for a deterministic one (docs/ALGORITHM.md section 3)."""
     if r is None:
         accept_prob, residual = float(q[x]), q.clone()
         residual[x] = 0
@@ -214,11 +190,8 @@ class Verdict:
 
 
 def verify(q: torch.Tensor, draft: Draft, coins: Coins) -> Verdict:
-    """Accept a prefix of `draft` so that every emitted token is distributed as `q`.
-
-    q: [N+1, V]; q[0] is the checking level's distribution after the root, q[i+1] after node i.
-    Stochastic drafts must be chains; deterministic ones may branch (multi-candidate rule).
-    """
+    """Accept a prefix of `draft` so that every emitted token is distributed as q ([N+1, V]: q[0]
+    after the root, q[i+1] after node i). Stochastic drafts must be chains; deterministic ones may branch."""
     children: dict[int, list[int]] = {}
     for i, p in enumerate(draft.parents.tolist()):
         children.setdefault(p, []).append(i)

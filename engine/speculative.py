@@ -1,11 +1,8 @@
-"""The level stack and its decoding step (docs/ALGORITHM.md sections 2, 3, 6, 7).
+"""The level stack and its decoding step (docs/ALGORITHM.md sections 2, 3, 6, 7; engine/README.md).
 
-A `Scorer` is a checking level: weights + a cache (the top one's is the full cache). The middle
-level, `CheckingDrafter`, checks the drafts of the drafter below it and passes `gamma` tokens up
-with its q. `LevelStack` owns the committed tokens and runs the top level's checks. Every level
-uses `sampling.verify`; all randomness comes from one `Coins` per request, in call order. Methods
-that run a model are generators of `model.Forward` requests (`Steps`), served by `model.drive` or
-engine/batch.py. No concrete cache or drafter is named here (engine/session.py builds them).
+A `Scorer` is a checking level's weights and cache; `CheckingDrafter` is the middle level;
+`LevelStack` owns the committed tokens and runs the top level's checks. Methods that run a model
+are `model.Steps` generators. No concrete cache or drafter is named here (engine/session.py builds them).
 """
 
 from __future__ import annotations
@@ -64,13 +61,9 @@ class LevelStats:
 
 
 class GammaTuner:
-    """Draft length that maximises expected tokens per second (docs/ALGORITHM.md section 6).
-
-    Expected tokens per check with acceptance a and draft length g: (1 - a^(g+1)) / (1 - a); cost:
-    g * drafter seconds per token + the seconds to check g + 1 tokens. g = 0 (plain decoding) when
-    no g >= 1 is expected to beat it; then every `retry_every`-th check drafts 1 token, the
-    cheapest way to keep measuring acceptance as the text changes.
-    """
+    """Draft length that maximises expected tokens per second (docs/ALGORITHM.md section 6). When
+    plain decoding (g = 0) is expected to be fastest, every `retry_every`-th check still drafts 1
+    token: the cheapest way to keep measuring acceptance as the text changes."""
 
     decay = 0.8  # of the moving averages: the weight of the past
     retry_every = 16
@@ -91,8 +84,7 @@ class GammaTuner:
         return int(self.share(self._gamma()))
 
     def expected_rate(self, g: int) -> float:
-        """Expected tokens per second with draft length g (0: plain decoding); 0 until two numbers
-        of tokens checked are measured."""
+        """Expected tokens per second with draft length g (0: plain decoding); 0 until 2 check sizes are timed."""
         return self.share(self._rate(g) if len(self.check_s) >= 2 else 0.0)
 
     def _gamma(self) -> int:
@@ -177,15 +169,6 @@ class Scorer:
             self.cache.keep_tail(start, torch.tensor(path))
 
 
-def on_host(q: torch.Tensor, draft: Draft) -> tuple[torch.Tensor, Draft]:
-    """q ([N+1, V]) and the draft's r ([N, V], if any) in host memory, in one copy: `verify` reads
-    a number of them per draft node, each a device sync if they stayed on a GPU."""
-    if draft.probs is None or (q.device.type == "cpu" and draft.probs.device.type == "cpu"):
-        return q.cpu(), draft  # (on a CPU: no copy at all)
-    both = torch.cat([q, draft.probs.to(q.device, q.dtype)]).cpu()  # [N+1 + N, V]
-    return both[:q.shape[0]], replace(draft, probs=both[q.shape[0]:])
-
-
 def check(scorer: Scorer, drafter: Drafter | None, gamma: int, tuner: GammaTuner, stats: LevelStats,
           pending: list[int], tokens: list[int], sampling: SamplingConfig, coins: Coins
           ) -> Steps[tuple[Draft, Verdict, torch.Tensor, float]]:
@@ -197,7 +180,11 @@ def check(scorer: Scorer, drafter: Drafter | None, gamma: int, tuner: GammaTuner
     draft = (yield from drafter.propose(gamma, sampling, coins)) if drafter else EMPTY_DRAFT
     t1 = time.perf_counter()
     q = yield from scorer.score(pending, len(tokens) - len(pending), draft, sampling, tokens)
-    q, draft = on_host(q, draft)
+    if draft.probs is None or (q.device.type == "cpu" and draft.probs.device.type == "cpu"):
+        q = q.cpu()  # (on a CPU: no copy at all)
+    else:  # q and r in host memory in one copy: `verify` reads them per node, each a sync on a GPU
+        both = torch.cat([q, draft.probs.to(q.device, q.dtype)]).cpu()  # [N+1 + N, V]
+        q, draft = both[:q.shape[0]], replace(draft, probs=both[q.shape[0]:])
     verdict = verify(q, draft, coins)
     scorer.keep(len(draft), verdict.path)
     t2 = time.perf_counter()
@@ -286,9 +273,7 @@ class CheckingDrafter:
                 self.below.extend(new)
             pending = [verdict.token]
         self.drafted = drafted
-        if not gamma:
-            return EMPTY_DRAFT
-        probs = None if sampling.is_greedy else torch.stack(qs[:gamma])
+        probs = None if sampling.is_greedy or not gamma else torch.stack(qs[:gamma])
         return Draft.chain(drafted[:gamma], probs)
 
 

@@ -1,9 +1,7 @@
 """Look up first, then the small model: Hierarchy Drafting's order of drafters (docs/ALGORITHM.md section 5).
 
-The n-gram database drafts when the committed sequence's last `min_match` tokens or more occur
-earlier with a continuation (the answer copies the book: long drafts, for free); a match of one
-or two common tokens ("of the") is mostly rejected, so the small model drafts then. Both follow
-the committed sequence; the model is fed the tokens it missed at its next draft.
+The n-gram database drafts when a suffix of `min_match` tokens or more matches (the answer copies the
+book); a match of one or two common tokens ("of the") is mostly rejected, so the small model drafts then.
 """
 
 from __future__ import annotations

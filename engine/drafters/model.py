@@ -1,9 +1,6 @@
-"""A model drafter: a small model (or the target itself: self-speculation, MagicDec) that reads
-only a StreamingLLM cache (sinks + recent window, docs/ALGORITHM.md section 5).
-
-It feeds the committed tokens it has not seen, samples `gamma` tokens from its own `r` (the
-request's penalties and sampling transforms, over its own draft too) and rolls its cache back to
-the committed tokens. On a document it reads only the sinks and the last window (a full
+"""A model drafter: a small model (or the target itself, MagicDec) over a StreamingLLM cache
+(docs/ALGORITHM.md section 5). It samples `gamma` tokens from its own `r`, then rolls its cache
+back to the committed tokens. On a document it reads only the sinks and the last window (a full
 streaming pass would give them slightly different KV: other drafts, never another output).
 """
 

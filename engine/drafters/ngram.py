@@ -1,10 +1,8 @@
 """Context n-gram database: a model-free drafter (docs/ALGORITHM.md section 5, after Hierarchy Drafting).
 
-One index over the committed sequence (document, chat, this answer): each n-gram (1..max_ngram
-tokens) maps to the positions that follow its occurrences, in increasing order; the document is
-indexed once, later tokens added and removed incrementally. A lookup tries the longest suffix
-first and the most recent occurrences first (this answer's, then the chat's, then the
-document's), and returns up to `n_candidates` continuations as a token tree (a trie).
+One index over the committed sequence: each n-gram (1..max_ngram tokens) maps to the positions that
+follow its occurrences, in increasing order, so tokens are added and removed incrementally and a
+lookup reads the most recent occurrences first.
 """
 
 from __future__ import annotations
