@@ -5,8 +5,7 @@ model's prefill chunks where the CPU has AVX512-BF16.
 A view's last `T` keys are this call's tokens and every earlier key is visible to all of them
 (docs/ALGORITHM.md section 7), so the only mask is over that tail: causal for a chain, an ancestor
 matrix for a token tree. GQA folds each KV head's query heads into the query length, one SDPA call
-on [B, Hkv, G*T, D], so each KV head is read once. On CPU a call with a tail is split in two (keys
-before the tail unmasked, the tail masked) merged by log-sum-exp: no [T, S] mask is built.
+on [B, Hkv, G*T, D], so each KV head is read once; on CPU no [T, S] mask is built (`_split_attention`).
 """
 
 from __future__ import annotations
@@ -47,15 +46,24 @@ def masked_attention(
     k: torch.Tensor,  # [B, Hkv, S, D]
     v: torch.Tensor,  # [B, Hkv, S, D]
     key_mask: torch.Tensor | None,  # [T, S] bool: the keys each query sees; None: all
+    scale: float | None = None,  # with `softcap` only; SDPA scales by D ** -0.5
+    softcap: float | None = None,  # Gemma 2: scores become cap * tanh(scores / cap), which SDPA cannot do
 ) -> torch.Tensor:  # [B, H, T, D]
     """One SDPA call with each KV head's query heads folded into the query length. Static-shape
     steps (engine/graphs.py) pass the whole fixed-capacity cache: their mask, not a slice, hides
-    the slots past its length, so the shapes do not change between calls."""
+    the slots past its length, so the shapes do not change between calls. Soft-capped scores take
+    transformers' eager path: the softmax in float32, cast back."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     q = q.reshape(B, Hkv, (H // Hkv) * T, D)  # query heads of one KV head are adjacent (HF layout)
     mask = None if key_mask is None else key_mask.repeat(H // Hkv, 1)  # [G*T, S]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, H, T, D)
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, H, T, D)
+    scores = torch.tanh(q @ k.transpose(2, 3) * scale / softcap) * softcap  # [B, Hkv, G*T, S]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return (probs @ v).reshape(B, H, T, D)
 
 
 # torch's CPU flash kernel (the one SDPA calls), which also returns its log-sum-exp

@@ -4,8 +4,7 @@ and scales, soft-capping, sliding-window layers); engine/families.py refuses the
 
 Submodules keep Hugging Face's names, so weights load 1:1; RoPE is transformers' own rotary module.
 The forward knows nothing of speculation, offloading or tensor parallelism: token ids, absolute
-positions and a cache (engine/kv) in, logits out. Decoding code asks for forwards as generators of
-`Forward` requests (`Steps`), served by `drive` or engine/batch.py.
+positions and a cache (engine/kv) in, logits out; engine/README.md, "The request protocol", says who asks.
 """
 
 from __future__ import annotations
@@ -61,9 +60,7 @@ class Segment:
     query_log: QueryLog | None = None
     n_logits: int = 1  # logits of the last n tokens
     key_mask: torch.Tensor | None = None  # [T, S_max] bool: a static-shape step (engine/graphs.py)
-    # `tail` is a token tree, not a chain; None: look. Said where the tail is built, on the host, so
-    # the kernels never read the mask (flash-attn takes chains only)
-    is_tree: bool | None = None
+    is_tree: bool | None = None  # `tail` is a token tree; None: look (here, on the host: kernels never read it)
     window: tuple[int, torch.Tensor | None] | None = None  # a sliding layer's view: `sliding_window_keys`
 
     def __post_init__(self):
@@ -73,8 +70,7 @@ class Segment:
 
 @dataclass
 class Forward:
-    """A request for one segment of a forward; the generator that yields it receives the
-    segment's logits [B, n_logits, V]. engine/batch.py packs many sessions' requests in one forward."""
+    """A request for one segment of a forward; the generator that yields it receives [B, n_logits, V]."""
 
     model: Transformer
     segment: Segment
@@ -84,8 +80,7 @@ Steps = Generator[Forward, torch.Tensor, R]  # a computation that asks for forwa
 
 
 def drive(steps: Generator) -> Generator:
-    """Serve a generator of forward requests (`Steps`, or an answer's steps, which yield events
-    too) one forward at a time, passing every other item on; returns the steps' value."""
+    """Serve `Steps` one forward at a time, passing an answer's events on; returns their value."""
     result = None
     while True:
         try:
@@ -121,26 +116,6 @@ def sliding_window_keys(seg: Segment, window: int) -> tuple[int, torch.Tensor | 
     visible = key_pos[None, :] > pos[:, None] - window  # [T, S']
     visible[:, -T:] &= seg.tail
     return start, visible
-
-
-def capped_attention(
-    q: torch.Tensor,  # [B, H, T, D]
-    k: torch.Tensor,  # [B, Hkv, S, D]
-    v: torch.Tensor,  # [B, Hkv, S, D]
-    key_mask: torch.Tensor | None,  # [T, S] bool; None: every key
-    scale: float,
-    softcap: float,
-) -> torch.Tensor:  # [B, H, T, D]
-    """Gemma 2's attention: scores soft-capped to (-cap, cap) before the softmax, which SDPA cannot
-    do; the softmax in float32 and cast back, as transformers' eager attention."""
-    B, H, T, D = q.shape
-    G = H // k.shape[1]
-    scores = q.reshape(B, k.shape[1], G * T, D) @ k.transpose(2, 3) * scale  # [B, Hkv, G*T, S]
-    scores = torch.tanh(scores / softcap) * softcap
-    if key_mask is not None:
-        scores = scores.masked_fill(~key_mask.repeat(G, 1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return (probs @ v).reshape(B, H, T, D)
 
 
 def run(steps: Steps[R]) -> R:
@@ -234,7 +209,7 @@ class Attention(nn.Module):
     def _attend_keys(self, q, k, v, mask, tail, is_tree=False):
         if self.softcap:
             mask = tail_mask(k.shape[2], tail) if mask is None and tail is not None else mask
-            return capped_attention(q, k, v, mask, self.scale, self.softcap)
+            return masked_attention(q, k, v, mask, self.scale, self.softcap)
         q = q if self.q_factor == 1 else q * self.q_factor
         if mask is not None:
             return masked_attention(q, k, v, mask)

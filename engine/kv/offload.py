@@ -25,10 +25,9 @@ PINNED_CACHE_MB = 64  # pinned blocks above this are allocated exactly and freed
 
 @functools.cache
 def limit_pinned_caching() -> str:
-    """torch's pinned-memory allocator rounds every block up to a power of two and keeps freed
-    blocks for reuse: a 17 GiB host cache would take 32 GiB, and a grown one would keep its old
-    copy. Blocks above `PINNED_CACHE_MB` are made exact and uncached, unless the user set
-    `pinned_max_*` in PYTORCH_ALLOC_CONF. Returns the allocator settings now."""
+    """Make pinned blocks above `PINNED_CACHE_MB` exact and uncached (torch rounds each up to a power
+    of two and keeps freed ones for reuse), unless the user set `pinned_max_*` in PYTORCH_ALLOC_CONF.
+    Returns the allocator settings now."""
     if not hasattr(torch._C, "_accelerator_getAllocatorSettings"):  # torch before 2.13: env only
         log.warning("this torch cannot limit pinned-memory rounding at run time: a host cache may take up "
                     "to twice its size unless PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:%d is set "
