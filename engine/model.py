@@ -9,6 +9,7 @@ positions and a cache (engine/kv) in, logits out; engine/README.md, "The request
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -66,6 +67,9 @@ class Segment:
     def __post_init__(self):
         if self.is_tree is None:
             self.is_tree = self.tail is not None and is_tree_mask(self.tail)
+        T = self.ids.shape[1]
+        if self.tail is None and T > 1:
+            self.tail = torch.ones(T, T, dtype=torch.bool, device=self.ids.device).tril()
 
 
 @dataclass
@@ -319,11 +323,7 @@ class Transformer(nn.Module):
         batching of sessions at different lengths). Returns each segment's [B, n_logits, V]."""
         ids = torch.cat([s.ids for s in segments], dim=1)  # [B, sum T]
         B, T = ids.shape
-        bounds = [0]
-        for s in segments:
-            bounds.append(bounds[-1] + s.ids.shape[1])
-            if s.tail is None and s.ids.shape[1] > 1:
-                s.tail = torch.ones(s.ids.shape[1], s.ids.shape[1], dtype=torch.bool, device=ids.device).tril()
+        bounds = [0, *itertools.accumulate(s.ids.shape[1] for s in segments)]
         x = self.model.embed_tokens(ids).to(self.dtype)  # [B, T, dim]; a bf16-stored table widens
         if self.config.is_gemma:  # sqrt(dim) rounded to the model's dtype, as HF's Gemma
             x = x * torch.tensor(self.config.dim ** 0.5, dtype=x.dtype)

@@ -123,9 +123,10 @@ class OffloadCache(SlotCache):
         return torch.empty(shape, dtype=self.dtype, device="cpu" if on_host else self.device)
 
     def _allocate_device(self, capacity: int) -> None:
-        """Device K/V of the resident layers and the two-layer buffer."""
+        """Device K/V of the resident layers (filled from the host copy) and the two-layer buffer."""
         self.resident_k = self._new(self.n_resident_layers, capacity, False)
         self.resident_v = self._new(self.n_resident_layers, capacity, False)
+        self._refill_resident(self.length)
         n_buffers = min(2, self.n_layers - self.n_resident_layers)
         self.buffer_k, self.buffer_v = self._new(n_buffers, capacity, False), self._new(n_buffers, capacity, False)
         self.pending: dict[int, object] = {}  # layer -> the end of its in-flight copies into its buffer slot
@@ -145,17 +146,13 @@ class OffloadCache(SlotCache):
             self._allocate_device(capacity)
         except torch.OutOfMemoryError:
             self._allocate_device(old_capacity)  # what fitted before fits again: the cache stays usable
-            self._refill_resident(n)
             raise
-        try:
-            for name in ("host_k", "host_v"):
-                old = getattr(self, name)
-                new = self._new(self.n_layers, capacity, True)
-                new[:, :n] = old[:, :n]
-                setattr(self, name, new)
-                del old, new  # freed now (pinned: uncached, see limit_pinned_caching)
-        finally:  # host memory ran out too: the device copies still need the entries back
-            self._refill_resident(n)
+        for name in ("host_k", "host_v"):
+            old = getattr(self, name)
+            new = self._new(self.n_layers, capacity, True)
+            new[:, :n] = old[:, :n]
+            setattr(self, name, new)
+            del old, new  # freed now (pinned: uncached, see limit_pinned_caching)
 
     def _refill_resident(self, n: int) -> None:
         """The resident layers' first `n` entries, from the host copy (which holds every layer)."""
