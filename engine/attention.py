@@ -21,6 +21,17 @@ from engine.device import build_cpu_extension
 
 log = logging.getLogger(__name__)
 
+# torch's CPU flash kernel (the one SDPA calls), which also returns its log-sum-exp
+_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# Up to this many folded query rows (G*T) the compiled kernel beats torch's flash kernel; larger float32
+# calls (prefill chunks) are GEMM-shaped and stay on flash (benchmarks/history/2026-11-results.md).
+FEW_ROWS = 64
+HEAD_DIMS = (16, 32, 64, 128)  # the kernel's instantiations
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # of the cache; the kernel sums in float32
+_CPU_SOURCE = Path(__file__).parent / "csrc" / "attention_cpu.cpp"
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_MIN_CAPABILITY = (8, 0)  # flash-attn 2 runs on Ampere and later (its README); T4 / V100 cannot
+
 
 def tail_mask(n_keys: int, tail: torch.Tensor) -> torch.Tensor:
     """[T, S] boolean mask: all keys before the tail visible, `tail` ([T, T]) over the last T."""
@@ -66,10 +77,6 @@ def masked_attention(
     return (probs @ v).reshape(B, H, T, D)
 
 
-# torch's CPU flash kernel (the one SDPA calls), which also returns its log-sum-exp
-_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
 def _split_attention(q, k, v, tail, attend_head=None, is_tree=None):
     """Softmax over (keys before the tail) and over (the tail) as two calls merged by their
     log-sum-exp: o = o_tail + (o_head - o_tail) * sigmoid(lse_head - lse_tail). `attend_head`
@@ -89,21 +96,11 @@ def _split_attention(q, k, v, tail, attend_head=None, is_tree=None):
     return torch.lerp(o_tail.to(share.dtype), o_head.to(share.dtype), share).to(q.dtype)
 
 
-# Up to this many folded query rows (G*T) the compiled kernel beats torch's flash kernel; larger float32
-# calls (prefill chunks) are GEMM-shaped and stay on flash (benchmarks/history/2026-11-results.md).
-FEW_ROWS = 64
-HEAD_DIMS = (16, 32, 64, 128)  # the kernel's instantiations
-_CPU_SOURCE = Path(__file__).parent / "csrc" / "attention_cpu.cpp"
-
-
 @functools.cache
 def cpu_kernel():
     """The compiled few-row attention module, built once (scripts/setup.sh; cached by torch in
     ~/.cache/torch_extensions), or None where it cannot be: no AVX2, no C++ compiler or ninja."""
     return build_cpu_extension("bookchat_attention_cpu", _CPU_SOURCE, "attention on CPU runs on torch SDPA")
-
-
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # of the cache; the kernel sums in float32
 
 
 def cpu_attention(q, k, v, tail, is_tree=None):
@@ -133,9 +130,6 @@ def cpu_attention(q, k, v, tail, is_tree=None):
 
 def _kernel_rows(q_folded):  # bf16 queries stay bf16: the kernel's BF16 dots where it has them
     return (q_folded if q_folded.dtype == torch.bfloat16 else q_folded.float()).contiguous()
-
-
-FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def flash_attention(q, k, v, tail, is_tree=None):
@@ -168,9 +162,6 @@ def has_flash_attn() -> bool:
                     "on a CUDA machine `pip install -r requirements-gpu.txt` enables it", error)
         return False
     return True
-
-
-FLASH_MIN_CAPABILITY = (8, 0)  # flash-attn 2 runs on Ampere and later (its README); T4 / V100 cannot
 
 
 @functools.cache

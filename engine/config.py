@@ -25,6 +25,9 @@ PAIRED_DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}  # draft="auto": a 
 # CPU the draft's proposals cost more than they save; it is loaded when a session first asks for it
 AUTO_LEVELS = {True: "draft>retrieval>full", False: "ngram>retrieval>full"}
 CPU_AUTO_LEVELS = {True: "retrieval>full", False: "ngram>retrieval>full"}
+# model_type -> the name a reader knows: the families engine/model.py runs, the one list
+FAMILY_NAMES = {"llama": "Llama 2/3.x", "mistral": "Mistral", "qwen2": "Qwen2/2.5", "qwen3": "Qwen3 (dense)",
+                "gemma2": "Gemma 2", "gemma3_text": "Gemma 3 (text)", "phi3": "Phi-3/3.5"}
 
 
 @dataclass(frozen=True)
@@ -58,11 +61,6 @@ class Levels:
     def check_draft(self, draft: object | None) -> None:
         if self.needs_draft and not draft:
             raise ValueError(f"levels={self.name!r} needs a draft model: load the engine with one (--draft)")
-
-
-# model_type -> the name a reader knows: the families engine/model.py runs, the one list
-FAMILY_NAMES = {"llama": "Llama 2/3.x", "mistral": "Mistral", "qwen2": "Qwen2/2.5", "qwen3": "Qwen3 (dense)",
-                "gemma2": "Gemma 2", "gemma3_text": "Gemma 3 (text)", "phi3": "Phi-3/3.5"}
 
 
 class EngineError(Exception):
