@@ -333,11 +333,10 @@ class Transformer(nn.Module):
         ropes = self.rope_tables(x, pos.expand(B, T))
         for layer_idx, layer in enumerate(self.model.layers):
             x = layer(x, *ropes[layer_idx], segments, bounds, layer_idx)
-        rows = []
-        for s, end in zip(segments, bounds[1:]):
+        for s in segments:
             s.cache.advance(s.ids.shape[1])
-            rows.append(torch.arange(end - s.n_logits, end, device=ids.device))
-        rows = torch.cat(rows)
+        rows = torch.cat([torch.arange(end - s.n_logits, end, device=ids.device)
+                          for s, end in zip(segments, bounds[1:])])
         logits = self.lm_head(self.model.norm(x[:, rows] if rows.shape[0] < T else x))
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         if self.config.final_softcap:  # Gemma 2

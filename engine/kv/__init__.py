@@ -77,11 +77,10 @@ class SlotCache:
         needed = self.length + n_tokens
         if needed <= self.capacity:
             return
-        old_capacity = self.capacity
         try:
-            self._grow(max(needed, old_capacity + GROW_TOKENS))
-        except torch.OutOfMemoryError as error:
-            raise OutOfMemoryPlan(f"The chat outgrew the memory planned for this book ({old_capacity:,} tokens): "
+            self._grow(max(needed, self.capacity + GROW_TOKENS))
+        except torch.OutOfMemoryError as error:  # _grow left the capacity as it was
+            raise OutOfMemoryPlan(f"The chat outgrew the memory planned for this book ({self.capacity:,} tokens): "
                                   f"start a new chat, or {self.grow_hint}.") from error
 
     def _grow(self, capacity: int) -> None:
