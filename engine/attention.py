@@ -98,8 +98,7 @@ def _split_attention(q, k, v, tail, attend_head=None, is_tree=None):
 
 @functools.cache
 def cpu_kernel():
-    """The compiled few-row attention module, built once (scripts/setup.sh; cached by torch in
-    ~/.cache/torch_extensions), or None where it cannot be: no AVX2, no C++ compiler or ninja."""
+    """The compiled few-row attention module, built once (scripts/setup.sh), or None (`build_cpu_extension`)."""
     return build_cpu_extension("bookchat_attention_cpu", _CPU_SOURCE, "attention on CPU runs on torch SDPA")
 
 

@@ -1,8 +1,7 @@
 """Configuration dataclasses: model shapes, engine settings, sampling settings, typed errors.
 
-Everything here is plain data. Model shapes come from the Hugging Face config in one place
-(`ModelConfig.from_hf`); engine and sampling defaults work offline on a 2-core CPU.
-The level stacks are described in docs/ALGORITHM.md section 2; `LEVEL_STACKS` lists the ones we run.
+Plain data. Model shapes come from the Hugging Face config in one place (`ModelConfig.from_hf`);
+defaults work offline on a 2-core CPU. `LEVEL_STACKS` lists the stacks of docs/ALGORITHM.md section 2 we run.
 """
 
 from __future__ import annotations

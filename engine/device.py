@@ -48,9 +48,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
             return torch.bfloat16
         log.warning("this GPU has no native bfloat16: the model runs in float16")
         return torch.float16
-    if cpu_flags() & {"amx_bf16", "avx512_bf16"}:
-        return torch.bfloat16
-    return torch.float32
+    return torch.bfloat16 if cpu_flags() & {"amx_bf16", "avx512_bf16"} else torch.float32
 
 
 def linear_layout(device: torch.device, dtype: torch.dtype, weights_fit_bf16: bool = False) -> str:

@@ -318,9 +318,8 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward_packed(self, segments: list[Segment]) -> list[torch.Tensor]:
-        """Several sequences in one forward: their tokens are concatenated along T, so every
-        weight is read once for all of them, and each attends over its own cache (MagicDec-style
-        batching of sessions at different lengths). Returns each segment's [B, n_logits, V]."""
+        """Several sequences in one forward, their tokens concatenated along T (the weights are read
+        once), each attending over its own cache. Returns each segment's [B, n_logits, V]."""
         ids = torch.cat([s.ids for s in segments], dim=1)  # [B, sum T]
         B, T = ids.shape
         bounds = [0, *itertools.accumulate(s.ids.shape[1] for s in segments)]

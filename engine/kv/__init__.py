@@ -53,8 +53,7 @@ class SlotCache:
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
         if layer_idx == 0:
             self.reserve(k.shape[2])
-        end = self.length + k.shape[2]
-        assert end <= self.k.shape[3], f"{end} entries do not fit in {self.k.shape[3]} slots"
+        end = self.length + k.shape[2]  # within the capacity: reserved at layer 0
         self.k[layer_idx, :, :, self.length:end] = k
         self.v[layer_idx, :, :, self.length:end] = v
         return self.k[layer_idx, :, :, :end], self.v[layer_idx, :, :, :end]
