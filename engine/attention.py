@@ -147,8 +147,7 @@ def flash_attention(q, k, v, tail, is_tree=None):
 
 
 def is_tree_mask(tail: torch.Tensor) -> bool:
-    T = tail.shape[0]
-    return not torch.equal(tail, torch.ones(T, T, dtype=torch.bool, device=tail.device).tril())
+    return not torch.equal(tail, tail.new_ones(tail.shape).tril())
 
 
 @functools.cache

@@ -303,7 +303,6 @@ class Transformer(nn.Module):
                 module.attend = attend
                 module.kernel = kernel if module.head_dim % 16 == 0 else None
 
-    @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,  # [B, T]

@@ -1,12 +1,10 @@
 """The full KV cache offloaded to host memory (docs/ALGORITHM.md section 8, "Offloaded").
 
-Every layer's K and V live in host memory (pinned on CUDA, so copies are asynchronous; pageable
-where the system refuses that much pinned memory, as WSL2 does); the first `n_resident_layers`
-also stay on the device. While a layer computes, the next offloaded layer's filled entries are
-copied into the other half of a device double buffer on a side stream; new entries go to the
-device copy and back to the host copy, which the retrieval cache and snapshots read. On CPU a side
-stream that copies inline runs the same code, so the tests exercise every copy. Storage is
-token-major, [L, S_max, B, Hkv, D]: a layer's filled prefix is one contiguous block.
+Host memory is pinned on CUDA, so copies are asynchronous (pageable where the system refuses that
+much, as WSL2 does). New entries go to the device copy and back to the host copy, which the
+retrieval cache and snapshots read. On CPU a side stream that copies inline runs the same code, so
+the tests exercise every copy. Storage is token-major, [L, S_max, B, Hkv, D]: a layer's filled
+prefix is one contiguous block.
 """
 
 from __future__ import annotations

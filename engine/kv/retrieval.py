@@ -34,9 +34,8 @@ def chunk_means(keys: torch.Tensor, chunk_tokens: int, device: torch.device, dty
 
 
 def score_chunks(queries: torch.Tensor, keys: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
-    """Score of each whole chunk of `keys` ([B, Hkv, n*C, D], any device) for each KV head: the
-    softmax over chunks of q . mean_key / sqrt(D), summed over the G*M recent post-RoPE queries
-    ([B, H, M, D]) of the KV head's group. Returns [B, Hkv, n] on the queries' device."""
+    """Each whole chunk's score per KV head (docs/ALGORITHM.md section 4): keys [B, Hkv, n*C, D] on
+    any device, recent post-RoPE queries [B, H, M, D] -> [B, Hkv, n] on the queries' device."""
     B, H, M, D = queries.shape
     Hkv = keys.shape[1]
     dtype = torch.promote_types(keys.dtype, torch.float32)
