@@ -62,8 +62,7 @@ def masked_attention(
 ) -> torch.Tensor:  # [B, H, T, D]
     """One SDPA call with each KV head's query heads folded into the query length. Static-shape
     steps (engine/graphs.py) pass the whole fixed-capacity cache: their mask, not a slice, hides
-    the slots past its length, so the shapes do not change between calls. Soft-capped scores take
-    transformers' eager path: the softmax in float32, cast back."""
+    the slots past its length, so the shapes do not change between calls."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     q = q.reshape(B, Hkv, (H // Hkv) * T, D)  # query heads of one KV head are adjacent (HF layout)
@@ -73,7 +72,7 @@ def masked_attention(
     scores = torch.tanh(q @ k.transpose(2, 3) * scale / softcap) * softcap  # [B, Hkv, G*T, S]
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # as transformers' eager attention
     return (probs @ v).reshape(B, H, T, D)
 
 

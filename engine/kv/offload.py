@@ -187,7 +187,6 @@ class OffloadCache(SlotCache):
         return (layer_idx - self.n_resident_layers) % 2
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
-        """Write this call's T entries ([B, Hkv, T, D]) after `length`; return [B, Hkv, S, D] views."""
         assert (k.shape[0], k.shape[1], k.shape[3]) == self.entry_shape, f"KV of shape {tuple(k.shape)}"
         if layer_idx == 0:
             self._forget_prefetches()
