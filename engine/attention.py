@@ -5,8 +5,7 @@ model's prefill chunks where the CPU has AVX512-BF16.
 A view's last `T` keys are this call's tokens and every earlier key is visible to all of them
 (docs/ALGORITHM.md section 7), so the only mask is over that tail: causal for a chain, an ancestor
 matrix for a token tree. GQA folds each KV head's query heads into the query length, one SDPA call
-on [B, Hkv, G*T, D], so each KV head is read once. On CPU a call with a tail is split in two (keys
-before the tail unmasked, the tail masked) merged by log-sum-exp: no [T, S] mask is built.
+on [B, Hkv, G*T, D], so each KV head is read once; on CPU no [T, S] mask is built (`_split_attention`).
 """
 
 from __future__ import annotations
@@ -21,6 +20,17 @@ import torch.nn.functional as F
 from engine.device import build_cpu_extension
 
 log = logging.getLogger(__name__)
+
+# torch's CPU flash kernel (the one SDPA calls), which also returns its log-sum-exp
+_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# Up to this many folded query rows (G*T) the compiled kernel beats torch's flash kernel; larger float32
+# calls (prefill chunks) are GEMM-shaped and stay on flash (benchmarks/history/2026-11-results.md).
+FEW_ROWS = 64
+HEAD_DIMS = (16, 32, 64, 128)  # the kernel's instantiations
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # of the cache; the kernel sums in float32
+_CPU_SOURCE = Path(__file__).parent / "csrc" / "attention_cpu.cpp"
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_MIN_CAPABILITY = (8, 0)  # flash-attn 2 runs on Ampere and later (its README); T4 / V100 cannot
 
 
 def tail_mask(n_keys: int, tail: torch.Tensor) -> torch.Tensor:
@@ -47,6 +57,8 @@ def masked_attention(
     k: torch.Tensor,  # [B, Hkv, S, D]
     v: torch.Tensor,  # [B, Hkv, S, D]
     key_mask: torch.Tensor | None,  # [T, S] bool: the keys each query sees; None: all
+    scale: float | None = None,  # with `softcap` only; SDPA scales by D ** -0.5
+    softcap: float | None = None,  # Gemma 2: scores become cap * tanh(scores / cap), which SDPA cannot do
 ) -> torch.Tensor:  # [B, H, T, D]
     """One SDPA call with each KV head's query heads folded into the query length. Static-shape
     steps (engine/graphs.py) pass the whole fixed-capacity cache: their mask, not a slice, hides
@@ -55,11 +67,13 @@ def masked_attention(
     Hkv = k.shape[1]
     q = q.reshape(B, Hkv, (H // Hkv) * T, D)  # query heads of one KV head are adjacent (HF layout)
     mask = None if key_mask is None else key_mask.repeat(H // Hkv, 1)  # [G*T, S]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, H, T, D)
-
-
-# torch's CPU flash kernel (the one SDPA calls), which also returns its log-sum-exp
-_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).reshape(B, H, T, D)
+    scores = torch.tanh(q @ k.transpose(2, 3) * scale / softcap) * softcap  # [B, Hkv, G*T, S]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # as transformers' eager attention
+    return (probs @ v).reshape(B, H, T, D)
 
 
 def _split_attention(q, k, v, tail, attend_head=None, is_tree=None):
@@ -81,21 +95,10 @@ def _split_attention(q, k, v, tail, attend_head=None, is_tree=None):
     return torch.lerp(o_tail.to(share.dtype), o_head.to(share.dtype), share).to(q.dtype)
 
 
-# Up to this many folded query rows (G*T) the compiled kernel beats torch's flash kernel; larger float32
-# calls (prefill chunks) are GEMM-shaped and stay on flash (benchmarks/history/2026-11-results.md).
-FEW_ROWS = 64
-HEAD_DIMS = (16, 32, 64, 128)  # the kernel's instantiations
-_CPU_SOURCE = Path(__file__).parent / "csrc" / "attention_cpu.cpp"
-
-
 @functools.cache
 def cpu_kernel():
-    """The compiled few-row attention module, built once (scripts/setup.sh; cached by torch in
-    ~/.cache/torch_extensions), or None where it cannot be: no AVX2, no C++ compiler or ninja."""
+    """The compiled few-row attention module, built once (scripts/setup.sh), or None (`build_cpu_extension`)."""
     return build_cpu_extension("bookchat_attention_cpu", _CPU_SOURCE, "attention on CPU runs on torch SDPA")
-
-
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # of the cache; the kernel sums in float32
 
 
 def cpu_attention(q, k, v, tail, is_tree=None):
@@ -127,9 +130,6 @@ def _kernel_rows(q_folded):  # bf16 queries stay bf16: the kernel's BF16 dots wh
     return (q_folded if q_folded.dtype == torch.bfloat16 else q_folded.float()).contiguous()
 
 
-FLASH_DTYPES = (torch.float16, torch.bfloat16)
-
-
 def flash_attention(q, k, v, tail, is_tree=None):
     """flash-attn's `flash_attn_with_kvcache` for causal chains in fp16/bf16 (its bottom-right
     causal alignment is our tail mask); token trees, float32/64 and head dims over 256 go through
@@ -146,8 +146,7 @@ def flash_attention(q, k, v, tail, is_tree=None):
 
 
 def is_tree_mask(tail: torch.Tensor) -> bool:
-    T = tail.shape[0]
-    return not torch.equal(tail, torch.ones(T, T, dtype=torch.bool, device=tail.device).tril())
+    return not torch.equal(tail, tail.new_ones(tail.shape).tril())
 
 
 @functools.cache
@@ -160,9 +159,6 @@ def has_flash_attn() -> bool:
                     "on a CUDA machine `pip install -r requirements-gpu.txt` enables it", error)
         return False
     return True
-
-
-FLASH_MIN_CAPABILITY = (8, 0)  # flash-attn 2 runs on Ampere and later (its README); T4 / V100 cannot
 
 
 @functools.cache

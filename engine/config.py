@@ -1,8 +1,7 @@
 """Configuration dataclasses: model shapes, engine settings, sampling settings, typed errors.
 
-Everything here is plain data. Model shapes come from the Hugging Face config in one place
-(`ModelConfig.from_hf`); engine and sampling defaults work offline on a 2-core CPU.
-The level stacks are described in docs/ALGORITHM.md section 2; `LEVEL_STACKS` lists the ones we run.
+Plain data. Model shapes come from the Hugging Face config in one place (`ModelConfig.from_hf`);
+defaults work offline on a 2-core CPU. `LEVEL_STACKS` lists the stacks of docs/ALGORITHM.md section 2 we run.
 """
 
 from __future__ import annotations
@@ -25,6 +24,9 @@ PAIRED_DRAFTS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}  # draft="auto": a 
 # CPU the draft's proposals cost more than they save; it is loaded when a session first asks for it
 AUTO_LEVELS = {True: "draft>retrieval>full", False: "ngram>retrieval>full"}
 CPU_AUTO_LEVELS = {True: "retrieval>full", False: "ngram>retrieval>full"}
+# model_type -> the name a reader knows: the families engine/model.py runs, the one list
+FAMILY_NAMES = {"llama": "Llama 2/3.x", "mistral": "Mistral", "qwen2": "Qwen2/2.5", "qwen3": "Qwen3 (dense)",
+                "gemma2": "Gemma 2", "gemma3_text": "Gemma 3 (text)", "phi3": "Phi-3/3.5"}
 
 
 @dataclass(frozen=True)
@@ -58,11 +60,6 @@ class Levels:
     def check_draft(self, draft: object | None) -> None:
         if self.needs_draft and not draft:
             raise ValueError(f"levels={self.name!r} needs a draft model: load the engine with one (--draft)")
-
-
-# model_type -> the name a reader knows: the families engine/model.py runs, the one list
-FAMILY_NAMES = {"llama": "Llama 2/3.x", "mistral": "Mistral", "qwen2": "Qwen2/2.5", "qwen3": "Qwen3 (dense)",
-                "gemma2": "Gemma 2", "gemma3_text": "Gemma 3 (text)", "phi3": "Phi-3/3.5"}
 
 
 class EngineError(Exception):
@@ -224,9 +221,7 @@ class EngineConfig:
     streaming_sink_tokens: int = 4  # StreamingLLM cache of the draft / self-speculation level
     streaming_window_tokens: int = 256
     max_ngram: int = 4  # longest suffix the context database matches
-    # continuations tried per n-gram check (multi-candidate rule): each costs a token tree node, an
-    # attention over the whole context, and on real answers earned less than that (benchmarks/RESULTS.md)
-    n_ngram_candidates: int = 1
+    n_ngram_candidates: int = 1  # continuations per n-gram check: more cost more than they earn (benchmarks/RESULTS.md)
     gamma_bottom: int | None = None  # None: adaptive (docs/ALGORITHM.md section 6)
     gamma_middle: int | None = None
     max_gamma: int = 8  # upper bound for adaptive draft lengths

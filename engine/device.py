@@ -48,9 +48,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
             return torch.bfloat16
         log.warning("this GPU has no native bfloat16: the model runs in float16")
         return torch.float16
-    if cpu_flags() & {"amx_bf16", "avx512_bf16"}:
-        return torch.bfloat16
-    return torch.float32
+    return torch.bfloat16 if cpu_flags() & {"amx_bf16", "avx512_bf16"} else torch.float32
 
 
 def linear_layout(device: torch.device, dtype: torch.dtype, weights_fit_bf16: bool = False) -> str:
@@ -59,14 +57,11 @@ def linear_layout(device: torch.device, dtype: torch.dtype, weights_fit_bf16: bo
     "packed" (oneDNN) lets a check of several drafted tokens read the weights once, as one token does."""
     if device.type != "cpu":
         return "as loaded"
-    if dtype == torch.float32:
-        if weights_fit_bf16 and cpu_linear_kernel() is not None:
-            return "bf16-stored"
-        return "packed" if can_pack_linear_weights(dtype) else "as loaded"
+    if dtype == torch.float32 and weights_fit_bf16 and cpu_linear_kernel() is not None:
+        return "bf16-stored"
     is_avx512_bf16_without_amx = "avx512_bf16" in cpu_flags() and "amx_bf16" not in cpu_flags()
-    if dtype == torch.bfloat16 and is_avx512_bf16_without_amx and can_pack_linear_weights(dtype):
-        return "packed"
-    return "as loaded"
+    is_worth_packing = dtype == torch.float32 or (dtype == torch.bfloat16 and is_avx512_bf16_without_amx)
+    return "packed" if is_worth_packing and can_pack_linear_weights(dtype) else "as loaded"
 
 
 def build_cpu_extension(name: str, source: Path, fallback: str, wait_s: float = extensions.WAIT_S,

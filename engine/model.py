@@ -4,12 +4,12 @@ and scales, soft-capping, sliding-window layers); engine/families.py refuses the
 
 Submodules keep Hugging Face's names, so weights load 1:1; RoPE is transformers' own rotary module.
 The forward knows nothing of speculation, offloading or tensor parallelism: token ids, absolute
-positions and a cache (engine/kv) in, logits out. Decoding code asks for forwards as generators of
-`Forward` requests (`Steps`), served by `drive` or engine/batch.py.
+positions and a cache (engine/kv) in, logits out; engine/README.md, "The request protocol", says who asks.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -61,20 +61,20 @@ class Segment:
     query_log: QueryLog | None = None
     n_logits: int = 1  # logits of the last n tokens
     key_mask: torch.Tensor | None = None  # [T, S_max] bool: a static-shape step (engine/graphs.py)
-    # `tail` is a token tree, not a chain; None: look. Said where the tail is built, on the host, so
-    # the kernels never read the mask (flash-attn takes chains only)
-    is_tree: bool | None = None
+    is_tree: bool | None = None  # `tail` is a token tree; None: look (here, on the host: kernels never read it)
     window: tuple[int, torch.Tensor | None] | None = None  # a sliding layer's view: `sliding_window_keys`
 
     def __post_init__(self):
         if self.is_tree is None:
             self.is_tree = self.tail is not None and is_tree_mask(self.tail)
+        T = self.ids.shape[1]
+        if self.tail is None and T > 1:
+            self.tail = torch.ones(T, T, dtype=torch.bool, device=self.ids.device).tril()
 
 
 @dataclass
 class Forward:
-    """A request for one segment of a forward; the generator that yields it receives the
-    segment's logits [B, n_logits, V]. engine/batch.py packs many sessions' requests in one forward."""
+    """A request for one segment of a forward; the generator that yields it receives [B, n_logits, V]."""
 
     model: Transformer
     segment: Segment
@@ -84,8 +84,7 @@ Steps = Generator[Forward, torch.Tensor, R]  # a computation that asks for forwa
 
 
 def drive(steps: Generator) -> Generator:
-    """Serve a generator of forward requests (`Steps`, or an answer's steps, which yield events
-    too) one forward at a time, passing every other item on; returns the steps' value."""
+    """Serve `Steps` one forward at a time, passing an answer's events on; returns their value."""
     result = None
     while True:
         try:
@@ -123,26 +122,6 @@ def sliding_window_keys(seg: Segment, window: int) -> tuple[int, torch.Tensor | 
     return start, visible
 
 
-def capped_attention(
-    q: torch.Tensor,  # [B, H, T, D]
-    k: torch.Tensor,  # [B, Hkv, S, D]
-    v: torch.Tensor,  # [B, Hkv, S, D]
-    key_mask: torch.Tensor | None,  # [T, S] bool; None: every key
-    scale: float,
-    softcap: float,
-) -> torch.Tensor:  # [B, H, T, D]
-    """Gemma 2's attention: scores soft-capped to (-cap, cap) before the softmax, which SDPA cannot
-    do; the softmax in float32 and cast back, as transformers' eager attention."""
-    B, H, T, D = q.shape
-    G = H // k.shape[1]
-    scores = q.reshape(B, k.shape[1], G * T, D) @ k.transpose(2, 3) * scale  # [B, Hkv, G*T, S]
-    scores = torch.tanh(scores / softcap) * softcap
-    if key_mask is not None:
-        scores = scores.masked_fill(~key_mask.repeat(G, 1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return (probs @ v).reshape(B, H, T, D)
-
-
 def run(steps: Steps[R]) -> R:
     """`drive` steps that yield only forwards, here; return their value."""
     try:
@@ -173,10 +152,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, is_sliding: bool = False):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        bias = cfg.has_qkv_bias
-        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.has_qkv_bias)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.has_qkv_bias)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.has_qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         if cfg.has_qk_norm:  # over each head's D values, before RoPE
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, cfg.is_gemma)
@@ -234,7 +212,7 @@ class Attention(nn.Module):
     def _attend_keys(self, q, k, v, mask, tail, is_tree=False):
         if self.softcap:
             mask = tail_mask(k.shape[2], tail) if mask is None and tail is not None else mask
-            return capped_attention(q, k, v, mask, self.scale, self.softcap)
+            return masked_attention(q, k, v, mask, self.scale, self.softcap)
         q = q if self.q_factor == 1 else q * self.q_factor
         if mask is not None:
             return masked_attention(q, k, v, mask)
@@ -324,7 +302,6 @@ class Transformer(nn.Module):
                 module.attend = attend
                 module.kernel = kernel if module.head_dim % 16 == 0 else None
 
-    @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,  # [B, T]
@@ -339,16 +316,11 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward_packed(self, segments: list[Segment]) -> list[torch.Tensor]:
-        """Several sequences in one forward: their tokens are concatenated along T, so every
-        weight is read once for all of them, and each attends over its own cache (MagicDec-style
-        batching of sessions at different lengths). Returns each segment's [B, n_logits, V]."""
+        """Several sequences in one forward, their tokens concatenated along T (the weights are read
+        once), each attending over its own cache. Returns each segment's [B, n_logits, V]."""
         ids = torch.cat([s.ids for s in segments], dim=1)  # [B, sum T]
         B, T = ids.shape
-        bounds = [0]
-        for s in segments:
-            bounds.append(bounds[-1] + s.ids.shape[1])
-            if s.tail is None and s.ids.shape[1] > 1:
-                s.tail = torch.ones(s.ids.shape[1], s.ids.shape[1], dtype=torch.bool, device=ids.device).tril()
+        bounds = [0, *itertools.accumulate(s.ids.shape[1] for s in segments)]
         x = self.model.embed_tokens(ids).to(self.dtype)  # [B, T, dim]; a bf16-stored table widens
         if self.config.is_gemma:  # sqrt(dim) rounded to the model's dtype, as HF's Gemma
             x = x * torch.tensor(self.config.dim ** 0.5, dtype=x.dtype)
@@ -358,11 +330,10 @@ class Transformer(nn.Module):
         ropes = self.rope_tables(x, pos.expand(B, T))
         for layer_idx, layer in enumerate(self.model.layers):
             x = layer(x, *ropes[layer_idx], segments, bounds, layer_idx)
-        rows = []
-        for s, end in zip(segments, bounds[1:]):
+        for s in segments:
             s.cache.advance(s.ids.shape[1])
-            rows.append(torch.arange(end - s.n_logits, end, device=ids.device))
-        rows = torch.cat(rows)
+        rows = torch.cat([torch.arange(end - s.n_logits, end, device=ids.device)
+                          for s, end in zip(segments, bounds[1:])])
         logits = self.lm_head(self.model.norm(x[:, rows] if rows.shape[0] < T else x))
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         if self.config.final_softcap:  # Gemma 2

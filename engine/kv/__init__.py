@@ -53,8 +53,7 @@ class SlotCache:
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
         if layer_idx == 0:
             self.reserve(k.shape[2])
-        end = self.length + k.shape[2]
-        assert end <= self.k.shape[3], f"{end} entries do not fit in {self.k.shape[3]} slots"
+        end = self.length + k.shape[2]  # within the capacity: reserved at layer 0
         self.k[layer_idx, :, :, self.length:end] = k
         self.v[layer_idx, :, :, self.length:end] = v
         return self.k[layer_idx, :, :, :end], self.v[layer_idx, :, :, :end]
@@ -77,11 +76,10 @@ class SlotCache:
         needed = self.length + n_tokens
         if needed <= self.capacity:
             return
-        old_capacity = self.capacity
         try:
-            self._grow(max(needed, old_capacity + GROW_TOKENS))
-        except torch.OutOfMemoryError as error:
-            raise OutOfMemoryPlan(f"The chat outgrew the memory planned for this book ({old_capacity:,} tokens): "
+            self._grow(max(needed, self.capacity + GROW_TOKENS))
+        except torch.OutOfMemoryError as error:  # _grow left the capacity as it was
+            raise OutOfMemoryPlan(f"The chat outgrew the memory planned for this book ({self.capacity:,} tokens): "
                                   f"start a new chat, or {self.grow_hint}.") from error
 
     def _grow(self, capacity: int) -> None:

@@ -23,8 +23,7 @@ class FullCache(SlotCache):
 
     @classmethod
     def from_state(cls, state: dict[str, torch.Tensor], capacity: int, device: torch.device) -> FullCache:
-        """The cache on `device` from a `state` that may be in host memory (memory-mapped from a
-        snapshot file): copied a layer at a time, so the device never holds a second copy."""
+        """The cache on `device` from a `SlotCache.state` (may be memory-mapped), a layer at a time."""
         L, B, Hkv, S, D = state["k"].shape
         cache = cls(L, B, Hkv, D, max(capacity, S), state["k"].dtype, device)
         for layer_idx in range(L):

@@ -1,12 +1,10 @@
 """The full KV cache offloaded to host memory (docs/ALGORITHM.md section 8, "Offloaded").
 
-Every layer's K and V live in host memory (pinned on CUDA, so copies are asynchronous; pageable
-where the system refuses that much pinned memory, as WSL2 does); the first `n_resident_layers`
-also stay on the device. While a layer computes, the next offloaded layer's filled entries are
-copied into the other half of a device double buffer on a side stream; new entries go to the
-device copy and back to the host copy, which the retrieval cache and snapshots read. On CPU a side
-stream that copies inline runs the same code, so the tests exercise every copy. Storage is
-token-major, [L, S_max, B, Hkv, D]: a layer's filled prefix is one contiguous block.
+Host memory is pinned on CUDA, so copies are asynchronous (pageable where the system refuses that
+much, as WSL2 does). New entries go to the device copy and back to the host copy, which the
+retrieval cache and snapshots read. On CPU a side stream that copies inline runs the same code, so
+the tests exercise every copy. Storage is token-major, [L, S_max, B, Hkv, D]: a layer's filled
+prefix is one contiguous block.
 """
 
 from __future__ import annotations
@@ -25,10 +23,9 @@ PINNED_CACHE_MB = 64  # pinned blocks above this are allocated exactly and freed
 
 @functools.cache
 def limit_pinned_caching() -> str:
-    """torch's pinned-memory allocator rounds every block up to a power of two and keeps freed
-    blocks for reuse: a 17 GiB host cache would take 32 GiB, and a grown one would keep its old
-    copy. Blocks above `PINNED_CACHE_MB` are made exact and uncached, unless the user set
-    `pinned_max_*` in PYTORCH_ALLOC_CONF. Returns the allocator settings now."""
+    """Make pinned blocks above `PINNED_CACHE_MB` exact and uncached (torch rounds each up to a power
+    of two and keeps freed ones for reuse), unless the user set `pinned_max_*` in PYTORCH_ALLOC_CONF.
+    Returns the allocator settings now."""
     if not hasattr(torch._C, "_accelerator_getAllocatorSettings"):  # torch before 2.13: env only
         log.warning("this torch cannot limit pinned-memory rounding at run time: a host cache may take up "
                     "to twice its size unless PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:%d is set "
@@ -124,9 +121,10 @@ class OffloadCache(SlotCache):
         return torch.empty(shape, dtype=self.dtype, device="cpu" if on_host else self.device)
 
     def _allocate_device(self, capacity: int) -> None:
-        """Device K/V of the resident layers and the two-layer buffer."""
+        """Device K/V of the resident layers (filled from the host copy) and the two-layer buffer."""
         self.resident_k = self._new(self.n_resident_layers, capacity, False)
         self.resident_v = self._new(self.n_resident_layers, capacity, False)
+        self._refill_resident(self.length)
         n_buffers = min(2, self.n_layers - self.n_resident_layers)
         self.buffer_k, self.buffer_v = self._new(n_buffers, capacity, False), self._new(n_buffers, capacity, False)
         self.pending: dict[int, object] = {}  # layer -> the end of its in-flight copies into its buffer slot
@@ -146,17 +144,13 @@ class OffloadCache(SlotCache):
             self._allocate_device(capacity)
         except torch.OutOfMemoryError:
             self._allocate_device(old_capacity)  # what fitted before fits again: the cache stays usable
-            self._refill_resident(n)
             raise
-        try:
-            for name in ("host_k", "host_v"):
-                old = getattr(self, name)
-                new = self._new(self.n_layers, capacity, True)
-                new[:, :n] = old[:, :n]
-                setattr(self, name, new)
-                del old, new  # freed now (pinned: uncached, see limit_pinned_caching)
-        finally:  # host memory ran out too: the device copies still need the entries back
-            self._refill_resident(n)
+        for name in ("host_k", "host_v"):
+            old = getattr(self, name)
+            new = self._new(self.n_layers, capacity, True)
+            new[:, :n] = old[:, :n]
+            setattr(self, name, new)
+            del old, new  # freed now (pinned: uncached, see limit_pinned_caching)
 
     def _refill_resident(self, n: int) -> None:
         """The resident layers' first `n` entries, from the host copy (which holds every layer)."""
@@ -193,7 +187,6 @@ class OffloadCache(SlotCache):
         return (layer_idx - self.n_resident_layers) % 2
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
-        """Write this call's T entries ([B, Hkv, T, D]) after `length`; return [B, Hkv, S, D] views."""
         assert (k.shape[0], k.shape[1], k.shape[3]) == self.entry_shape, f"KV of shape {tuple(k.shape)}"
         if layer_idx == 0:
             self._forget_prefetches()

@@ -34,9 +34,8 @@ def chunk_means(keys: torch.Tensor, chunk_tokens: int, device: torch.device, dty
 
 
 def score_chunks(queries: torch.Tensor, keys: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
-    """Score of each whole chunk of `keys` ([B, Hkv, n*C, D], any device) for each KV head: the
-    softmax over chunks of q . mean_key / sqrt(D), summed over the G*M recent post-RoPE queries
-    ([B, H, M, D]) of the KV head's group. Returns [B, Hkv, n] on the queries' device."""
+    """Each whole chunk's score per KV head (docs/ALGORITHM.md section 4): keys [B, Hkv, n*C, D] on
+    any device, recent post-RoPE queries [B, H, M, D] -> [B, Hkv, n] on the queries' device."""
     B, H, M, D = queries.shape
     Hkv = keys.shape[1]
     dtype = torch.promote_types(keys.dtype, torch.float32)
@@ -68,8 +67,9 @@ class RetrievalCache(SlotCache):
         n_avail = max(0, S - self.window_tokens - sinks) // C
         window_start = sinks + n_avail * C
         n_keep = min(n_avail, (self.budget_tokens - sinks - (S - window_start)) // C)
-        L, B, Hkv = full.k.shape[:3]
+        L, B, Hkv, _, D = full.k.shape
         starts = torch.empty(L, B, Hkv, n_keep, dtype=torch.long)
+        end = sinks + n_keep * C
         for layer_idx in range(L):
             if n_keep < n_avail and queries and queries[layer_idx] is not None:
                 region = full.k[layer_idx, :, :, sinks:window_start]  # offloaded: host; score_chunks slices it
@@ -77,23 +77,16 @@ class RetrievalCache(SlotCache):
             else:  # everything fits, or no queries yet: evenly spaced chunks
                 top = torch.linspace(0, n_avail - 1, n_keep).long().expand(B, Hkv, n_keep)
             starts[layer_idx] = sinks + top.cpu() * C
-            self._gather_chunks(full, layer_idx, starts[layer_idx], sinks)
+            idx = (starts[layer_idx, ..., None] + torch.arange(C)).reshape(B, Hkv, -1, 1)  # [B, Hkv, n_keep*C, 1]
+            idx = idx.expand(B, Hkv, n_keep * C, D).to(full.k.device)
+            self.k[layer_idx, :, :, sinks:end] = full.k[layer_idx].gather(2, idx)
+            self.v[layer_idx, :, :, sinks:end] = full.v[layer_idx].gather(2, idx)
         self.k[:, :, :, :sinks], self.v[:, :, :, :sinks] = full.entries(0, sinks)
         self.n_sinks, self.n_chunks, self.chunk_starts = sinks, n_keep, starts
         self.version += 1
-        self.committed = self.length = sinks + n_keep * C
+        self.committed = self.length = end
         self.synced = window_start
         self.append(full, window_start, S)
-
-    def _gather_chunks(self, full: FullCache, layer_idx: int, starts: torch.Tensor, at: int):
-        """Copy chunks starting at `starts` ([B, Hkv, n]) of one layer to slots [at, at + n*C)."""
-        B, Hkv, n = starts.shape
-        D = full.k.shape[-1]
-        idx = (starts[..., None] + torch.arange(self.chunk_tokens)).reshape(B, Hkv, -1, 1)
-        idx = idx.expand(B, Hkv, n * self.chunk_tokens, D).to(full.k.device)
-        end = at + n * self.chunk_tokens
-        self.k[layer_idx, :, :, at:end] = full.k[layer_idx].gather(2, idx)
-        self.v[layer_idx, :, :, at:end] = full.v[layer_idx].gather(2, idx)
 
     def append(self, full: FullCache, start: int, end: int) -> None:
         """Drop the scratch and append the full cache's entries [start, end) (accepted tokens)."""
