@@ -6,7 +6,10 @@ decoding's; a chi-square test on seeded samples agrees and fails on a wrong acce
 from __future__ import annotations
 
 import functools
+import sys
+import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -440,9 +443,13 @@ def test_a_check_syncs_the_device_once(monkeypatch, sampling):
     forward_packed = Transformer.forward_packed
     monkeypatch.setattr(Transformer, "forward_packed",
                         lambda self, segments: [t.as_subclass(OnDevice) for t in forward_packed(self, segments)])
-    clock_syncs = []
-    monkeypatch.setattr(device_module, "sync", lambda device: clock_syncs.append(
-        __import__("sys")._getframe(2).f_globals["__name__"]))  # who asked for the time
+    clock_reads = []  # the module of each caller of device.now, the clock that synchronises
+
+    def perf_counter():
+        clock_reads.append(sys._getframe(2).f_globals["__name__"])  # 0: here, 1: now, 2: its caller
+        return time.perf_counter()
+
+    monkeypatch.setattr(device_module, "time", SimpleNamespace(perf_counter=perf_counter))
     engine = tiny_engine("ngram>retrieval>full", gamma_bottom=3, gamma_middle=3)
     session = engine.open(random_ids(30, 128, 7) * 3)
     OnDevice.reads = []
@@ -450,4 +457,5 @@ def test_a_check_syncs_the_device_once(monkeypatch, sampling):
     n_checks = sum(s.n_checks for s in events[-1].stats.levels)
     assert n_checks > len(events) > 3  # the middle level checked too
     assert OnDevice.reads == ["cpu"] * n_checks
-    assert "engine.speculative" not in clock_syncs  # the session's clock: twice a step, not per check
+    assert "engine.session" in clock_reads  # the spy sees the session's clock
+    assert "engine.speculative" not in clock_reads  # twice a step, not per check
