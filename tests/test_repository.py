@@ -1,6 +1,7 @@
 """The repository's own rules that a reader checks by eye: no measured figure in a comment, a
 docstring or a UI string (docs/STYLE.md §7; `scripts/measured_figures.py`)."""
 
+import ast
 import importlib.util
 from pathlib import Path
 
@@ -39,3 +40,35 @@ def test_scanner_flags_figures_and_not_hardware_facts_or_settings():
         'const char* s = "// 3 ms";  // 8 KiB at D = 128\n'  # 4: a figure in a string, not a comment
     )
     assert [line for line, _ in scanner.figures_in_cpp(cpp)] == [3]
+
+
+ENGINE = Path(__file__).resolve().parent.parent / "engine"
+# docs/STYLE.md section 9 budgets 5,000 lines. The engine had 5,053 on 2026-12-04 (issue 57): this ceiling
+# keeps it from growing back; lower it as the engine shrinks, and never raise it
+ENGINE_LINE_CEILING = 5053
+FUNCTION_LINE_BUDGET = 40
+
+
+def long_functions(root: Path, limit: int) -> list[str]:
+    """`path:name (lines)` for every function or method longer than `limit` lines, def to last line."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n_lines = node.end_lineno - node.lineno + 1
+                if n_lines > limit:
+                    found.append(f"{path.relative_to(root.parent)}:{node.name} ({n_lines})")
+    return found
+
+
+def test_the_engine_does_not_grow_and_keeps_its_functions_short():
+    n_lines = sum(len(p.read_text().splitlines()) for p in ENGINE.rglob("*.py"))
+    assert n_lines <= ENGINE_LINE_CEILING, f"engine/ has {n_lines:,} lines of Python, over its ceiling"
+    assert long_functions(ENGINE, FUNCTION_LINE_BUDGET) == []
+
+
+def test_the_function_check_sees_a_long_method(tmp_path):
+    body = "\n".join(f"        x{i} = {i}" for i in range(40))
+    (tmp_path / "m.py").write_text(f"class A:\n    def f(self):\n{body}\n")
+    assert long_functions(tmp_path, 40) == [f"{tmp_path.name}/m.py:f (41)"]
+    assert long_functions(tmp_path, 41) == []
