@@ -23,7 +23,7 @@ import torch
 
 from benchmarks.cli import add_common_args
 from engine.config import SamplingConfig
-from engine.sampling import nucleus_threshold, penalize, sampling_probs
+from engine.sampling import penalize, sampling_probs
 
 DEFAULTS = SamplingConfig(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
 
@@ -32,14 +32,8 @@ def before(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, m
     """`sampling_probs` as it was before its top-k path, for top_k > 0."""
     logits = logits.double() / temperature
     kth = logits.topk(top_k, dim=-1).values[..., -1:]
-    probs = logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
-    if top_p < 1.0:
-        probs = probs.masked_fill(probs < nucleus_threshold(probs, top_p), 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
-    if min_p > 0:
-        probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    # then softmax, top-p and min-p over the whole vocabulary: today's path with top-k off (T 1 divides exactly)
+    return sampling_probs(logits.masked_fill(logits < kth, float("-inf")), 1.0, 0, top_p, min_p)
 
 
 def lm_logits(rows: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
