@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.cli import add_common_args
-from benchmarks.kernels import engine_model, ours_step, random_full_cache, side_by_side, tree
+from benchmarks.kernels import engine_model, ours_step, random_full_cache, side_by_side
 from engine import quant
 from engine.device import pick_dtype
 
@@ -63,12 +63,12 @@ def main(argv: list[str] | None = None) -> int:
               "dtype": str(dtype).removeprefix("torch."), "threads": args.threads,
               "load_avg_at_start": list(os.getloadavg()), "middle_ms": {}, "contexts": {}}
     for B in (int(b) for b in args.budgets.split(",")):
-        report["middle_ms"][B] = best_ms({B: ours_step(middle, random_full_cache(cfg, B, B + 1, dtype), B, None)},
+        report["middle_ms"][B] = best_ms({B: ours_step(middle, random_full_cache(cfg, B, B + 1, dtype), B)},
                                          args.repeats)[B]
     rows = []
     for S in (int(s) for s in args.contexts.split(",")):
         cache = random_full_cache(cfg, S, S + max(GAMMAS) + 1, dtype)
-        checks = best_ms({g: ours_step(model, cache, S, tree(1, g) if g else None) for g in (0, *GAMMAS)},
+        checks = best_ms({g: ours_step(model, cache, S, g) for g in (0, *GAMMAS)},
                          args.repeats)
         top = checks.pop(0)
         del cache

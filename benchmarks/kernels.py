@@ -18,8 +18,8 @@ random keys and values at the context length (costs do not depend on the values)
         --threads 1 --attention-source /tmp/old.cpp
 - prefill: one 512-token chunk after S cached tokens, our model vs Hugging Face's.
 - decode: one token after S cached tokens, ours (with the engine's attention: our few-row
-  kernel) vs Hugging Face's; and our check of 1 + 4, 1 + 8 (chains) and 1 + 3x8 (tree) tokens,
-  as the full level verifies n-gram drafts. Prefill and decode also run ours with MKL
+  kernel) vs Hugging Face's; and our check of 1 + 4 and 1 + 8 tokens,
+  as the full level verifies drafts. Prefill and decode also run ours with MKL
   input-major weights where the engine packs them; a bf16 GGUF model on a CPU with AVX512-BF16
   also with its blocks' float32 path (`set_isa(1)`) beside the BF16 dot products.
 - weights: the matmuls of one forward of T = 1, 2, 5, 9, 16, 512 tokens over every linear weight
@@ -89,7 +89,7 @@ from engine.loading import load_hf_config, load_model
 from engine.model import Attention, RMSNorm
 from engine.models import resolve_model
 from engine.quant import cpu_quant_kernel, is_quantized
-from engine.sampling import Draft, sampling_probs
+from engine.sampling import sampling_probs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -266,29 +266,15 @@ def random_full_cache(cfg: ModelConfig, S: int, capacity: int, dtype: torch.dtyp
     return full
 
 
-def ours_step(model, full: FullCache, S: int, draft: Draft | None, n_logits: int = 0):
-    """A function running one forward of a token and `draft` (a chain or tree) after S cached keys."""
-    n = len(draft) if draft is not None else 0
-    ids = torch.tensor([[11] + (draft.tokens.tolist() if n else [])])
-    pos = torch.cat([torch.tensor([S]), S + 1 + draft.depths()]) if n else torch.tensor([S])
-    tail = None
-    if n:
-        tail = torch.ones(n + 1, n + 1, dtype=torch.bool).tril()
-        tail[1:, 1:] = draft.ancestor_mask()[1:, 1:]
+def ours_step(model, full: FullCache, S: int, n_draft: int = 0, n_logits: int = 0):
+    """A function running one forward of a token and a chain of `n_draft` drafted tokens after S cached keys."""
+    ids = torch.tensor([[11] + [100 + d for d in range(n_draft)]])
+    pos = torch.arange(S, S + n_draft + 1)
 
     def step():
         full.truncate(S)
-        model(ids, pos, full, tail, None, n_logits=n_logits or n + 1)
+        model(ids, pos, full, None, n_logits=n_logits or n_draft + 1)
     return step
-
-
-def tree(n_candidates: int, depth: int) -> Draft:
-    tokens, parents = [], []
-    for c in range(n_candidates):
-        for d in range(depth):
-            parents.append(-1 if d == 0 else len(tokens) - 1)
-            tokens.append(100 + 10 * c + d)
-    return Draft(torch.tensor(tokens), torch.tensor(parents), None)
 
 
 def bench_row_ops(source: str, S: int, repeats: int, dtype: torch.dtype) -> dict:
@@ -304,8 +290,8 @@ def bench_row_ops(source: str, S: int, repeats: int, dtype: torch.dtype) -> dict
             m.kernel = cpu_kernel() if on else None
     full = random_full_cache(model.config, S, S + 16, dtype)
     fns = {}
-    for label, draft in (("T=1", None), ("check 1+4 chain", tree(1, 4))):
-        step = ours_step(model, full, S, draft, 1)
+    for label, n_draft in (("T=1", 0), ("check 1+4 chain", 4)):
+        step = ours_step(model, full, S, n_draft, 1)
         fns |= {f"kernel {label}": with_setting(set_kernel, True, True, step),
                 f"torch {label}": with_setting(set_kernel, False, True, step)}
     with torch.inference_mode():
@@ -328,7 +314,7 @@ def bench_prefill(models: Models, S: int, repeats: int, chunk: int = 512) -> dic
 
     def ours(model):
         full.truncate(S)
-        model(ids, pos, full, None, None, n_logits=1)
+        model(ids, pos, full, None, n_logits=1)
 
     def hf_chunk():
         extra = hf.get_seq_length() - S
@@ -350,16 +336,15 @@ def bench_decode(models: Models, S: int, repeats: int) -> dict:
     fns = {"hf T=1": models.hf_step(hf, S, 1)}
     for name, model in (("ours", models.ours), ("ours input-major", models.ours_input_major)):
         if model is not None:
-            fns |= {f"{name} T=1": ours_step(model, full, S, None, 1),
-                    f"{name} check 1+4 chain": ours_step(model, full, S, tree(1, 4)),
-                    f"{name} check 1+8 chain": ours_step(model, full, S, tree(1, 8)),
-                    f"{name} check 1+3x8 tree": ours_step(model, full, S, tree(3, 8))}
+            fns |= {f"{name} T=1": ours_step(model, full, S, 0, 1),
+                    f"{name} check 1+4 chain": ours_step(model, full, S, 4),
+                    f"{name} check 1+8 chain": ours_step(model, full, S, 8)}
     quant = cpu_quant_kernel() if is_quantized(models.ours) else None
     if models.dtype == torch.bfloat16 and quant is not None and quant.uses_bf16_dots():
         # the blocks' float32 path on the widened activations (set_isa 1)
-        fns |= {"ours, float32 dots T=1": with_setting(quant.set_isa, 1, -1, ours_step(models.ours, full, S, None, 1)),
+        fns |= {"ours, float32 dots T=1": with_setting(quant.set_isa, 1, -1, ours_step(models.ours, full, S, 0, 1)),
                 "ours, float32 dots check 1+4 chain": with_setting(quant.set_isa, 1, -1,
-                                                                   ours_step(models.ours, full, S, tree(1, 4)))}
+                                                                   ours_step(models.ours, full, S, 4))}
     return side_by_side(fns, repeats)
 
 

@@ -21,7 +21,7 @@ from engine.session import Engine, Session
 
 def segment(session: Session, ids: list[int], n_logits: int) -> Segment:
     start = session.full.length
-    return Segment(torch.tensor([ids]), torch.arange(start, start + len(ids)), session.full, None, None, n_logits)
+    return Segment(torch.tensor([ids]), torch.arange(start, start + len(ids)), session.full, None, n_logits)
 
 
 def main(argv: list[str] | None = None) -> None:

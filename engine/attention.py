@@ -3,8 +3,8 @@ CPU our compiled kernel (engine/csrc/attention_cpu.cpp) when it builds: few-row 
 model's prefill chunks where the CPU has AVX512-BF16.
 
 A view's last `T` keys are this call's tokens and every earlier key is visible to all of them
-(docs/ALGORITHM.md section 7), so the only mask is over that tail: causal for a chain, an ancestor
-matrix for a token tree. GQA folds each KV head's query heads into the query length, one SDPA call
+(docs/ALGORITHM.md section 7), so the only mask is over that tail: causal, for every call is a chain
+of tokens. GQA folds each KV head's query heads into the query length, one SDPA call
 on [B, Hkv, G*T, D], so each KV head is read once; on CPU no [T, S] mask is built (`_split_attention`).
 """
 
@@ -43,12 +43,11 @@ def sdpa_attention(
     k: torch.Tensor,  # [B, Hkv, S, D]
     v: torch.Tensor,  # [B, Hkv, S, D]
     tail: torch.Tensor | None,  # [T, T] bool, or None when T == 1
-    is_tree: bool | None = None,  # `tail` is not causal (model.Segment says; None: look)
 ) -> torch.Tensor:  # [B, H, T, D]
     if tail is None or q.shape[2] == 1:
         return masked_attention(q, k, v, None)
     if q.device.type == "cpu" and _flash_cpu is not None:
-        return _split_attention(q, k, v, tail, is_tree=is_tree)
+        return _split_attention(q, k, v, tail)
     return masked_attention(q, k, v, tail_mask(k.shape[2], tail))
 
 
@@ -76,20 +75,16 @@ def masked_attention(
     return (probs @ v).reshape(B, H, T, D)
 
 
-def _split_attention(q, k, v, tail, attend_head=None, is_tree=None):
+def _split_attention(q, k, v, tail):
     """Softmax over (keys before the tail) and over (the tail) as two calls merged by their
-    log-sum-exp: o = o_tail + (o_head - o_tail) * sigmoid(lse_head - lse_tail). `attend_head`
-    ([B, Hkv, R, D] folded queries, unmasked keys -> (out, lse [B, Hkv, R])) defaults to flash."""
+    log-sum-exp: o = o_tail + (o_head - o_tail) * sigmoid(lse_head - lse_tail), both on torch's flash kernel."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    is_chain = not (is_tree_mask(tail) if is_tree is None else is_tree)
-    additive = None if is_chain else torch.zeros(T, T, dtype=q.dtype, device=q.device).masked_fill(
-        ~tail, float("-inf"))  # [T, T]; the diagonal is always visible, so no row is empty
-    o_tail, lse_tail = _flash_cpu(q, k[:, :, S - T:], v[:, :, S - T:], is_causal=is_chain, attn_mask=additive)
+    o_tail, lse_tail = _flash_cpu(q, k[:, :, S - T:], v[:, :, S - T:], is_causal=True)
     if S == T:
         return o_tail
     q_folded = q.reshape(B, Hkv, (H // Hkv) * T, D)  # one KV head's query heads share its reads
-    o_head, lse_head = (attend_head or _flash_cpu)(q_folded, k[:, :, :S - T], v[:, :, :S - T])
+    o_head, lse_head = _flash_cpu(q_folded, k[:, :, :S - T], v[:, :, :S - T])
     o_head, lse_head = o_head.reshape(B, H, T, D), lse_head.reshape(B, H, T, 1)
     share = torch.sigmoid(lse_head - lse_tail.unsqueeze(-1))  # [B, H, T, 1] softmax mass before the tail
     return torch.lerp(o_tail.to(share.dtype), o_head.to(share.dtype), share).to(q.dtype)
@@ -101,7 +96,7 @@ def cpu_kernel():
     return build_cpu_extension("bookchat_attention_cpu", _CPU_SOURCE, "attention on CPU runs on torch SDPA")
 
 
-def cpu_attention(q, k, v, tail, is_tree=None):
+def cpu_attention(q, k, v, tail):
     """`sdpa_attention` with the compiled kernel for calls of few rows (decoding, drafts, checks)
     and a bf16 model's causal chains of any length (prefill, in BF16 dot products where the CPU has
     them): SDPA's answer up to float32 rounding, summed in float32 as torch's flash kernel does."""
@@ -109,15 +104,10 @@ def cpu_attention(q, k, v, tail, is_tree=None):
     G, kernel = H // k.shape[1], cpu_kernel()
     if (kernel is None or q.dtype not in KERNEL_DTYPES or k.dtype != q.dtype or D not in HEAD_DIMS
             or k.stride(3) != 1 or v.stride(3) != 1):
-        return sdpa_attention(q, k, v, tail, is_tree)
+        return sdpa_attention(q, k, v, tail)
     has_tail = tail is not None and T > 1
-    if has_tail and (is_tree if is_tree is not None else is_tree_mask(tail)):
-        if G * T > FEW_ROWS:
-            return sdpa_attention(q, k, v, tail, True)
-        return _split_attention(q, k, v, tail, lambda q_folded, k_head, v_head: kernel.few_row_attention(
-            _kernel_rows(q_folded), k_head, v_head), True)
     if G * T > FEW_ROWS and not (has_tail and q.dtype == torch.bfloat16 and kernel.uses_bf16_dots()):
-        return sdpa_attention(q, k, v, tail, is_tree)  # a float32 prefill chunk: GEMM-shaped, flash
+        return sdpa_attention(q, k, v, tail)  # a float32 prefill chunk: GEMM-shaped, flash
     # A chain in one kernel call: token t sees the keys before the tail and the tail up to itself. In at most
     # FEW_ROWS rows each row is what decoding its token alone computes, bit for bit (a check commits decoding's
     # tokens); more rows (a bf16 prefill chunk) take the kernel's packed path.
@@ -130,23 +120,16 @@ def _kernel_rows(q_folded):  # bf16 queries stay bf16: the kernel's BF16 dots wh
     return (q_folded if q_folded.dtype == torch.bfloat16 else q_folded.float()).contiguous()
 
 
-def flash_attention(q, k, v, tail, is_tree=None):
-    """flash-attn's `flash_attn_with_kvcache` for causal chains in fp16/bf16 (its bottom-right
-    causal alignment is our tail mask); token trees, float32/64 and head dims over 256 go through
-    SDPA. `is_tree` comes with the call (model.Segment), so no device sync per layer."""
-    if is_tree is None:
-        is_tree = tail is not None and is_tree_mask(tail)
-    if is_tree or q.dtype not in FLASH_DTYPES or q.shape[-1] > 256:
-        return sdpa_attention(q, k, v, tail, is_tree)
+def flash_attention(q, k, v, tail):
+    """flash-attn's `flash_attn_with_kvcache` in fp16/bf16 (its bottom-right causal alignment is
+    our tail mask); float32/64 and head dims over 256 go through SDPA."""
+    if q.dtype not in FLASH_DTYPES or q.shape[-1] > 256:
+        return sdpa_attention(q, k, v, tail)
     from flash_attn import flash_attn_with_kvcache  # importable: checked by pick_attention
 
     # [B, S, H, D] views with a contiguous last dim, as flash-attn reads them: no copy
     out = flash_attn_with_kvcache(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
     return out.transpose(1, 2)
-
-
-def is_tree_mask(tail: torch.Tensor) -> bool:
-    return not torch.equal(tail, tail.new_ones(tail.shape).tril())
 
 
 @functools.cache

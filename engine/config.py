@@ -221,7 +221,6 @@ class EngineConfig:
     streaming_sink_tokens: int = 4  # StreamingLLM cache of the draft / self-speculation level
     streaming_window_tokens: int = 256
     max_ngram: int = 4  # longest suffix the context database matches
-    n_ngram_candidates: int = 1  # continuations per n-gram check: more cost more than they earn (benchmarks/RESULTS.md)
     gamma_bottom: int | None = None  # None: adaptive (docs/ALGORITHM.md section 6)
     gamma_middle: int | None = None
     max_gamma: int = 8  # upper bound for adaptive draft lengths

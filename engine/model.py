@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -25,7 +25,6 @@ from engine.attention import (
     KERNEL_DTYPES,
     cpu_attention,
     cpu_kernel,
-    is_tree_mask,
     masked_attention,
     sdpa_attention,
     tail_mask,
@@ -57,18 +56,15 @@ class Segment:
     ids: torch.Tensor  # [B, T]
     pos: torch.Tensor  # [T] absolute positions (RoPE)
     cache: KVCache
-    tail: torch.Tensor | None = None  # [T, T] bool; None = causal chain
     query_log: QueryLog | None = None
     n_logits: int = 1  # logits of the last n tokens
     key_mask: torch.Tensor | None = None  # [T, S_max] bool: a static-shape step (engine/graphs.py)
-    is_tree: bool | None = None  # `tail` is a token tree; None: look (here, on the host: kernels never read it)
     window: tuple[int, torch.Tensor | None] | None = None  # a sliding layer's view: `sliding_window_keys`
+    tail: torch.Tensor | None = field(default=None, init=False)  # [T, T] causal (every call is a chain); T == 1: None
 
     def __post_init__(self):
-        if self.is_tree is None:
-            self.is_tree = self.tail is not None and is_tree_mask(self.tail)
         T = self.ids.shape[1]
-        if self.tail is None and T > 1:
+        if T > 1:
             self.tail = torch.ones(T, T, dtype=torch.bool, device=self.ids.device).tril()
 
 
@@ -200,23 +196,23 @@ class Attention(nn.Module):
         if is_windowed:
             start, mask = seg.window
             k, v = k[:, :, start:], v[:, :, start:]
-        if (self.softcap or mask is not None) and 1 < T <= ROW_BY_ROW and not seg.is_tree and seg.key_mask is None:
+        if (self.softcap or mask is not None) and 1 < T <= ROW_BY_ROW and seg.key_mask is None:
             rows = []
             for t in range(T):
                 end = k.shape[2] - T + t + 1  # this row's own key is the last it sees
                 first = max(0, end - self.window) if is_windowed else 0  # keys before `start` are in no row's window
                 rows.append(self._attend_keys(q[:, :, t:t + 1], k[:, :, first:end], v[:, :, first:end], None, None))
             return torch.cat(rows, dim=2)
-        return self._attend_keys(q, k, v, mask, seg.tail if T > 1 else None, seg.is_tree)
+        return self._attend_keys(q, k, v, mask, seg.tail if T > 1 else None)
 
-    def _attend_keys(self, q, k, v, mask, tail, is_tree=False):
+    def _attend_keys(self, q, k, v, mask, tail):
         if self.softcap:
             mask = tail_mask(k.shape[2], tail) if mask is None and tail is not None else mask
             return masked_attention(q, k, v, mask, self.scale, self.softcap)
         q = q if self.q_factor == 1 else q * self.q_factor
         if mask is not None:
             return masked_attention(q, k, v, mask)
-        return self.attend(q, k, v, tail, is_tree)
+        return self.attend(q, k, v, tail)
 
 
 class MLP(nn.Module):
@@ -307,11 +303,10 @@ class Transformer(nn.Module):
         input_ids: torch.Tensor,  # [B, T]
         pos: torch.Tensor,  # [T] absolute positions (RoPE), increasing along a chain
         cache: KVCache,
-        tail: torch.Tensor | None = None,  # [T, T] bool; None = causal chain
         query_log: QueryLog | None = None,
         n_logits: int | None = None,  # logits of the last n tokens only (prefill: 1)
     ) -> torch.Tensor:  # [B, T or n_logits, V] logits, float32 or wider
-        seg = Segment(input_ids, pos, cache, tail, query_log, n_logits or input_ids.shape[1])
+        seg = Segment(input_ids, pos, cache, query_log, n_logits or input_ids.shape[1])
         return self.forward_packed([seg])[0]
 
     @torch.inference_mode()

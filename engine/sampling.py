@@ -24,16 +24,15 @@ def token_probs(logits: torch.Tensor, histories: list[list[int]], sampling: Samp
     return sampling_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
 
 
-def draft_histories(tokens: list[int], draft: Draft, sampling: SamplingConfig) -> list[list[int]]:
+def draft_histories(tokens: list[int], drafted: list[int], sampling: SamplingConfig) -> list[list[int]]:
     """Each row's penalty history when a level whose sequence is `tokens` (committed, then what
-    it drafted itself) checks `draft`: row 0 (after the root) the answer so far, `tokens` from
-    `sampling.penalty_start` on; row i + 1 (after node i) that plus the path from the root to
-    node i. [] when the penalties are off (nothing to count)."""
+    it drafted itself) checks the chain `drafted`: row 0 the answer so far, `tokens` from
+    `sampling.penalty_start` on; row i + 1 that plus the first i + 1 drafted tokens. [] when the
+    penalties are off (nothing to count)."""
     if (sampling.repetition_penalty, sampling.presence_penalty, sampling.frequency_penalty) == (1.0, 0.0, 0.0):
         return []
-    history, tokens = tokens[sampling.penalty_start or 0:], draft.tokens.tolist()
-    paths = draft.ancestor_mask()[1:, 1:].tolist()  # [N, N]: node j is on the path to node i
-    return [history] + [history + [t for t, on in zip(tokens, path) if on] for path in paths]
+    history = tokens[sampling.penalty_start or 0:]
+    return [history + drafted[:i] for i in range(len(drafted) + 1)]
 
 
 def penalize(logits: torch.Tensor, histories: list[list[int]], repetition: float = 1.0, presence: float = 0.0,
@@ -114,31 +113,13 @@ def nucleus_threshold(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 @dataclass
 class Draft:
-    """A proposal: a token tree, parents before children, siblings in the order to try them."""
+    """A proposal: a chain of tokens after the last committed one."""
 
-    tokens: torch.Tensor  # [N] long
-    parents: torch.Tensor  # [N] long; -1 = child of the last committed token (the root)
-    probs: torch.Tensor | None  # [N, V] r at each node's position; None = deterministic
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # [N, V] r at each token's position; None = deterministic
 
     def __len__(self) -> int:
-        return self.tokens.shape[0]
-
-    @classmethod
-    def chain(cls, tokens: list[int], probs: torch.Tensor | None = None) -> Draft:
-        return cls(torch.tensor(tokens, dtype=torch.long), torch.arange(len(tokens)) - 1, probs)
-
-    def depths(self) -> torch.Tensor:  # [N], root children at depth 0
-        return self.ancestor_mask()[1:, 1:].sum(-1) - 1  # a node's ancestors and itself, less itself
-
-    def ancestor_mask(self) -> torch.Tensor:
-        """[N+1, N+1] bool over (root, nodes...): entry [i, j] = j is i or an ancestor of i."""
-        n = len(self)
-        mask = torch.eye(n + 1, dtype=torch.bool)
-        mask[:, 0] = True
-        for i, p in enumerate(self.parents.tolist()):
-            if p >= 0:
-                mask[i + 1] |= mask[p + 1]
-        return mask
+        return len(self.tokens)
 
 
 class Coins(Protocol):
@@ -184,29 +165,17 @@ def acceptance(q: torch.Tensor, x: int, r: torch.Tensor | None) -> tuple[float, 
 
 @dataclass
 class Verdict:
-    path: list[int]  # accepted node indices, root to leaf
-    token: int  # the token emitted after the path (residual draw or bonus)
-    n_tested: int  # nodes whose acceptance was tested (for acceptance statistics)
+    n_accepted: int  # drafted tokens accepted, a prefix of the draft
+    token: int  # the token emitted after them (residual draw or bonus)
+    n_tested: int  # drafted tokens whose acceptance was tested (for acceptance statistics)
 
 
 def verify(q: torch.Tensor, draft: Draft, coins: Coins) -> Verdict:
-    """Accept a prefix of `draft` so that every emitted token is distributed as q ([N+1, V]: q[0]
-    after the root, q[i+1] after node i). Stochastic drafts must be chains; deterministic ones may branch."""
-    children: dict[int, list[int]] = {}
-    for i, p in enumerate(draft.parents.tolist()):
-        children.setdefault(p, []).append(i)
-    assert draft.probs is None or all(len(c) == 1 for c in children.values()), "stochastic tree"
-    tokens = draft.tokens.tolist()
-    path, node, n_tested, q_cur = [], -1, 0, q[0]
-    while True:
-        for c in children.get(node, []):  # siblings in order until one is accepted
-            n_tested += 1
-            r = None if draft.probs is None else draft.probs[c]
-            accept_prob, residual = acceptance(q_cur, tokens[c], r)
-            if coins.accept(accept_prob):
-                break
-            q_cur = residual
-        else:  # none accepted (or a leaf): the residual draw, or the bonus
-            return Verdict(path, coins.sample(q_cur), n_tested)
-        path.append(c)
-        node, q_cur = c, q[c + 1]
+    """Accept a prefix of `draft` so that every emitted token is distributed as q ([N+1, V]: q[i]
+    after the first i drafted tokens): each token in turn, until one is rejected."""
+    for i, x in enumerate(draft.tokens):
+        r = None if draft.probs is None else draft.probs[i]
+        accept_prob, residual = acceptance(q[i], x, r)
+        if not coins.accept(accept_prob):
+            return Verdict(i, coins.sample(residual), i + 1)
+    return Verdict(len(draft), coins.sample(q[len(draft)]), len(draft))

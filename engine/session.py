@@ -207,7 +207,7 @@ class Engine:
             piece = ids[i:i + chunk]
             tokens = torch.tensor([piece], device=self.device)  # [1, T]
             pos = torch.arange(cache.length, cache.length + len(piece), device=self.device)  # [T]
-            yield Forward(self.target, Segment(tokens, pos, cache, None, query_log))
+            yield Forward(self.target, Segment(tokens, pos, cache, query_log))
             self.n_prefill_tokens += len(piece)
             if on_progress:
                 on_progress(i + len(piece), len(ids))
@@ -265,7 +265,7 @@ class Engine:
         retrieval, drafter = None, bottom
         if levels.has_retrieval:
             r = cfg.retrieval
-            scratch = 2 + cfg.gamma_limit * (cfg.n_ngram_candidates + 1)
+            scratch = 2 + 2 * cfg.gamma_limit  # a check's tokens: the pending ones and the draft
             retrieval = RetrievalCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, r.budget_tokens, r.sink_tokens,
                                        r.window_tokens, r.chunk_tokens, scratch, self.dtype, self.device)
             model = self.drafting(self.target)
@@ -291,7 +291,7 @@ class Engine:
     def _bottom_drafter(self, name: str):
         cfg = self.config
         if name == "ngram":
-            return NgramDrafter(cfg.max_ngram, cfg.n_ngram_candidates)
+            return NgramDrafter(cfg.max_ngram)
         if name == "ngram+draft":
             return LookupFirst(self._bottom_drafter("ngram"), self._bottom_drafter("draft"))
         model = self.drafting(self.draft if name == "draft" else self.target)

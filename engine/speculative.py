@@ -14,14 +14,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.attention import is_tree_mask
 from engine.config import Cancelled, SamplingConfig
 from engine.drafters import Drafter
 from engine.kv import KVCache
 from engine.model import Forward, QueryLog, Segment, Steps, Transformer
 from engine.sampling import Coins, Draft, Verdict, draft_histories, token_probs, verify
 
-EMPTY_DRAFT = Draft.chain([])
+EMPTY_DRAFT = Draft([])
 Prefill = Callable[[list[int], object], Steps[None]]  # (ids, cancel flag) -> forwards writing their KV
 
 
@@ -52,8 +51,8 @@ class LevelStats:
     def record(self, verdict: Verdict, seconds: float) -> None:
         self.n_checks += 1
         self.n_tested += verdict.n_tested
-        self.n_accepted += len(verdict.path)
-        self.n_emitted += len(verdict.path) + 1
+        self.n_accepted += verdict.n_accepted
+        self.n_emitted += verdict.n_accepted + 1
         self.time_s += seconds
         if not verdict.n_tested:
             self.n_alone += 1
@@ -121,7 +120,7 @@ class GammaTuner:
     def observe(self, gamma: int, draft_s: float, verdict: Verdict, n_checked: int, check_s: float):
         d = self.decay
         if verdict.n_tested:
-            self.acceptance = d * self.acceptance + (1 - d) * len(verdict.path) / verdict.n_tested
+            self.acceptance = d * self.acceptance + (1 - d) * verdict.n_accepted / verdict.n_tested
         if gamma:  # the first measurement replaces the prior (an average from 0 would take ~10 checks)
             per_token, prev = draft_s / gamma, self.draft_s_per_token
             self.draft_s_per_token = per_token if prev is None else d * prev + (1 - d) * per_token
@@ -139,7 +138,7 @@ class Scorer:
 
     def score(self, pending: list[int], start_pos: int, draft: Draft, sampling: SamplingConfig,
               tokens: list[int]) -> Steps[torch.Tensor]:
-        """q after the last pending token and after each draft node: [N+1, V] (float64).
+        """q after the last pending token and after each drafted token: [N+1, V] (float64).
 
         pending: the committed tokens this cache lacks (at least the last), the first at absolute
         position `start_pos` (a retrieval cache holds fewer slots); tokens: the level's sequence
@@ -148,25 +147,13 @@ class Scorer:
             logits = self.decode_step(pending[0], start_pos)  # a one-token chain at a fixed shape
         else:
             logits = yield self._request(pending, start_pos, draft)
-        return token_probs(logits[0], draft_histories(tokens, draft, sampling), sampling)
+        return token_probs(logits[0], draft_histories(tokens, draft.tokens, sampling), sampling)
 
     def _request(self, pending: list[int], start_pos: int, draft: Draft) -> Forward:
-        P, N = len(pending), len(draft)
         device = self.model.lm_head.weight.device
-        ids = torch.tensor([pending + draft.tokens.tolist()], device=device)
-        pos = torch.cat([torch.arange(start_pos, start_pos + P), start_pos + P + draft.depths()]).to(device)
-        tail = torch.ones(P + N, P + N, dtype=torch.bool).tril()
-        tail[P:, P:] = draft.ancestor_mask()[1:, 1:]
-        return Forward(self.model, Segment(ids, pos, self.cache, tail.to(device), self.query_log, N + 1,
-                                           is_tree=is_tree_mask(tail)))  # classified here, on the host
-
-    def keep(self, n_draft: int, path: list[int]) -> None:
-        """Keep the pending tokens and the accepted path of the last `score` call."""
-        start = self.cache.length - n_draft
-        if path == list(range(len(path))):
-            self.cache.truncate(start + len(path))
-        else:
-            self.cache.keep_tail(start, torch.tensor(path))
+        ids = torch.tensor([pending + draft.tokens], device=device)
+        pos = torch.arange(start_pos, start_pos + ids.shape[1], device=device)
+        return Forward(self.model, Segment(ids, pos, self.cache, self.query_log, len(draft) + 1))
 
 
 def check(scorer: Scorer, drafter: Drafter | None, gamma: int, tuner: GammaTuner, stats: LevelStats,
@@ -186,7 +173,7 @@ def check(scorer: Scorer, drafter: Drafter | None, gamma: int, tuner: GammaTuner
         both = torch.cat([q, draft.probs.to(q.device, q.dtype)]).cpu()  # [N+1 + N, V]
         q, draft = both[:q.shape[0]], replace(draft, probs=both[q.shape[0]:])
     verdict = verify(q, draft, coins)
-    scorer.keep(len(draft), verdict.path)
+    scorer.cache.truncate(scorer.cache.length - len(draft) + verdict.n_accepted)  # the rejected tail goes
     t2 = time.perf_counter()
     tuner.observe(len(draft), t1 - t0, verdict, len(pending) + len(draft), t2 - t1)
     stats.record(verdict, t2 - t1)
@@ -200,7 +187,7 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
 
 
 def emitted(draft: Draft, verdict: Verdict) -> list[int]:
-    return [int(draft.tokens[i]) for i in verdict.path] + [verdict.token]
+    return draft.tokens[:verdict.n_accepted] + [verdict.token]
 
 
 class CheckingDrafter:
@@ -267,14 +254,14 @@ class CheckingDrafter:
                                                     self.tokens + drafted, sampling, coins)
             self.window.record(verdict, 0.0)
             new = emitted(draft, verdict)
-            qs += [q[0]] + [q[i + 1] for i in verdict.path]
+            qs += q[:verdict.n_accepted + 1]
             drafted += new
             if self.below:
                 self.below.extend(new)
             pending = [verdict.token]
         self.drafted = drafted
         probs = None if sampling.is_greedy or not gamma else torch.stack(qs[:gamma])
-        return Draft.chain(drafted[:gamma], probs)
+        return Draft(drafted[:gamma], probs)
 
 
 class LevelStack:

@@ -101,8 +101,7 @@ def tiny_engine(levels: str, family: str = "llama", seed: int = 0, vocab: int = 
     retrieval = overrides.pop("retrieval", RetrievalConfig(budget_tokens=64, sink_tokens=4, window_tokens=16,
                                                             chunk_tokens=4, n_score_queries=4,
                                                             rebuild_every_tokens=16))
-    settings = dict(prefill_chunk_tokens=7, streaming_sink_tokens=2, streaming_window_tokens=12,
-                    n_ngram_candidates=3) | overrides  # 3 candidates: n-gram drafts are token trees
+    settings = dict(prefill_chunk_tokens=7, streaming_sink_tokens=2, streaming_window_tokens=12) | overrides
     config = EngineConfig(target="tiny", draft="tiny-draft" if draft else None, levels=levels,
                           device="cpu", dtype=dtype, retrieval=retrieval, **settings)
     return Engine(config, target, None, draft)

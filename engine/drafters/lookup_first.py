@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from engine.config import SamplingConfig
 from engine.drafters.model import ModelDrafter
-from engine.drafters.ngram import NgramDrafter, trie
+from engine.drafters.ngram import NgramDrafter
 from engine.model import Steps
 from engine.sampling import Coins, Draft
 
@@ -32,5 +32,5 @@ class LookupFirst:
     def propose(self, gamma: int, sampling: SamplingConfig, coins: Coins) -> Steps[Draft]:
         n, found = self.ngram.longest_match(gamma)  # gamma 0: no match, and the model runs no forward
         if n >= self.min_match:
-            return trie(found)
+            return Draft(found)
         return (yield from self.model.propose(gamma, sampling, coins))

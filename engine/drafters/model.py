@@ -61,7 +61,7 @@ class ModelDrafter:
 
     def propose(self, gamma: int, sampling: SamplingConfig, coins: Coins) -> Steps[Draft]:
         if gamma == 0:  # no forward: the committed tokens are fed with the next real draft
-            return Draft.chain([])
+            return Draft([])
         c = self.cache
         if self.n_fed == len(self.tokens):  # the last token must be fed again to get its logits
             self._unfeed(1)
@@ -79,7 +79,7 @@ class ModelDrafter:
         committed_length = c.length
         drafted, probs = [], []
         for i in range(gamma):
-            histories = draft_histories(self.tokens + drafted, Draft.chain([]), sampling)
+            histories = draft_histories(self.tokens + drafted, [], sampling)
             r = token_probs(logits.double()[None], histories, sampling)[0]
             # greedy too through `coins` (r is one-hot): under tensor parallel rank 0 draws for every
             # rank (parallel.SharedCoins), whose logits, summed in another order, could differ
@@ -89,4 +89,4 @@ class ModelDrafter:
             if i + 1 < gamma:
                 logits = yield from self._feed([x])
         c.truncate(committed_length)
-        return Draft.chain(drafted, None if sampling.is_greedy else torch.stack(probs))
+        return Draft(drafted, None if sampling.is_greedy else torch.stack(probs))

@@ -2,23 +2,19 @@
 
 One index over the committed sequence: each n-gram (1..max_ngram tokens) maps to the positions that
 follow its occurrences, in increasing order, so tokens are added and removed incrementally and a
-lookup reads the most recent occurrences first.
+lookup reads the most recent earlier occurrence of the longest suffix that has one.
 """
 
 from __future__ import annotations
-
-import torch
 
 from engine.config import SamplingConfig
 from engine.model import Steps
 from engine.sampling import Coins, Draft
 
-MAX_SCAN = 64  # occurrences examined per suffix length: bounds a lookup of a frequent n-gram
-
 
 class NgramDrafter:
-    def __init__(self, max_ngram: int, n_candidates: int):
-        self.max_ngram, self.n_candidates = max_ngram, n_candidates
+    def __init__(self, max_ngram: int):
+        self.max_ngram = max_ngram
         self.tokens: list[int] = []
         self.index: dict[tuple[int, ...], list[int]] = {}
 
@@ -45,36 +41,16 @@ class NgramDrafter:
                     del self.index[key]
             self.tokens.pop()
 
-    def longest_match(self, gamma: int) -> tuple[int, list[list[int]]]:
-        """(length of the longest suffix that occurs earlier with a continuation, 0 if none;
-        the distinct continuations of it and of shorter suffixes, most recent first)."""
-        found: list[list[int]] = []
-        longest = 0
+    def longest_match(self, gamma: int) -> tuple[int, list[int]]:
+        """(length of the longest suffix that occurred before, 0 if none; up to `gamma` tokens that
+        followed its most recent earlier occurrence). Each suffix's last position is this end."""
         for key in reversed(self._last_ngrams()):
-            for p in reversed(self.index.get(key, [])[-MAX_SCAN:]):
-                cont = self.tokens[p:p + gamma]
-                if cont and cont not in found:
-                    longest = longest or len(key)
-                    found.append(cont)
-                    if len(found) == self.n_candidates:
-                        return longest, found
-        return longest, found
+            positions = self.index[key]
+            if len(positions) > 1 and gamma:
+                return len(key), self.tokens[positions[-2]:positions[-2] + gamma]
+        return 0, []
 
     def propose(self, gamma: int, sampling: SamplingConfig, coins: Coins) -> Steps[Draft]:
         """A generator like every drafter's `propose`, though it never asks for a forward."""
         yield from ()
-        return trie(self.longest_match(gamma)[1])
-
-
-def trie(candidates: list[list[int]]) -> Draft:
-    """Merge candidate sequences into a token tree (shared prefixes become one path)."""
-    tokens, parents = [], []
-    node_of: dict[tuple[int, ...], int] = {(): -1}  # a path from the root -> its node
-    for cand in candidates:
-        for depth in range(len(cand)):
-            key = tuple(cand[: depth + 1])
-            if key not in node_of:
-                node_of[key] = len(tokens)
-                tokens.append(cand[depth])
-                parents.append(node_of[key[:-1]])
-    return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long), None)
+        return Draft(self.longest_match(gamma)[1])

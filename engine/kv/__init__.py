@@ -11,7 +11,7 @@ GROW_TOKENS = 1024  # past the planned capacity (session.py allocates it once), 
 
 
 class KVCache(Protocol):
-    """What the model (`update`, `advance`) and the levels (`truncate`, `keep_tail`, `reserve`) call."""
+    """What the model (`update`, `advance`) and the levels (`truncate`, `reserve`) call."""
 
     length: int  # tokens held; slots past it are stale and never in a view
 
@@ -23,10 +23,6 @@ class KVCache(Protocol):
 
     def truncate(self, length: int) -> None:
         """Forget everything from `length` on (O(1): only the length changes)."""
-
-    def keep_tail(self, start: int, keep_idx: torch.Tensor) -> None:
-        """Keep entries start+keep_idx (sorted, [n]) of the last call, moved to follow `start`
-        (the accepted path of a verified token tree)."""
 
     def reserve(self, n_tokens: int) -> None:
         """Make room for `n_tokens` more entries before a long write (a prefill)."""
@@ -64,13 +60,6 @@ class SlotCache:
     def truncate(self, length: int) -> None:
         assert 0 <= length <= self.length, f"truncate({length}) of a cache holding {self.length}"
         self.length = length
-
-    def keep_tail(self, start: int, keep_idx: torch.Tensor) -> None:
-        n = keep_idx.shape[0]
-        src = start + keep_idx.to(self.k.device)
-        for t in (self.k, self.v):
-            t[:, :, :, start:start + n] = t[:, :, :, src]
-        self.length = start + n
 
     def reserve(self, n_tokens: int) -> None:
         needed = self.length + n_tokens

@@ -1,6 +1,6 @@
 """The full KV cache: every token of the document and the chat, at its absolute position.
 
-SlotCache's appending, O(1) `truncate` and `keep_tail`, plus growth by reallocation, so one cache
+SlotCache's appending and O(1) `truncate`, plus growth by reallocation, so one cache
 serves a whole chat. Retrieval and offloading are engine/kv/retrieval.py's and engine/kv/offload.py's.
 """
 

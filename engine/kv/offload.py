@@ -83,7 +83,7 @@ def to_heads(t: torch.Tensor) -> torch.Tensor:
 
 
 class OffloadCache(SlotCache):
-    """SlotCache's length, truncate, keep_tail, growth, entries and state over the host copy
+    """SlotCache's length, truncate, growth, entries and state over the host copy
     (`k`, `v`), plus the device copies and the streaming (see the module doc)."""
 
     grow_hint = "open the book with fewer resident layers"
@@ -200,12 +200,6 @@ class OffloadCache(SlotCache):
             host[layer_idx, start:end].copy_(dev[start:end], non_blocking=self.is_pinned)
             self.n_written_bytes += dev[start:end].nbytes
         return to_heads(dev_k[:end]), to_heads(dev_v[:end])
-
-    def keep_tail(self, start: int, keep_idx: torch.Tensor) -> None:
-        super().keep_tail(start, keep_idx)  # the host copy (`k`, `v` wait for its write-backs)
-        n = keep_idx.shape[0]
-        for t in (self.resident_k, self.resident_v):
-            t[:, start:start + n] = t[:, start + keep_idx.to(t.device)]
 
     @property
     def k(self) -> torch.Tensor:  # [L, B, Hkv, S_max, D] host view, as FullCache.k

@@ -1,6 +1,6 @@
 """The compiled CPU attention kernel (engine/csrc/attention_cpu.cpp): it builds wherever the CPU
 has AVX2 (CI installs a compiler and ninja), equals float64 SDPA to float32 rounding for every
-shape the engine gives it (GQA and MHA, one token, chains, token trees, chunk edges, batches,
+shape the engine gives it (GQA and MHA, one token, chains, chunk edges, batches,
 cache views with spare slots, extreme scores), routes what it does not handle to SDPA unchanged,
 and a float32 engine using it decodes as one that does not. Its RoPE is transformers' bit for bit
 (float32 and bf16), its RMSNorm torch's to float32 rounding (in bf16, rounded where the model's
@@ -66,15 +66,6 @@ def test_the_kernel_returns_the_log_sum_exp_and_survives_extreme_scores():
     assert torch.allclose(lse.double(), torch.logsumexp(scores, -1), atol=1e-4, rtol=1e-5)
     assert torch.allclose(out.double(), torch.softmax(scores, -1) @ v.double(), atol=1e-5)
     assert torch.isfinite(out).all()
-
-
-@needs_kernel
-def test_a_token_tree_tail_goes_through_the_kernel_as_sdpa_does():
-    q, k, v = qkv(1, 14, 2, 4, 400, 64, seed=5)
-    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)
-    got = cpu_attention(q, k, v, tree)
-    want = sdpa_attention(q.double(), k.double(), v.double(), tree)
-    assert torch.allclose(got.double(), want, atol=2e-6, rtol=1e-5)
 
 
 @needs_kernel
@@ -165,7 +156,7 @@ def test_a_bf16_prefill_chunk_takes_the_packed_path_exactly(H, Hkv, D, T, S):
     BF16-dots path where the CPU has it: each row stays within P's rounding (2^-8 of each weight)
     of exact attention over its own keys, and close to float64 attention with P so rounded per
     chunk; its output does not depend on the rows beside it (rows reversed: the same bits).
-    Elsewhere (no AVX512-BF16), and for token trees, the chunk goes to SDPA unchanged."""
+    Elsewhere (no AVX512-BF16) the chunk goes to SDPA unchanged."""
     q, k, v = (x.bfloat16() for x in qkv(1, H, Hkv, T, S, D, seed=T + S))
     G, R = H // Hkv, H // Hkv * T
     assert R > FEW_ROWS
@@ -189,9 +180,6 @@ def test_a_bf16_prefill_chunk_takes_the_packed_path_exactly(H, Hkv, D, T, S):
         assert torch.allclose(lse[:, :, r].double(), torch.logsumexp(s, -1)[..., 0], atol=1e-4, rtol=1e-5)
     flipped, _ = kernel.few_row_attention(q_folded.flip(2).contiguous(), k, v, row_keys.flip(0))
     assert torch.equal(flipped.flip(2), out)
-    tree = chain(T).clone()
-    tree[T - 1, T - 2] = False  # a token tree of as many rows goes to SDPA
-    assert torch.equal(cpu_attention(q, k, v, tree, True), sdpa_attention(q, k, v, tree, True))
 
 
 def bf16_p_attention(scores: torch.Tensor, v: torch.Tensor, chunk: int = 512) -> torch.Tensor:

@@ -235,7 +235,7 @@ def test_greedy_over_a_quantized_gguf_equals_plain_for_every_stack(family, level
     def engine(name: str) -> Engine:
         config = EngineConfig(target="tiny", draft="tiny-draft" if "draft" in name else None, levels=name,
                               device="cpu", dtype="float32", retrieval=settings.retrieval, prefill_chunk_tokens=7,
-                              streaming_sink_tokens=2, streaming_window_tokens=12, n_ngram_candidates=3)
+                              streaming_sink_tokens=2, streaming_window_tokens=12)
         return Engine(config, models[0], None, models[1] if "draft" in name else None)
 
     doc, questions = random_ids(123, 1), [random_ids(n, 10 + n) for n in (5, 9)]

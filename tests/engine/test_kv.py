@@ -1,6 +1,6 @@
 """The caches against brute-force oracles: retrieval selection = brute-force top-k of chunk
 scores, accepted tokens appended exactly, eviction of the lowest chunk; StreamingLLM window
-positions renumbered by re-rotation; O(1) rollback; tree compaction."""
+positions renumbered by re-rotation; O(1) rollback."""
 
 from __future__ import annotations
 
@@ -82,15 +82,11 @@ def test_retrieval_holds_everything_when_the_document_fits():
     assert cache.committed == 30 and torch.equal(cache.k[:, :, :, :30], full.k[:, :, :, :30])
 
 
-def test_full_cache_truncate_is_o1_and_keep_tail_compacts_a_tree_path():
+def test_full_cache_truncate_is_o1():
     full = filled_full(10)
     before = full.k.clone()
     full.truncate(7)
     assert full.length == 7 and torch.equal(full.k, before)  # nothing copied
-    full.length = 10
-    full.keep_tail(6, torch.tensor([1, 3]))  # keep entries 7 and 9 after position 6
-    assert full.length == 8
-    assert torch.equal(full.k[:, :, :, 6], before[:, :, :, 7]) and torch.equal(full.k[:, :, :, 7], before[:, :, :, 9])
 
 
 def test_full_cache_grows_and_keeps_its_content():

@@ -24,14 +24,14 @@ def drive(steps):
 
 def drafter(min_match: int = 3) -> LookupFirst:
     engine = tiny_engine("draft>full")
-    return LookupFirst(NgramDrafter(4, 3), engine._bottom_drafter("draft"), min_match)
+    return LookupFirst(NgramDrafter(4), engine._bottom_drafter("draft"), min_match)
 
 
 def test_a_long_match_drafts_from_the_database_without_a_forward():
     d, coins = drafter(), GeneratorCoins(torch.Generator().manual_seed(0))
     d.reset([5, 6, 7, 8, 9, 10, 11, 20, 21, 5, 6, 7])  # "5 6 7" occurred before, followed by "8 9 10"
     draft, n_forwards = drive(d.propose(3, SamplingConfig(), coins))
-    assert n_forwards == 0 and draft.tokens.tolist()[:3] == [8, 9, 10]
+    assert n_forwards == 0 and draft.tokens[:3] == [8, 9, 10]
 
 
 def test_a_short_match_asks_the_model_which_has_seen_every_committed_token():
@@ -42,7 +42,7 @@ def test_a_short_match_asks_the_model_which_has_seen_every_committed_token():
     assert d.model.tokens == d.ngram.tokens == [5, 6, 7, 8, 9, 10, 11, 20, 21, 40, 6, 7]
     d.extend([8, 9])  # now "6 7 8 9": a 4-token match ("6 7 8" -> 9 10 11)
     draft, n_forwards = drive(d.propose(2, SamplingConfig(), coins))
-    assert n_forwards == 0 and draft.tokens.tolist()[:2] == [10, 11]
+    assert n_forwards == 0 and draft.tokens[:2] == [10, 11]
     d.truncate(11)
     assert d.model.tokens == d.ngram.tokens == [5, 6, 7, 8, 9, 10, 11, 20, 21, 40, 6]
 
@@ -61,4 +61,4 @@ def test_the_model_draft_equals_the_model_drafters_own_after_skipped_tokens():
         d.extend([8, 9, 33])
     a.min_match = 99
     (draft_a, _), (draft_b, _) = drive(a.propose(3, greedy, coins)), drive(b.propose(3, greedy, coins))
-    assert draft_a.tokens.tolist() == draft_b.tokens.tolist()
+    assert draft_a.tokens == draft_b.tokens

@@ -38,27 +38,6 @@ def test_chunked_forward_matches_transformers(family, tie, rope):
     assert torch.allclose(torch.cat(got, 1), want, atol=1e-10, rtol=0)
 
 
-def test_tree_tail_mask_equals_separate_chains():
-    """Two sibling branches verified in one forward give each branch's chain logits."""
-    model = ours(tiny_hf("llama", seed=4))
-    c = model.config
-    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(1))
-
-    def cache_with_prefix():
-        cache = FullCache(c.n_layers, 1, c.n_kv_heads, c.head_dim, 64, torch.float64, torch.device("cpu"))
-        model(ids, torch.arange(20), cache)
-        return cache
-
-    # root token 5, then branch a = [7, 8] and branch b = [9]
-    tree_ids = torch.tensor([[5, 7, 8, 9]])
-    tail = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)
-    tree = model(tree_ids, torch.tensor([20, 21, 22, 21]), cache_with_prefix(), tail)
-    chain_a = model(torch.tensor([[5, 7, 8]]), torch.arange(20, 23), cache_with_prefix())
-    chain_b = model(torch.tensor([[5, 9]]), torch.arange(20, 22), cache_with_prefix())
-    assert torch.allclose(tree[:, :3], chain_a, atol=1e-12)
-    assert torch.allclose(tree[:, 3], chain_b[:, 1], atol=1e-12)
-
-
 @pytest.mark.parametrize(("family", "tie", "dtype"), [("llama", False, torch.float32), ("qwen2", True, torch.float32),
                                                      ("qwen2", True, torch.bfloat16)])
 def test_packed_linears_keep_logits_names_and_the_embedding(family, tie, dtype):

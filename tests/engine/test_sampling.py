@@ -13,6 +13,7 @@ from engine.config import SamplingConfig
 from engine.sampling import (
     Draft,
     GeneratorCoins,
+    Verdict,
     acceptance,
     draft_histories,
     penalize,
@@ -84,14 +85,13 @@ def test_acceptance_hand_cases():
 def test_greedy_verdicts():
     q = sampling_probs(torch.tensor([[0.0, 3, 1, 0, 0], [5, 0, 0, 0, 0], [0, 0, 0, 0, 9.0]]), 0)
     coins = GeneratorCoins(torch.Generator().manual_seed(0))
-    v = verify(q, Draft.chain([1, 0]), coins)  # both match the argmax: bonus = argmax of q[2]
-    assert (v.path, v.token) == ([0, 1], 4)
-    v = verify(q, Draft.chain([1, 3]), coins)  # second mismatches: emit argmax q[1] = 0
-    assert (v.path, v.token, v.n_tested) == ([0], 0, 2)
-    tree = Draft(torch.tensor([2, 1, 0]), torch.tensor([-1, -1, 1]), None)  # siblings 2, 1; 1 -> 0
-    q = sampling_probs(torch.eye(5)[[1, 3, 0, 4]], 0)  # argmax after: root 1, node0 3, node1 0, node2 4
-    v = verify(q, tree, coins)  # rejects sibling 2, accepts 1, then its child 0, bonus 4
-    assert (v.path, v.token, v.n_tested) == ([1, 2], 4, 3)
+    v = verify(q, Draft([1, 0]), coins)  # both match the argmax: bonus = argmax of q[2]
+    assert (v.n_accepted, v.token, v.n_tested) == (2, 4, 2)
+    v = verify(q, Draft([1, 3]), coins)  # second mismatches: emit argmax q[1] = 0
+    assert (v.n_accepted, v.token, v.n_tested) == (1, 0, 2)
+    v = verify(q, Draft([2, 0]), coins)  # the first mismatches: the second is never tested
+    assert (v.n_accepted, v.token, v.n_tested) == (0, 1, 1)
+    assert verify(q, Draft([]), coins) == Verdict(0, 1, 0)  # no draft: plain decoding's token
 
 
 # ---- exact enumeration -----------------------------------------------------------------------
@@ -103,22 +103,12 @@ def speculative_run(q, propose, n_tokens: int, gamma: int):
         out: tuple = ()
         while len(out) < n_tokens:
             draft = propose(out, gamma, coins)
-            nodes = [out + tuple(path_tokens(draft, i)) for i in range(len(draft))]
-            qs = torch.stack([q(out)] + [q(n) for n in nodes])
+            qs = torch.stack([q(out + tuple(draft.tokens[:i])) for i in range(len(draft) + 1)])
             v = verify(qs, draft, coins)
-            out = out + tuple(int(draft.tokens[i]) for i in v.path) + (v.token,)
+            out = out + tuple(draft.tokens[:v.n_accepted]) + (v.token,)
         return out[:n_tokens]
 
     return run
-
-
-def path_tokens(draft: Draft, node: int) -> list[int]:
-    """Tokens from the root to `node`, inclusive."""
-    tokens = []
-    while node >= 0:
-        tokens.append(int(draft.tokens[node]))
-        node = int(draft.parents[node])
-    return tokens[::-1]
 
 
 def sampled_drafter(r):
@@ -128,23 +118,17 @@ def sampled_drafter(r):
             dist = r(prefix + tuple(tokens))
             tokens.append(coins.sample(dist))
             probs.append(dist)
-        return Draft.chain(tokens, torch.stack(probs))
+        return Draft(tokens, torch.stack(probs))
     return propose
 
 
-def deterministic_drafter(r, n_candidates: int = 1):
-    """Candidates: the top-n continuations of r's greedy chain (a trie, like the n-gram drafter)."""
+def deterministic_drafter(r):
+    """r's greedy chain, proposed without its probabilities (as the n-gram database proposes)."""
     def propose(prefix, gamma, coins):
-        tokens, parents = [], []
-        firsts = r(prefix).argsort(descending=True)[:n_candidates].tolist()
-        for first in firsts:
-            parent, seq = -1, [first]
-            for _ in range(gamma):
-                tokens.append(seq[-1])
-                parents.append(parent)
-                parent = len(tokens) - 1
-                seq.append(int(r(prefix + tuple(seq)).argmax()))
-        return Draft(torch.tensor(tokens), torch.tensor(parents), None)
+        tokens = []
+        for _ in range(gamma):
+            tokens.append(int(r(prefix + tuple(tokens)).argmax()))
+        return Draft(tokens)
     return propose
 
 
@@ -155,11 +139,11 @@ def test_sampled_chain_preserves_target_distribution(gamma, n_tokens):
     assert_same(got, target_distribution(q, n_tokens))
 
 
-@pytest.mark.parametrize("n_candidates", [1, 3])
-def test_deterministic_candidates_preserve_target_distribution(n_candidates):
+@pytest.mark.parametrize(("gamma", "n_tokens"), [(1, 3), (2, 3), (3, 2)])
+def test_deterministic_chain_preserves_target_distribution(gamma, n_tokens):
     q, r = toy(0), toy(2)
-    got, _ = exact_distribution(speculative_run(q, deterministic_drafter(r, n_candidates), 3, 2))
-    assert_same(got, target_distribution(q, 3))
+    got, _ = exact_distribution(speculative_run(q, deterministic_drafter(r), n_tokens, gamma))
+    assert_same(got, target_distribution(q, n_tokens))
 
 
 def middle_level(q_mid, below, gamma_below: int, resample_from_q: bool = False):
@@ -172,22 +156,20 @@ def middle_level(q_mid, below, gamma_below: int, resample_from_q: bool = False):
         out, qs = (), []
         while len(out) < gamma:
             draft = below(prefix + out, gamma_below, coins)
-            nodes = [prefix + out + tuple(path_tokens(draft, i)) for i in range(len(draft))]
-            q_nodes = torch.stack([q_mid(prefix + out)] + [q_mid(n) for n in nodes])
+            q_nodes = torch.stack([q_mid(prefix + out + tuple(draft.tokens[:i])) for i in range(len(draft) + 1)])
             v = verify(q_nodes, draft, coins)
-            if resample_from_q and len(v.path) < len(draft):
-                v.token = coins.sample(q_nodes[0 if not v.path else v.path[-1] + 1])
-            accepted = tuple(int(draft.tokens[i]) for i in v.path) + (v.token,)
-            qs += [q_nodes[0]] + [q_nodes[i + 1] for i in v.path]
-            out += accepted
-        return Draft.chain(list(out[:gamma]), torch.stack(qs[:gamma]))
+            if resample_from_q and v.n_accepted < len(draft):
+                v.token = coins.sample(q_nodes[v.n_accepted])
+            qs += list(q_nodes[:v.n_accepted + 1])
+            out += tuple(draft.tokens[:v.n_accepted]) + (v.token,)
+        return Draft(list(out[:gamma]), torch.stack(qs[:gamma]))
     return propose
 
 
 @pytest.mark.parametrize("bottom", ["sampled", "deterministic"])
 def test_two_stacked_levels_preserve_target_distribution(bottom):
     q_top, q_mid, r = toy(0), toy(3), toy(4)
-    below = sampled_drafter(r) if bottom == "sampled" else deterministic_drafter(r, 2)
+    below = sampled_drafter(r) if bottom == "sampled" else deterministic_drafter(r)
     got, _ = exact_distribution(speculative_run(q_top, middle_level(q_mid, below, 2), 2, 2))
     assert_same(got, target_distribution(q_top, 2))
 
@@ -229,11 +211,10 @@ def test_penalties_equal_hugging_face_and_openai_processors():
     assert torch.allclose(probs, hf_probs, rtol=0, atol=1e-12)
 
 
-def test_each_check_row_counts_the_answer_so_far_and_its_draft_path():
+def test_each_check_row_counts_the_answer_so_far_and_the_draft_before_it():
     sampling = SamplingConfig(temperature=1.0, repetition_penalty=1.2, penalty_start=3)
-    tree = Draft(torch.tensor([5, 6, 7]), torch.tensor([-1, -1, 1]), None)  # 5 and 6 siblings, 7 after 6
-    assert draft_histories([9, 9, 9, 1, 2], tree, sampling) == [[1, 2], [1, 2, 5], [1, 2, 6], [1, 2, 6, 7]]
-    assert draft_histories([9, 9, 9, 1, 2], tree, SamplingConfig(temperature=1.0)) == []  # off: nothing to count
+    assert draft_histories([9, 9, 9, 1, 2], [5, 6, 7], sampling) == [[1, 2], [1, 2, 5], [1, 2, 5, 6], [1, 2, 5, 6, 7]]
+    assert draft_histories([9, 9, 9, 1, 2], [5, 6, 7], SamplingConfig(temperature=1.0)) == []  # off: nothing to count
 
 
 def dense_sampling_probs(logits, temperature, top_k, top_p, min_p):

@@ -83,12 +83,11 @@ PENALIZED = SamplingConfig(temperature=1.0, repetition_penalty=1.8, presence_pen
 
 def exact_answers(levels: str, sampling: SamplingConfig, vocab: int = 6, gamma_middle: int = 1):
     """Every answer's exact probability. Sampled drafts are 1 token long (each one multiplies
-    the paths by the vocabulary), n-gram drafts alone 2, trees of 2 candidates (3 doubles the
-    time); the document is longer than the retrieval budget, so the middle level's q differs from
-    the top's."""
+    the paths by the vocabulary), n-gram drafts alone 2; the document is longer than the retrieval
+    budget, so the middle level's q differs from the top's."""
     gamma_bottom = 2 if levels.startswith("ngram>") else 1  # "ngram+draft": the model may draft
     engine = tiny_engine(levels, vocab=vocab, gamma_bottom=gamma_bottom, gamma_middle=gamma_middle,
-                         prefill_chunk_tokens=64, n_ngram_candidates=2)
+                         prefill_chunk_tokens=64)
     doc, q = random_ids(100, vocab, 5), random_ids(3, vocab, 6)
 
     def run(coins):
@@ -273,11 +272,11 @@ def test_tuner_measures_the_undrafted_check_even_when_every_draft_is_accepted():
     from engine.speculative import GammaTuner
 
     def start(question_check_s: float, draft_s_per_token: float, step_s: float) -> GammaTuner:
-        tuner, all_accepted = GammaTuner(None, max_gamma=8), Verdict([0, 1, 2, 3], 7, 4)
+        tuner, all_accepted = GammaTuner(None, max_gamma=8), Verdict(4, 7, 4)
         assert tuner.gamma() == 4  # the question: 30 tokens + a draft of 4, all accepted
         tuner.observe(4, 4 * draft_s_per_token, all_accepted, 34, question_check_s)
         assert tuner.gamma() == 0  # then one check of the last token alone
-        tuner.observe(0, 0.0, Verdict([], 7, 0), 1, step_s)
+        tuner.observe(0, 0.0, Verdict(0, 7, 0), 1, step_s)
         return tuner
 
     # AVX2, 8K: a retrieval draft costs 3/4 of a plain step, 34 tokens 3.4 steps: no draft pays
@@ -296,9 +295,9 @@ def test_the_direct_tuner_shares_the_top_levels_check_costs():
     def after_direct_undrafted_check(shared: bool) -> int:
         top = GammaTuner(None, max_gamma=8)
         direct = GammaTuner(None, max_gamma=8, check_s=top.check_s if shared else None)
-        top.observe(4, 0.004, Verdict([0, 1, 2, 3], 7, 4), 5, 0.11)  # a cheap middle, all accepted
+        top.observe(4, 0.004, Verdict(4, 7, 4), 5, 0.11)  # a cheap middle, all accepted
         assert top.gamma() == 0  # next: the cost of checking one token, measured...
-        direct.observe(0, 0.0, Verdict([], 7, 0), 1, 0.10)  # ...on the direct path
+        direct.observe(0, 0.0, Verdict(0, 7, 0), 1, 0.10)  # ...on the direct path
         return top.gamma()
 
     assert after_direct_undrafted_check(shared=True) > 0

@@ -64,13 +64,13 @@ def test_static_drafter_steps_match_eager_through_eviction_and_rollback(family):
         sampling = T1 if round_idx % 2 else SamplingConfig()
         draws = [run(d.propose(3, sampling, GeneratorCoins(torch.Generator().manual_seed(round_idx))))
                  for d in (eager, static)]
-        assert draws[0].tokens.tolist() == draws[1].tokens.tolist(), round_idx
+        assert draws[0].tokens == draws[1].tokens, round_idx
         if draws[0].probs is not None:
             assert torch.allclose(draws[0].probs, draws[1].probs, rtol=0, atol=1e-10)
         length = eager.cache.length
         assert static.cache.length == length
         assert torch.allclose(eager.cache.k[:, :, :, :length], static.cache.k[:, :, :, :length], atol=1e-10)
-        accepted = draws[0].tokens.tolist()[: int(torch.randint(0, 4, (1,), generator=gen))]
+        accepted = draws[0].tokens[: int(torch.randint(0, 4, (1,), generator=gen))]
         for d in (eager, static):  # the top keeps part of the draft, then its own token
             d.extend(accepted + random_ids(1, 128, 100 + round_idx))
             if round_idx % 5 == 4:  # regenerate: roll back a few committed tokens

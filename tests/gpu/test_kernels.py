@@ -1,5 +1,5 @@
 """Kernel switches without a GPU: flash-attn absent -> torch SDPA, said once in the log; the
-flash path's own fallbacks (float32/64, token trees) are SDPA exactly; CUDA graphs wanted on CPU
+flash path's own fallbacks (float32/64, wide heads) are SDPA exactly; CUDA graphs wanted on CPU
 -> eager, said once; the engine's switches reach the kernels."""
 
 from __future__ import annotations
@@ -54,8 +54,7 @@ def test_flash_path_routes_what_flash_attn_cannot_run_to_sdpa_exactly():
     q = torch.randn(1, 4, 3, 8, generator=g, dtype=torch.float64)  # [B, H, T, D]
     k, v = (torch.randn(1, 2, 10, 8, generator=g, dtype=torch.float64) for _ in "kv")
     chain = torch.ones(3, 3, dtype=torch.bool).tril()
-    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # two siblings
-    for tail in (chain, tree, None):
+    for tail in (chain, None):
         q1 = q[:, :, :1] if tail is None else q
         assert torch.equal(flash_attention(q1, k, v, tail), sdpa_attention(q1, k, v, tail))
 
@@ -79,53 +78,49 @@ def test_engine_switches_reach_the_kernels(no_flash_attn):
     assert engine.target.model.layers[0].self_attn.attend is want
 
 
-def test_flash_path_takes_the_tree_classification_from_the_call(monkeypatch):
-    """The route (flash-attn for chains, SDPA for trees) comes with each call, from the segment:
-    no module state that a prefill thread and the batcher thread could overwrite between their
-    check and their read, and no look at the (device) mask per layer."""
+def test_flash_path_runs_fp16_and_bf16_calls_on_flash_attn_causally(monkeypatch):
+    """A check's tail is causal (every drafter proposes a chain): flash-attn takes it with its
+    bottom-right causal alignment; float32 and head dims over 256 go to SDPA."""
     calls = []
     fake = type(sys)("flash_attn")
     fake.flash_attn_with_kvcache = lambda q, k, v, causal: (calls.append(causal), q)[1]
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
-    monkeypatch.setattr(attention, "is_tree_mask", lambda tail: pytest.fail("the mask was inspected"))
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 4, 3, 8, generator=g).bfloat16()
-    k, v = (torch.randn(1, 2, 10, 8, generator=g).bfloat16() for _ in "kv")
+    q = torch.randn(1, 4, 3, 8, generator=g)
+    k, v = (torch.randn(1, 2, 10, 8, generator=g) for _ in "kv")
     chain = torch.ones(3, 3, dtype=torch.bool).tril()
-    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-    for tail, is_tree in ((tree, True), (chain, False), (tree, True)):  # alternating, as two threads do
-        out = flash_attention(q, k, v, tail, is_tree)
-        if is_tree:
-            assert torch.equal(out, sdpa_attention(q, k, v, tail, True))
-    assert calls == [True]  # the chain only
+    flash_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), chain)
+    assert calls == [True]
+    assert torch.equal(flash_attention(q, k, v, chain), sdpa_attention(q, k, v, chain))
+    q, k = torch.randn(1, 4, 3, 320, generator=g).bfloat16(), torch.randn(1, 2, 10, 320, generator=g).bfloat16()
+    assert torch.equal(flash_attention(q, k, k, chain), sdpa_attention(q, k, k, chain))
+    assert calls == [True]  # neither went to flash-attn
 
 
-def test_segments_carry_whether_their_tail_is_a_tree():
-    """The checker classifies its tail where it builds it (on the host): a tree of two siblings
-    is a tree, a chain is not; prefill chains are not; and the kernels are told so."""
+def test_a_check_is_one_causal_chain_after_the_pending_tokens():
+    """The checker's forward: the pending token and the draft at consecutive positions, a causal tail,
+    a logit row for each; the kernels see that tail."""
     from engine.model import QueryLog, run
     from engine.sampling import Draft
     from engine.speculative import Scorer
 
     engine = tiny_engine("plain")
-    seen = []
+    tails = []
 
-    def attend(q, k, v, tail, is_tree):
-        seen.append((is_tree, tail is not None and attention.is_tree_mask(tail)))
-        return sdpa_attention(q, k, v, tail, is_tree)
+    def attend(q, k, v, tail):
+        tails.append(tail)
+        return sdpa_attention(q, k, v, tail)
 
     engine.target.set_attention(attend)
     cache = engine.new_full_cache(64)
     run(engine.prefill_steps(cache, list(range(5, 25)), None))
-    scorer = Scorer(engine.target, cache, QueryLog(2, 4))
-    siblings = Draft(torch.tensor([7, 8, 9]), torch.tensor([-1, -1, 0]), None)  # 7 and 8 both follow the root
-    for draft in (siblings, Draft.chain([7, 8, 9])):
-        request = scorer._request([6], 20, draft)
-        assert request.segment.is_tree == (draft is siblings)
-        engine.target.forward_packed([request.segment])
-        cache.truncate(20)
-    assert all(said == actual for said, actual in seen)
-    assert any(said for said, _ in seen) and not all(said for said, _ in seen)
+    request = Scorer(engine.target, cache, QueryLog(2, 4))._request([6], 20, Draft([7, 8, 9]))
+    segment = request.segment
+    assert segment.ids.tolist() == [[6, 7, 8, 9]] and segment.pos.tolist() == [20, 21, 22, 23]
+    assert segment.n_logits == 4
+    tails.clear()
+    logits = engine.target.forward_packed([segment])[0]
+    assert logits.shape[1] == 4 and tails and all(torch.equal(t, torch.ones(4, 4).tril().bool()) for t in tails)
 
 
 def test_the_gpu_install_lines_are_ones_pip_can_run():

@@ -345,7 +345,7 @@ def greedy_drafts_with_logits_that_differ_by_rank(ranks: parallel.Ranks) -> list
     drafter.reset(random_ids(12, 128, 3))
     coins = parallel.SharedCoins(GeneratorCoins(torch.Generator().manual_seed(0)))
     draft = run(drafter.propose(4, SamplingConfig(), coins))  # greedy
-    return parallel.gathered(draft.tokens.tolist())
+    return parallel.gathered(draft.tokens)
 
 
 @pytest.mark.timeout(180)
