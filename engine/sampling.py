@@ -57,8 +57,9 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top
     """The distribution plain decoding samples from: [..., V] logits -> [..., V] probabilities.
     Hugging Face's order: temperature, top-k, top-p (keeping at least one), min-p. Ties at a cut are
     kept together, so the result does not depend on how a sort orders them."""
-    if temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).double()
+    if temperature == 0:  # one-hot at the argmax, written in place (no int64 one_hot to cast: a copy of V)
+        hot = torch.zeros(logits.shape, dtype=torch.float64, device=logits.device)
+        return hot.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits.double() / temperature
     if 0 < top_k < logits.shape[-1]:
         return top_k_probs(logits, top_k, top_p, min_p)
